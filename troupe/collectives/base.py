@@ -1,0 +1,72 @@
+"""The Communicator protocol that every backend implements, over torch tensors."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+import torch
+
+ReduceOp = Literal["sum", "mean", "max", "min", "prod"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """A group of ranks exchanging torch tensors. Collectives are called by every rank."""
+
+    name: str
+    backend: str
+    rank: int
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduce ``x`` over all ranks in place; returns ``x``."""
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Reduce ``x`` (dim 0 divisible by world_size) and return this rank's chunk of dim 0."""
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` stacked along a new dim 0: shape (world_size, *x.shape)."""
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``x`` in place with rank ``src``'s; returns ``x``."""
+
+    def all_to_all(self, x: torch.Tensor, output_splits: Sequence[int] | None = None,
+                   input_splits: Sequence[int] | None = None) -> torch.Tensor:
+        """Send rows ``input_splits[r]`` of ``x`` (along dim 0) to rank r; receive
+        ``output_splits[r]`` rows from rank r, concatenated in rank order. Even splits when both
+        are None; when only ``input_splits`` is given, the output splits are exchanged first."""
+
+    def exchange_splits(self, input_splits: Sequence[int]) -> list[int]:
+        """Tell each rank r that it gets ``input_splits[r]`` rows from this one; returns the
+        rows this rank gets from each rank."""
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst``; blocks until handed to the transport."""
+
+    def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        """Receive into ``x`` from rank ``src``; returns ``x``."""
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+
+    def destroy(self) -> None:
+        """Release the group's connections."""
+
+
+def check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+def check_splits(x: torch.Tensor, splits: Sequence[int], world_size: int, which: str) -> list[int]:
+    splits = [int(s) for s in splits]
+    if len(splits) != world_size or any(s < 0 for s in splits):
+        raise ValueError(f"{which} must be {world_size} non-negative ints, got {splits}")
+    return splits
+
+
+def even_splits(rows: int, world_size: int) -> list[int]:
+    if rows % world_size:
+        raise ValueError(f"dim 0 of size {rows} does not split evenly over {world_size} ranks")
+    return [rows // world_size] * world_size

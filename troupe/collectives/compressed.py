@@ -1,0 +1,125 @@
+"""1-bit compressed allreduce with worker and server error feedback (1-bit Adam, DeepSpeed).
+
+With W ranks and a tensor of n elements, zero-padded to N, a multiple of W * lcm(W, 8):
+
+worker (every rank)   m = x + e_w;  s = ||m|| / sqrt(N);  e_w = m - s * sign(m)
+                      rank r sends chunk j of sign(m) (N / 8W bytes) and s to rank j
+server (rank j)       c = mean_i(s_i * sign_i[chunk j]) + e_s;  s_j = ||c|| / sqrt(N / W)
+                      e_s = c - s_j * sign(c);  all_gather of sign(c) and s_j
+output (every rank)   concat_j(s_j * sign_j)[:n], bit-identical on every rank
+
+Each message is the packed signs followed by the sender's fp32 scale, so one call makes one
+all_to_all and one all_gather, moving about 2N/8 bytes per rank against 2N*4 for an fp32 ring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from troupe.collectives.base import Communicator
+from troupe.kernels.bitpack import pack_signs, unpack_signs
+
+_SCALE_BYTES = 4
+
+
+class OneBitState:
+    """Error-feedback buffers of one tensor's compressed allreduce; allocated on first use.
+
+    Keep one state per tensor (or per fused flat buffer) and save it with the checkpoint:
+    ``state_dict()`` / ``load_state_dict()``.
+    """
+
+    def __init__(self) -> None:
+        self.worker_error: torch.Tensor | None = None  # (N,) fp32
+        self.server_error: torch.Tensor | None = None  # (N / W,) fp32
+
+    def reset(self) -> None:
+        """Forget the accumulated errors (e.g. when the compressed phase restarts)."""
+        self.worker_error = self.server_error = None
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        return {"worker_error": self.worker_error, "server_error": self.server_error}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
+        unknown = set(state) - {"worker_error", "server_error"}
+        if unknown:
+            raise ValueError(f"OneBitState: unknown keys {sorted(unknown)}")
+        we, se = state.get("worker_error"), state.get("server_error")
+        if (we is None) != (se is None):
+            raise ValueError("OneBitState: worker_error and server_error must both be set or None")
+        if we is not None and we.numel() % se.numel():
+            raise ValueError(f"OneBitState: server_error of {se.numel()} elements does not divide "
+                             f"worker_error of {we.numel()}")
+        self.worker_error = None if we is None else we.detach().float().clone()
+        self.server_error = None if se is None else se.detach().float().clone()
+
+    def _buffers(self, padded: int, world_size: int, device: torch.device):
+        if self.worker_error is None:
+            self.worker_error = torch.zeros(padded, device=device)
+            self.server_error = torch.zeros(padded // world_size, device=device)
+        if self.worker_error.numel() != padded or self.server_error.numel() != padded // world_size:
+            raise ValueError(
+                f"OneBitState holds errors for {self.worker_error.numel()} padded elements, this "
+                f"call needs {padded} (one state per tensor; reset() after changing its size)")
+        return self.worker_error, self.server_error
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """numel rounded up to a multiple of W * lcm(W, 8), so every chunk packs into whole bytes."""
+    unit = world_size * math.lcm(world_size, 8)
+    return -(-numel // unit) * unit
+
+
+def _compress(x: torch.Tensor, error: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One 1-bit step: (packed signs, scale); ``error`` (if given) receives x - scale*sign(x)."""
+    scale = x.norm() / math.sqrt(x.numel())
+    signs = torch.where(x >= 0, 1.0, -1.0)
+    if error is not None:
+        torch.sub(x, signs * scale, out=error)
+    return pack_signs(x), scale.reshape(1).float()
+
+
+def _with_scales(packed_WB: torch.Tensor, scales_W: torch.Tensor) -> torch.Tensor:
+    """Append each row's fp32 scale as 4 bytes: (W, B) uint8 -> (W, B + 4)."""
+    scale_bytes = scales_W.contiguous().view(torch.uint8).view(-1, _SCALE_BYTES)
+    return torch.cat([packed_WB, scale_bytes.to(packed_WB.device)], dim=1)
+
+
+def _split_scales(msg_WB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _with_scales: (W, B + 4) -> packed (W, B), scales (W,)."""
+    scales = msg_WB[:, -_SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
+    return msg_WB[:, :-_SCALE_BYTES], scales
+
+
+def compressed_allreduce(tensor: torch.Tensor, state: OneBitState,
+                         group: Communicator) -> torch.Tensor:
+    """The 1-bit mean of ``tensor`` over ``group`` with error feedback in ``state``.
+
+    Returns a new tensor of the input's shape and dtype, identical on every rank. Over repeated
+    calls the running mean of the outputs tends to the true mean.
+    """
+    W, n = group.world_size, tensor.numel()
+    N = padded_numel(n, W)
+    chunk = N // W
+    worker_error, server_error = state._buffers(N, W, tensor.device)
+
+    m = torch.zeros(N, dtype=torch.float32, device=tensor.device)
+    m[:n] = tensor.detach().reshape(-1)
+    m += worker_error
+    packed, scale = _compress(m, worker_error)  # (N/8,), (1,)
+
+    # Rank j receives chunk j of every rank's signs, each followed by that rank's scale.
+    outgoing = _with_scales(packed.view(W, chunk // 8), scale.expand(W))
+    incoming = group.all_to_all(outgoing)  # (W, chunk/8 + 4), row i from rank i
+    signs_WB, scales_W = _split_scales(incoming)
+    signs = unpack_signs(signs_WB.reshape(-1), W * chunk).view(W, chunk)
+    c = (scales_W.view(W, 1).to(signs.device) * signs).mean(dim=0)
+    c += server_error
+    server_packed, server_scale = _compress(c, server_error)
+
+    gathered = group.all_gather(_with_scales(server_packed.view(1, -1), server_scale)[0])
+    all_signs, all_scales = _split_scales(gathered)  # (W, chunk/8), (W,)
+    out = unpack_signs(all_signs.reshape(-1), N).view(W, chunk) * all_scales.view(W, 1)
+    return out.reshape(-1)[:n].view(tensor.shape).to(tensor.dtype)

@@ -1,0 +1,79 @@
+"""Named groups of this process: created by init_group, looked up by get_group."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from troupe.collectives import rendezvous
+from troupe.collectives.base import Communicator
+from troupe.collectives.rendezvous import StoreAddress
+from troupe.errors import CollectiveTimeoutError
+
+BACKENDS = ("gloo", "nccl", "ucc", "auto")
+_groups: dict[str, Communicator] = {}
+
+
+def resolve_backend(backend: str, uses_gpu: bool) -> str:
+    """'auto' means nccl for GPU workers and gloo otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "nccl" if uses_gpu else "gloo"
+    return backend
+
+
+def init_group(name: str, backend: str, rank: int, world_size: int, store: StoreAddress,
+               timeout_s: float = 300.0, generation: int = 0) -> Communicator:
+    """Join group ``name`` as ``rank`` of ``world_size`` through the store at ``store``.
+
+    Every member must call this; it returns once all have arrived, or raises
+    CollectiveTimeoutError naming the ranks that did not arrive within ``timeout_s``.
+    ``generation`` separates a rebuilt group (after a worker restart) from the old one.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    backend = resolve_backend(backend, torch.cuda.is_available())
+    if name in _groups:
+        destroy_group(name)
+    deadline = time.monotonic() + timeout_s
+    try:
+        client = rendezvous.connect(store, timeout_s)
+    except RuntimeError as e:  # TCPStore gives up when rank 0's store is gone
+        raise CollectiveTimeoutError(name, [0], world_size, timeout_s, "serve the store") from e
+    pstore = rendezvous.arrive(client, f"{name}/{generation}/", rank, world_size, timeout_s, name)
+    remaining = max(deadline - time.monotonic(), 1.0)
+    if backend == "nccl":
+        from troupe.collectives.nccl import NcclCommunicator, new_unique_id
+
+        if rank == 0:
+            pstore.set("nccl_uid", new_unique_id())
+        comm: Communicator = NcclCommunicator(name, bytes(pstore.get("nccl_uid")), rank, world_size)
+    else:
+        from troupe.collectives.torch_backend import TorchCommunicator, make_process_group
+
+        local_ip = rendezvous.local_ip_towards(store.host)
+        pg = make_process_group(backend, rendezvous.PrefixStore("pg/", pstore), rank, world_size,
+                                remaining, local_ip)
+        comm = TorchCommunicator(name, backend, pg, rank, world_size, timeout_s)
+    _groups[name] = comm
+    return comm
+
+
+def get_group(name: str) -> Communicator:
+    """The group ``name`` this process joined; KeyError lists the groups it has."""
+    try:
+        return _groups[name]
+    except KeyError:
+        raise KeyError(f"no collective group {name!r} in this process; it has {sorted(_groups)}")
+
+
+def list_groups() -> list[str]:
+    return sorted(_groups)
+
+
+def destroy_group(name: str) -> None:
+    comm = _groups.pop(name, None)
+    if comm is not None:
+        comm.destroy()

@@ -1,0 +1,147 @@
+"""Communicators on torch.distributed process groups: gloo (CPU tensors) and ucc.
+
+Each troupe group owns a standalone process group object, so a worker can be in any number of
+groups without torch.distributed's global default group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from troupe.collectives.base import ReduceOp, check_op, check_splits, even_splits
+
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # divided afterwards: not every backend has AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def ucc_available() -> bool:
+    return bool(getattr(dist, "is_ucc_available", lambda: False)())
+
+
+def make_process_group(backend: str, store: dist.Store, rank: int, world_size: int,
+                       timeout_s: float, local_ip: str) -> dist.ProcessGroup:
+    """A standalone gloo or ucc process group on ``store``."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_ip)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "ucc":
+        if not ucc_available():
+            raise RuntimeError(
+                "backend 'ucc' needs a torch build with UCC (torch.distributed.is_ucc_available() "
+                f"is False for torch {torch.__version__}); use 'gloo' or 'nccl'")
+        return dist.ProcessGroupUCC(store, rank, world_size, timeout)
+    raise ValueError(f"unknown torch.distributed backend {backend!r}")
+
+
+class TorchCommunicator:
+    """Communicator over a torch.distributed process group (see base.Communicator)."""
+
+    def __init__(self, name: str, backend: str, pg: dist.ProcessGroup, rank: int,
+                 world_size: int, timeout_s: float):
+        self.name, self.backend, self.pg = name, backend, pg
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def _wait(self, work) -> None:
+        work.wait(self.timeout)
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        check_op(op)
+        if op == "mean" and not x.is_floating_point():
+            raise ValueError(f"op 'mean' needs a floating-point tensor, got {x.dtype}")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        buf = x if x.is_contiguous() else x.contiguous()
+        self._wait(self.pg.allreduce([buf], opts))
+        if op == "mean":
+            buf.div_(self.world_size)
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        check_op(op)
+        even_splits(x.shape[0], self.world_size)
+        chunks = list(x.contiguous().tensor_split(self.world_size))
+        out = torch.empty_like(chunks[self.rank])
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        self._wait(self.pg.reduce_scatter([out], [chunks], opts))
+        if op == "mean":
+            out.div_(self.world_size)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty((self.world_size, *x.shape))
+        self._wait(self.pg.allgather([list(out.unbind(0))], [x]))
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        buf = x if x.is_contiguous() else x.contiguous()
+        self._wait(self.pg.broadcast([buf], opts))
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def all_to_all(self, x: torch.Tensor, output_splits: Sequence[int] | None = None,
+                   input_splits: Sequence[int] | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        if input_splits is None and output_splits is None:
+            input_splits = output_splits = even_splits(x.shape[0], self.world_size)
+        elif input_splits is None:
+            raise ValueError("output_splits given without input_splits")
+        input_splits = check_splits(x, input_splits, self.world_size, "input_splits")
+        if sum(input_splits) != x.shape[0]:
+            raise ValueError(f"input_splits {input_splits} do not sum to dim 0 = {x.shape[0]}")
+        if output_splits is None:
+            output_splits = self.exchange_splits(input_splits)
+        output_splits = check_splits(x, output_splits, self.world_size, "output_splits")
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        self._wait(self.pg.alltoall_base(out, x, output_splits, input_splits,
+                                         dist.AllToAllOptions()))
+        return out
+
+    def exchange_splits(self, input_splits: Sequence[int]) -> list[int]:
+        """Tell every rank how many rows it gets from this one; returns rows to receive."""
+        counts = torch.tensor(list(input_splits), dtype=torch.int64)
+        out = torch.empty_like(counts)
+        self._wait(self.pg.alltoall_base(out, counts, [1] * self.world_size,
+                                         [1] * self.world_size, dist.AllToAllOptions()))
+        return out.tolist()
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._wait(self.pg.send([x.contiguous()], dst, tag))
+
+    def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        buf = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._wait(self.pg.recv([buf], src, tag))
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def barrier(self) -> None:
+        self._wait(self.pg.barrier(dist.BarrierOptions()))
+
+    def destroy(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:
+                pass
+        self.pg = None

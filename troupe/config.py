@@ -1,0 +1,119 @@
+"""Configuration: pydantic models loaded from YAML recipes with ``a.b=c`` command-line overrides.
+
+Every component owns a small config class derived from ``Config``; an application config nests
+them. Unknown keys are errors, and every error names the dotted key at fault together with what
+would have been accepted::
+
+    class TrainConfig(Config):
+        lr: float = 1e-3
+        optimizer: Literal["adam", "onebit_adam"] = "adam"
+
+    cfg = load_config(TrainConfig, "apps/configs/tiny.yaml", ["lr=3e-4"])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+C = TypeVar("C", bound="Config")
+
+
+class Config(BaseModel):
+    """Base of all troupe configs: unknown keys are rejected, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ConfigError(ValueError):
+    """A config file, key or value is invalid; the message names the source and the key."""
+
+
+def _allowed_keys(cls: type[BaseModel], path: Sequence[str | int]) -> list[str] | None:
+    """The field names of the model found by following ``path`` from ``cls``, if any."""
+    model: Any = cls
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return sorted(model.model_fields)
+
+
+def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
+    lines = [f"invalid config from {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(cls, e["loc"][:-1])
+            msg = f"unknown key; allowed keys here: {', '.join(allowed or [])}"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def validate(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
+    """Build ``cls`` from a plain dict, raising ConfigError that names each bad key."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(cls, e, source)) from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping from a file; errors name the file (and line for syntax errors)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``a.b=c`` overrides to a nested dict; values are parsed as YAML scalars."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {item!r}: {prefix} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(
+    cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()
+) -> C:
+    """Load ``cls`` from an optional YAML file plus ``a.b=c`` overrides, validated together."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides)
+    source = str(path) if path is not None else "defaults"
+    if overrides:
+        source += " with overrides " + " ".join(overrides)
+    return validate(cls, data, source)

@@ -1,0 +1,99 @@
+"""Typed errors of troupe; each names the role, rank, node, group or resource at fault.
+
+A leaf module: every layer may raise these."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TroupeError(Exception):
+    """Base class of troupe's runtime errors."""
+
+    def __reduce__(self):  # keep the typed fields when Ray ships an error between processes
+        return (self.__class__._rebuild, (self.__dict__, str(self)))
+
+    @classmethod
+    def _rebuild(cls, fields: dict[str, Any], message: str) -> "TroupeError":
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)
+        err.__dict__.update(fields)
+        return err
+
+
+class ClusterConnectionError(TroupeError):
+    """troupe.init could not join the cluster at the given address."""
+
+
+class PlacementTimeoutError(TroupeError):
+    """A role's placement group was not placed within the build timeout."""
+
+    def __init__(self, role: str, bundle: dict[str, float], num_bundles: int,
+                 timeout_s: float, cluster: dict[str, float], autoscaler: bool):
+        self.role, self.bundle, self.num_bundles = role, bundle, num_bundles
+        self.timeout_s, self.cluster = timeout_s, cluster
+        missing = {k: v for k, v in bundle.items() if v > 0 and cluster.get(k, 0) < v}
+        need = ", ".join(f"{k}={v:g}" for k, v in bundle.items() if v > 0)
+        have = ", ".join(f"{k}={cluster.get(k, 0):g}" for k in bundle if bundle[k] > 0)
+        msg = (f"role {role!r}: could not place {num_bundles} bundle(s) of {{{need}}} within "
+               f"{timeout_s:g}s; the cluster has {{{have}}} in total")
+        if missing:
+            msg += f"; no node offers enough of: {', '.join(sorted(missing))}"
+        if autoscaler:
+            msg += " (an autoscaler was asked for these resources and did not provide them in time)"
+        super().__init__(msg)
+
+
+class WorkerError(TroupeError):
+    """Something went wrong in one worker of a role."""
+
+    def __init__(self, message: str, role: str, rank: int, node_id: str | None):
+        self.role, self.rank, self.node_id = role, rank, node_id
+        super().__init__(message)
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process died (killed, out of memory, node lost)."""
+
+    def __init__(self, role: str, rank: int, node_id: str | None, cause: str):
+        self.cause = cause
+        super().__init__(f"role {role!r} rank {rank} on node {node_id} died: {cause}",
+                         role, rank, node_id)
+
+
+class WorkerCallError(WorkerError):
+    """A method raised inside a worker; ``remote_traceback`` holds the worker's traceback."""
+
+    def __init__(self, role: str, rank: int, node_id: str | None, method: str,
+                 remote_traceback: str, cause: BaseException | None = None):
+        self.method, self.remote_traceback, self.cause = method, remote_traceback, cause
+        super().__init__(
+            f"role {role!r} rank {rank} on node {node_id} raised in {method}():\n{remote_traceback}",
+            role, rank, node_id)
+
+
+class CallTimeoutError(TroupeError):
+    """A call did not return in time; ``stacks`` maps each pending rank to its Python stacks."""
+
+    def __init__(self, role: str, method: str, ranks: list[int], timeout_s: float,
+                 stacks: dict[int, str]):
+        self.role, self.method, self.ranks, self.timeout_s, self.stacks = (
+            role, method, ranks, timeout_s, stacks)
+        detail = "\n".join(f"--- rank {r} ---\n{s}" for r, s in sorted(stacks.items()))
+        super().__init__(f"role {role!r}: {method}() did not return within {timeout_s:g}s on "
+                         f"rank(s) {ranks}; their stacks:\n{detail}")
+
+
+class CollectiveError(TroupeError):
+    """A collective group could not be formed or an operation on it failed."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Members of a group did not arrive in time; ``missing`` lists their ranks."""
+
+    def __init__(self, group: str, missing: list[int], world_size: int, timeout_s: float,
+                 what: str = "join"):
+        self.group, self.missing, self.world_size, self.timeout_s = (
+            group, missing, world_size, timeout_s)
+        super().__init__(f"group {group!r}: rank(s) {missing} of {world_size} did not {what} "
+                         f"within {timeout_s:g}s")

@@ -1,0 +1,128 @@
+"""troupe.init: join the cluster named by an address or RAY_ADDRESS, or start an embedded one.
+
+The embedded cluster listens on 127.0.0.1 only (dashboard included) and runs with Ray's token
+authentication on. Joining a cluster started with ``ray start`` uses the token that Ray's client
+finds: ``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from troupe.errors import ClusterConnectionError
+
+log = logging.getLogger(__name__)
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What troupe.init found: where the cluster is and what it offers."""
+
+    address: str
+    embedded: bool
+    nodes: int
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float] = field(default_factory=dict)
+    dashboard_url: str | None = None
+    auth_mode: str = "token"
+
+
+def _token_available() -> bool:
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return Path(path).is_file()
+
+
+def _enable_token_auth() -> None:
+    """Turn token auth on in this process; Ray reads RAY_AUTH_MODE once, so it must re-read it."""
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:  # a Ray without token authentication
+        return
+    _enable_token_auth()
+
+
+def _info(embedded: bool) -> ClusterInfo:
+    ctx = ray.get_runtime_context()
+    total = ray.cluster_resources()
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return ClusterInfo(
+        address=ctx.gcs_address,
+        embedded=embedded,
+        nodes=len(alive),
+        num_cpus=total.get("CPU", 0.0),
+        num_gpus=total.get("GPU", 0.0),
+        resources=dict(total),
+        dashboard_url=_dashboard_url,
+        auth_mode=os.environ.get(AUTH_MODE_ENV, "token"),
+    )
+
+
+_embedded = False
+_dashboard_url: str | None = None
+
+
+def init(address: str | None = None, *, num_cpus: float | None = None,
+         num_gpus: float | None = None, namespace: str = "troupe", **ray_kwargs: Any) -> ClusterInfo:
+    """Connect to Ray (idempotent) and return what the cluster offers.
+
+    Args:
+        address: a cluster address ("auto", "host:port", "ray://..."); defaults to RAY_ADDRESS,
+            which ``ray job submit`` sets for its jobs. Without either, an embedded local cluster
+            starts, bound to 127.0.0.1, with token authentication.
+        num_cpus, num_gpus: logical resources of the embedded cluster (default: the machine's).
+        namespace: Ray namespace for named actors.
+        ray_kwargs: passed to ``ray.init`` as they are.
+    """
+    global _embedded, _dashboard_url
+    if ray.is_initialized():
+        return _info(_embedded)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        if AUTH_MODE_ENV not in os.environ and _token_available():
+            _enable_token_auth()  # Ray itself does so only for address "auto"
+        try:
+            ctx = ray.init(address=address, namespace=namespace, **ray_kwargs)
+        except Exception as e:
+            hint = ""
+            if "auth" in str(e).lower() or "token" in str(e).lower():
+                hint = (" The cluster requires a token: copy the head node's ~/.ray/auth_token "
+                        "to this machine (or set RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN) and set "
+                        f"{AUTH_MODE_ENV}=token.")
+            raise ClusterConnectionError(f"cannot join Ray cluster at {address!r}: {e}.{hint}") from e
+        _embedded, _dashboard_url = False, ctx.dashboard_url or None
+        return _info(False)
+
+    if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
+        log.warning("%s=%s: the embedded cluster runs without token authentication",
+                    AUTH_MODE_ENV, os.environ[AUTH_MODE_ENV])
+    # With RAY_AUTH_MODE unset, Ray (>= 2.5x) turns token auth on for a new local cluster and
+    # creates ~/.ray/auth_token if needed; the setting is inherited by every worker it starts.
+    ctx = ray.init(
+        num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
+        num_gpus=num_gpus,
+        namespace=namespace,
+        include_dashboard=ray_kwargs.pop("include_dashboard", True),
+        dashboard_host="127.0.0.1",
+        _node_ip_address="127.0.0.1",
+        **ray_kwargs,
+    )
+    _embedded, _dashboard_url = True, ctx.dashboard_url or None
+    return _info(True)
+
+
+def shutdown() -> None:
+    """Disconnect from Ray, stopping the embedded cluster if troupe started it."""
+    global _embedded
+    ray.shutdown()
+    _embedded = False

@@ -1,0 +1,249 @@
+"""ActorGraph: declare roles and collective groups, then build them on the cluster.
+
+    g = ActorGraph("rlhf")
+    g.role("actor", PolicyActor, num_workers=2, num_gpus=0.5, config=actor_cfg)
+    g.role("reference", ReferenceActor, num_workers=2, colocate_with="actor", num_gpus=0.25)
+    g.collective("dp", roles=["actor"], backend="auto")
+    graph = g.build(timeout_s=300)
+    graph["actor"].call("train_step", batch)
+
+Each role gets one placement group of ``num_workers`` bundles; a role colocated with another
+places worker r on the other role's bundle r, whose resources cover both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+import ray
+from pydantic import ConfigDict, Field, field_validator
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from troupe.collectives.groups import BACKENDS, resolve_backend
+from troupe.config import Config, validate
+from troupe.errors import CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError
+from troupe.runtime.handle import Graph, RoleGroup
+from troupe.runtime.worker import RemoteRoleWorker
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+class RoleSpec(Config):
+    """One role: ``num_workers`` actors of ``cls``, each built as ``cls(config)``."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str = Field(min_length=1)
+    cls: Any
+    num_workers: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+    runtime_env: dict[str, Any] | None = None
+    strategy: Strategy = "PACK"
+    colocate_with: str | None = None
+    max_restarts: int = Field(0, ge=-1)
+    config: Any = None
+
+    @field_validator("resources")
+    @classmethod
+    def _positive(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: x for k, x in v.items() if x <= 0}
+        if bad:
+            raise ValueError(f"custom resources must be > 0, got {bad}")
+        if {"CPU", "GPU"} & set(v):
+            raise ValueError("give CPU and GPU as num_cpus and num_gpus, not in resources")
+        return v
+
+    def worker_resources(self) -> dict[str, float]:
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+
+
+class CollectiveSpec(Config):
+    """A communication group over the workers of ``roles`` (ranks in role order, then rank)."""
+
+    name: str = Field(min_length=1)
+    roles: list[str] = Field(min_length=1)
+    backend: Literal["gloo", "nccl", "ucc", "auto"] = "auto"
+
+
+class ActorGraph:
+    """A declaration of roles and collective groups; ``build`` starts them (see module doc)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.roles: dict[str, RoleSpec] = {}
+        self.collectives: dict[str, CollectiveSpec] = {}
+
+    def role(self, name: str, cls: type, num_workers: int = 1, *, num_cpus: float = 1.0,
+             num_gpus: float = 0.0, resources: dict[str, float] | None = None,
+             runtime_env: dict[str, Any] | None = None, strategy: Strategy = "PACK",
+             colocate_with: str | None = None, max_restarts: int = 0,
+             config: Any = None) -> "ActorGraph":
+        """Declare a role; see RoleSpec for the fields. Returns self for chaining."""
+        if name in self.roles:
+            raise ValueError(f"role: name {name!r} is declared twice")
+        if not callable(cls):
+            raise ValueError(f"role {name!r}: cls must be a class, got {cls!r}")
+        self.roles[name] = validate(RoleSpec, dict(
+            name=name, cls=cls, num_workers=num_workers, num_cpus=num_cpus, num_gpus=num_gpus,
+            resources=resources or {}, runtime_env=runtime_env, strategy=strategy,
+            colocate_with=colocate_with, max_restarts=max_restarts, config=config),
+            f"role {name!r}")
+        return self
+
+    def collective(self, name: str, roles: list[str], backend: str = "auto") -> "ActorGraph":
+        """Declare a communication group among the workers of ``roles``, wired at build."""
+        if name in self.collectives:
+            raise ValueError(f"collective: name {name!r} is declared twice")
+        if backend not in BACKENDS:
+            raise ValueError(f"collective {name!r}: backend must be one of {BACKENDS}, "
+                             f"got {backend!r}")
+        self.collectives[name] = validate(CollectiveSpec, dict(name=name, roles=roles,
+                                                               backend=backend),
+                                          f"collective {name!r}")
+        return self
+
+    def _root(self, role: str) -> str:
+        seen = [role]
+        while self.roles[role].colocate_with is not None:
+            role = self.roles[role].colocate_with
+            if role in seen:
+                raise ValueError(f"colocate_with: roles {seen} form a cycle")
+            seen.append(role)
+        return role
+
+    def _check(self) -> dict[str, list[str]]:
+        """Validate cross-role references; returns root role -> roles placed on its bundles."""
+        if not self.roles:
+            raise ValueError(f"graph {self.name!r} has no roles")
+        for spec in self.roles.values():
+            target = spec.colocate_with
+            if target is not None and target not in self.roles:
+                raise ValueError(f"role {spec.name!r}: colocate_with={target!r} is not a role; "
+                                 f"roles: {list(self.roles)}")
+        for c in self.collectives.values():
+            unknown = [r for r in c.roles if r not in self.roles]
+            if unknown:
+                raise ValueError(f"collective {c.name!r}: roles {unknown} are not declared")
+        placed: dict[str, list[str]] = {}
+        for name in self.roles:
+            placed.setdefault(self._root(name), []).append(name)
+        for root, members in placed.items():
+            for m in members:
+                spec, base = self.roles[m], self.roles[root]
+                if spec.num_workers != base.num_workers:
+                    raise ValueError(
+                        f"role {m!r}: num_workers={spec.num_workers} differs from "
+                        f"{base.num_workers} of {root!r}, which it is colocated with")
+                if m != root and spec.strategy != "PACK":
+                    raise ValueError(f"role {m!r}: strategy comes from {root!r}, which it is "
+                                     "colocated with; leave it at the default")
+            gpus = sum(self.roles[m].num_gpus for m in members)
+            if gpus > 1 and gpus != int(gpus):
+                raise ValueError(f"roles {members}: num_gpus per bundle add up to {gpus:g}; "
+                                 "shared bundles need a total <= 1 or a whole number")
+        return placed
+
+    def build(self, timeout_s: float = 300.0, call_timeout_s: float | None = None,
+              collective_timeout_s: float | None = None) -> Graph:
+        """Place, start and wire every role; returns the Graph handle.
+
+        Raises PlacementTimeoutError (a role could not be placed in ``timeout_s``),
+        WorkerCallError / WorkerDiedError (a worker failed to start), CollectiveTimeoutError
+        (a group member did not join). Nothing is left running when it raises.
+        """
+        from troupe.runtime.cluster import init
+        init()
+        placed = self._check()
+        deadline = time.monotonic() + timeout_s
+        pgs, roles = {}, {}
+        try:
+            for root, members in placed.items():
+                pgs[root] = self._placement_group(root, members)
+            self._wait_placed(pgs, placed, timeout_s, deadline)
+            for root, members in placed.items():
+                for m in members:
+                    roles[m] = self._start_role(self.roles[m], pgs[root], call_timeout_s)
+            for group in roles.values():
+                infos = group.get([a.ready.remote() for a in group.actors], "__init__",
+                                  max(deadline - time.monotonic(), 1.0))
+                group.node_ids[:] = [i["node_id"] for i in infos]
+            graph = Graph(self.name, roles, list(pgs.values()), {})
+            for spec in self.collectives.values():
+                self._wire(graph, spec, collective_timeout_s or max(deadline - time.monotonic(), 5))
+            return graph
+        except BaseException:
+            Graph(self.name, roles, list(pgs.values()), {}).shutdown()
+            raise
+
+    def _placement_group(self, root: str, members: list[str]):
+        bundle: dict[str, float] = {}
+        for m in members:
+            for k, v in self.roles[m].worker_resources().items():
+                bundle[k] = bundle.get(k, 0.0) + v
+        bundle = {k: v for k, v in bundle.items() if v > 0}
+        spec = self.roles[root]
+        return ray.util.placement_group([dict(bundle)] * spec.num_workers, strategy=spec.strategy,
+                                        name=f"{self.name}/{root}")
+
+    def _wait_placed(self, pgs: dict, placed: dict[str, list[str]], timeout_s: float,
+                     deadline: float) -> None:
+        waiting = {pgs[root].ready(): root for root in pgs}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                root = next(iter(waiting.values()))
+                raise PlacementTimeoutError(root, pgs[root].bundle_specs[0], len(
+                    pgs[root].bundle_specs), timeout_s, ray.cluster_resources(), autoscaler=False)
+            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=min(left, 10))
+            for ref in ready:
+                waiting.pop(ref)
+            if waiting:
+                log.info("graph %r waiting for resources of roles %s (%.0fs left)", self.name,
+                         [placed[r] for r in waiting.values()], deadline - time.monotonic())
+
+    def _start_role(self, spec: RoleSpec, pg, call_timeout_s: float | None) -> RoleGroup:
+        actors = []
+        for rank in range(spec.num_workers):
+            options: dict[str, Any] = dict(
+                num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources,
+                max_restarts=spec.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=rank),
+            )
+            if spec.runtime_env:
+                options["runtime_env"] = spec.runtime_env
+            actors.append(RemoteRoleWorker.options(**options).remote(
+                spec.cls, spec.config, self.name, spec.name, rank, spec.num_workers))
+        return RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s)
+
+    def _wire(self, graph: Graph, spec: CollectiveSpec, timeout_s: float) -> None:
+        members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]
+        uses_gpu = any(self.roles[r].num_gpus > 0 for r in spec.roles)
+        connect_group(graph, spec.name, members, resolve_backend(spec.backend, uses_gpu), timeout_s)
+
+
+def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backend: str,
+                  timeout_s: float, generation: int = 0) -> None:
+    """Create collective group ``name`` among ``members`` (role, rank) of a built graph;
+    member i becomes group rank i. Raises CollectiveTimeoutError naming absent ranks."""
+    actors = [graph[role].actors[rank] for role, rank in members]
+    first_role, first_rank = members[0]
+    store = graph[first_role].gather([actors[0].create_store.remote()], [first_rank],
+                                     "create_store", timeout_s)[0]
+    refs = [a.join_group.remote(name, backend, i, len(members), store, timeout_s, generation)
+            for i, a in enumerate(actors)]
+    for i, ((role, rank), ref) in enumerate(zip(members, refs)):
+        try:
+            graph[role].gather([ref], [rank], f"join_group({name!r})", timeout_s + 30)
+        except WorkerCallError as e:
+            if isinstance(e.cause, CollectiveTimeoutError):
+                raise e.cause from None
+            raise
+    graph.collectives[name] = list(members)
+

@@ -1,0 +1,160 @@
+"""The built graph: role groups of Ray actors, called in rank order with typed errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
+
+_POLL_S = 1.0  # how often a long call checks its finished ranks for errors
+
+
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """Split a batch into ``n`` contiguous, near-even slices along its first dimension.
+
+    A batch is a tensor, a list/tuple, or a dict of those (all of the same length).
+    """
+    if isinstance(batch, torch.Tensor):
+        return list(batch.tensor_split(n, dim=0))
+    if isinstance(batch, (list, tuple)):
+        base, extra = divmod(len(batch), n)
+        cuts = [0]
+        for r in range(n):
+            cuts.append(cuts[-1] + base + (r < extra))
+        return [batch[cuts[r]:cuts[r + 1]] for r in range(n)]
+    if isinstance(batch, dict):
+        lengths = {k: len(v) for k, v in batch.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"cannot split a dict batch whose entries differ in length: {lengths}")
+        parts = {k: split_batch(v, n) for k, v in batch.items()}
+        return [{k: parts[k][r] for k in batch} for r in range(n)]
+    raise ValueError(f"cannot split a batch of type {type(batch).__name__}; "
+                     "use a tensor, a list/tuple, or a dict of them")
+
+
+class RoleGroup:
+    """The workers of one role. ``call`` returns one result per worker, in rank order."""
+
+    def __init__(self, name: str, actors: list[ray.actor.ActorHandle], node_ids: list[str],
+                 call_timeout_s: float | None):
+        self.name = name
+        self.actors = actors
+        self.node_ids = node_ids
+        self.call_timeout_s = call_timeout_s
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Start ``method`` on every worker; returns the refs in rank order (see ``get``)."""
+        return [a.call.remote(method, args, kwargs) for a in self.actors]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every worker and wait; results in rank order."""
+        return self.get(self.call_async(method, *args, **kwargs), method)
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on one worker only."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"role {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}")
+        ref = self.actors[rank].call.remote(method, args, kwargs)
+        return self.gather([ref], [rank], method, self.call_timeout_s)[0]
+
+    def scatter(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(slice, *args, **kwargs)`` with worker r receiving only slice r of
+        ``batch`` (see ``split_batch``; a list of exactly world_size items is used as is)."""
+        if isinstance(batch, list) and len(batch) == self.world_size:
+            slices = batch
+        else:
+            slices = split_batch(batch, self.world_size)
+        refs = [a.call.remote(method, (s, *args), kwargs) for a, s in zip(self.actors, slices)]
+        return self.get(refs, method)
+
+    def get(self, refs: Sequence[ray.ObjectRef], method: str = "call",
+            timeout_s: float | None = None) -> list[Any]:
+        """Wait for refs from ``call_async`` (rank order), raising typed errors."""
+        timeout = self.call_timeout_s if timeout_s is None else timeout_s
+        return self.gather(list(refs), list(range(len(refs))), method, timeout)
+
+    def gather(self, refs: list[ray.ObjectRef], ranks: list[int], method: str,
+               timeout_s: float | None) -> list[Any]:
+        """Results of ``refs`` (one per rank in ``ranks``); the first failure is raised as
+        WorkerDiedError or WorkerCallError, a timeout as CallTimeoutError with stacks."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        while pending:
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise self._timeout(method, sorted(pending.values()), timeout_s)
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait)
+            for ref in ready:
+                rank = pending.pop(ref)
+                results[rank] = self._result(ref, rank, method)
+        return [results[r] for r in ranks]
+
+    def _result(self, ref: ray.ObjectRef, rank: int, method: str) -> Any:
+        node = self.node_ids[rank] if rank < len(self.node_ids) else None
+        try:
+            return ray.get(ref)
+        except RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, BaseException) else None
+            raise WorkerCallError(self.name, rank, node, method, str(e), cause) from None
+        except RayActorError as e:
+            raise WorkerDiedError(self.name, rank, node, _death_cause(e)) from None
+
+    def _timeout(self, method: str, ranks: list[int], timeout_s: float) -> CallTimeoutError:
+        refs = {r: self.actors[r].stacks.remote() for r in ranks}
+        stacks = {}
+        for r, ref in refs.items():
+            try:
+                stacks[r] = ray.get(ref, timeout=10)
+            except (GetTimeoutError, RayActorError) as e:
+                stacks[r] = f"<no stack: {type(e).__name__}>"
+        return CallTimeoutError(self.name, method, ranks, timeout_s, stacks)
+
+
+def _death_cause(e: RayActorError) -> str:
+    text = str(e).strip().splitlines()
+    for line in text:
+        if "The actor died" in line or "killed" in line.lower() or "exited" in line.lower():
+            return line.strip()
+    return text[0] if text else type(e).__name__
+
+
+class Graph:
+    """A built ActorGraph: ``graph[role]`` is a RoleGroup; ``shutdown()`` frees everything."""
+
+    def __init__(self, name: str, roles: dict[str, RoleGroup], placement_groups: list,
+                 collectives: dict[str, list[tuple[str, int]]]):
+        self.name = name
+        self.roles = roles
+        self.placement_groups = placement_groups
+        self.collectives = collectives  # group name -> members (role, rank) in group-rank order
+
+    def __getitem__(self, role: str) -> RoleGroup:
+        try:
+            return self.roles[role]
+        except KeyError:
+            raise KeyError(f"graph {self.name!r} has no role {role!r}; roles: {list(self.roles)}")
+
+    def shutdown(self) -> None:
+        """Kill every worker and remove the placement groups."""
+        for group in self.roles.values():
+            for actor in group.actors:
+                ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+        self.roles, self.placement_groups = {}, []
+
+    def __enter__(self) -> "Graph":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,79 @@
+"""The Ray actor that hosts one worker of a role.
+
+It sets the worker's context, builds the role object as ``cls(config)``, serves the graph's
+calls, and joins collective groups during build. A second concurrency group ("control") answers
+stack dumps while a call is stuck, which is how timeouts name what a rank was doing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Any
+
+import ray
+
+from troupe import collectives
+from troupe.runtime.context import WorkerContext, _set_context
+
+
+class RoleWorker:
+    """Hosts ``cls(config)`` as rank ``rank`` of role ``role``."""
+
+    def __init__(self, cls: type, config: Any, graph: str, role: str, rank: int,
+                 world_size: int) -> None:
+        rt = ray.get_runtime_context()
+        self.context = WorkerContext(
+            graph=graph, role=role, rank=rank, world_size=world_size,
+            node_id=rt.get_node_id(), node_ip=ray.util.get_node_ip_address(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+        )
+        _set_context(self.context)
+        self.impl = cls(config) if config is not None else cls()
+        self.in_flight: str | None = None
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        fn = getattr(self.impl, method, None) if not method.startswith("_") else None
+        if not callable(fn):
+            raise AttributeError(f"role {self.context.role!r} ({type(self.impl).__name__}) has "
+                                 f"no public method {method!r}")
+        self.in_flight = method
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.in_flight = None
+
+    def ready(self) -> dict[str, Any]:
+        """The worker's context and the resources Ray assigned it (bundle names included)."""
+        return {"node_id": self.context.node_id, "node_ip": self.context.node_ip,
+                "gpu_ids": list(self.context.gpu_ids),
+                "resources": ray.get_runtime_context().get_assigned_resources()}
+
+    def create_store(self) -> collectives.StoreAddress:
+        return collectives.create_store(self.context.node_ip)
+
+    def join_group(self, name: str, backend: str, rank: int, world_size: int,
+                   store: collectives.StoreAddress, timeout_s: float, generation: int) -> None:
+        self.in_flight = f"join_group({name!r})"
+        try:
+            collectives.init_group(name, backend, rank, world_size, store, timeout_s, generation)
+        finally:
+            self.in_flight = None
+
+    def leave_group(self, name: str) -> None:
+        collectives.destroy_group(name)
+
+    @ray.method(concurrency_group="control")
+    def stacks(self) -> str:
+        """Python stacks of every thread, and the call in flight."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out = [f"in flight: {self.in_flight or 'nothing'}"]
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            out.append(f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)))
+        return "\n".join(out)
+
+
+RemoteRoleWorker = ray.remote(concurrency_groups={"control": 1})(RoleWorker)

@@ -1,0 +1,250 @@
+"""The wire format for data that crosses between actors or goes to disk: msgpack, never pickle.
+
+A message is a frame::
+
+    b"TRP1" | header length (uint32, little endian) | msgpack header | padding | tensor buffers
+
+The header is ``[tree, body length]`` and the frame must be exactly that long. Each tensor in the
+tree is a msgpack extension carrying its dtype, shape and the (offset, length) of its raw bytes
+among the buffers that follow, each buffer aligned to 64 bytes. Tuples are an extension too, so they come back as tuples.
+
+Supported values: None, bool, int, float, str, bytes, list, tuple, dict (str or int keys) and
+torch tensors of the dtypes in ``DTYPES``. Decoding checks every length against the frame and
+the configured limits, and raises ``WireFormatError`` naming what is wrong.
+
+Copies: ``encode_parts`` returns the header and views of the tensors' own memory (no copy for
+contiguous CPU tensors), suitable for writing to a file part by part. ``decode`` of a writable
+buffer (bytearray, writable memoryview) returns tensors that view that buffer without copying;
+decoding immutable ``bytes`` copies each tensor once.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, BinaryIO
+
+import msgpack
+import torch
+
+MAGIC = b"TRP1"
+_HEADER_LEN = struct.Struct("<I")
+_PREFIX = len(MAGIC) + _HEADER_LEN.size
+_ALIGN = 64
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+
+DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB per message
+DEFAULT_MAX_DEPTH = 64
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WireFormatError(ValueError):
+    """Raised for a message that is malformed, truncated, too large or too deeply nested."""
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+class _Encoder:
+    def __init__(self, max_bytes: int, max_depth: int):
+        self.max_bytes = max_bytes
+        self.max_depth = max_depth
+        self.buffers: list[memoryview] = []
+        self.offset = 0  # bytes of tensor data so far, padding included
+
+    def tree(self, obj: Any, depth: int = 0, where: str = "message") -> Any:
+        if depth > self.max_depth:
+            raise WireFormatError(f"{where}: nesting deeper than max_depth={self.max_depth}")
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, where)
+        if isinstance(obj, tuple):
+            items = [self.tree(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+        if isinstance(obj, list):
+            return [self.tree(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            out = {}
+            for k, v in obj.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise WireFormatError(f"{where}: dict key {k!r} is not a str or int")
+                out[k] = self.tree(v, depth + 1, f"{where}[{k!r}]")
+            return out
+        raise WireFormatError(
+            f"{where}: cannot encode {type(obj).__name__}; supported are None, bool, int, float, "
+            "str, bytes, list, tuple, dict and torch.Tensor"
+        )
+
+    def tensor(self, t: torch.Tensor, where: str) -> msgpack.ExtType:
+        if t.dtype not in _DTYPE_NAMES:
+            raise WireFormatError(f"{where}: tensor dtype {t.dtype} is not supported")
+        if t.requires_grad:
+            t = t.detach()
+        t = t.cpu().contiguous()
+        raw = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+        start = self.offset
+        self.offset += len(raw) + _pad(len(raw))
+        if self.offset > self.max_bytes:
+            raise WireFormatError(f"{where}: message exceeds max_bytes={self.max_bytes}")
+        self.buffers.append(raw)
+        meta = [_DTYPE_NAMES[t.dtype], list(t.shape), start, len(raw)]
+        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(meta))
+
+
+def encode_parts(
+    obj: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, max_depth: int = DEFAULT_MAX_DEPTH
+) -> list[memoryview | bytes]:
+    """Encode ``obj`` as a list of byte chunks whose concatenation is one frame."""
+    enc = _Encoder(max_bytes, max_depth)
+    tree = enc.tree(obj)
+    header = msgpack.packb([tree, enc.offset], use_bin_type=True)
+    head = MAGIC + _HEADER_LEN.pack(len(header)) + header
+    parts: list[memoryview | bytes] = [head, bytes(_pad(len(head)))]
+    if len(head) + enc.offset > max_bytes:
+        raise WireFormatError(f"message exceeds max_bytes={max_bytes}")
+    for raw in enc.buffers:
+        parts += [raw, bytes(_pad(len(raw)))]
+    return parts
+
+
+def encode(obj: Any, **limits: int) -> bytes:
+    """Encode ``obj`` into one frame (see module docstring)."""
+    return b"".join(encode_parts(obj, **limits))
+
+
+def dump(obj: Any, f: BinaryIO, **limits: int) -> int:
+    """Write ``obj`` to a binary file without joining its parts; returns bytes written."""
+    n = 0
+    for part in encode_parts(obj, **limits):
+        n += f.write(part)
+    return n
+
+
+class _Decoder:
+    def __init__(self, data: memoryview, body_start: int, max_depth: int, copy: bool):
+        self.data = data
+        self.body_start = body_start
+        self.max_depth = max_depth
+        self.copy = copy
+
+    def unpack(self, raw: bytes, depth: int) -> Any:
+        if depth > self.max_depth:
+            raise WireFormatError(f"nesting deeper than max_depth={self.max_depth}")
+        try:
+            tree = msgpack.unpackb(
+                raw, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType,
+                max_bin_len=len(raw), max_str_len=len(raw), max_ext_len=len(raw),
+                max_array_len=len(raw), max_map_len=len(raw),
+            )
+        except WireFormatError:
+            raise
+        except Exception as e:  # msgpack raises several unrelated types for bad input
+            raise WireFormatError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+        return self.walk(tree, depth)
+
+    def walk(self, obj: Any, depth: int) -> Any:
+        if depth > self.max_depth:
+            raise WireFormatError(f"nesting deeper than max_depth={self.max_depth}")
+        if isinstance(obj, msgpack.ExtType):
+            if obj.code == _EXT_TENSOR:
+                return self.tensor(obj.data)
+            if obj.code == _EXT_TUPLE:
+                items = self.unpack(obj.data, depth + 1)
+                if not isinstance(items, list):
+                    raise WireFormatError("tuple extension does not hold an array")
+                return tuple(items)
+            raise WireFormatError(f"unknown extension type {obj.code}")
+        if isinstance(obj, list):
+            return [self.walk(v, depth + 1) for v in obj]
+        if isinstance(obj, dict):
+            return {k: self.walk(v, depth + 1) for k, v in obj.items()}
+        return obj
+
+    def tensor(self, meta_raw: bytes) -> torch.Tensor:
+        try:
+            dtype_name, shape, offset, nbytes = msgpack.unpackb(meta_raw, max_array_len=64)
+        except Exception:
+            raise WireFormatError("tensor descriptor is malformed") from None
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+        if dtype is None:
+            raise WireFormatError(f"tensor dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise WireFormatError(f"tensor shape {shape!r} is not a list of non-negative ints")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not (isinstance(offset, int) and isinstance(nbytes, int)) or nbytes != numel * itemsize:
+            raise WireFormatError(
+                f"tensor of shape {shape} and dtype {dtype_name} needs {numel * itemsize} bytes, "
+                f"descriptor says {nbytes!r}"
+            )
+        start = self.body_start + offset
+        if offset < 0 or start + nbytes > len(self.data):
+            raise WireFormatError(
+                f"truncated: tensor data at bytes [{start}, {start + nbytes}) but the frame "
+                f"has {len(self.data)} bytes"
+            )
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        view = self.data[start : start + nbytes]
+        buf = bytearray(view) if self.copy else view
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        if dtype == torch.bool and bool((t > 1).any()):
+            raise WireFormatError("bool tensor holds bytes other than 0 and 1")
+        return t.view(dtype).reshape(shape)
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> Any:
+    """Decode one frame made by ``encode``; raises WireFormatError for any malformed input."""
+    mv = memoryview(data).cast("B")
+    if len(mv) > max_bytes:
+        raise WireFormatError(f"message of {len(mv)} bytes exceeds max_bytes={max_bytes}")
+    if len(mv) < _PREFIX or bytes(mv[: len(MAGIC)]) != MAGIC:
+        raise WireFormatError(f"not a troupe message: expected it to start with {MAGIC!r}")
+    (header_len,) = _HEADER_LEN.unpack(mv[len(MAGIC) : _PREFIX])
+    head_end = _PREFIX + header_len
+    if head_end > len(mv):
+        raise WireFormatError(
+            f"truncated: header of {header_len} bytes but only {len(mv) - _PREFIX} follow"
+        )
+    body_start = head_end + _pad(head_end)
+    decoder = _Decoder(mv, body_start, max_depth, copy=mv.readonly)
+    header = decoder.unpack(bytes(mv[_PREFIX:head_end]), 0)
+    if not (isinstance(header, list) and len(header) == 2 and isinstance(header[1], int)):
+        raise WireFormatError("header is not [tree, body length]")
+    tree, body_len = header
+    if body_start + body_len != len(mv):
+        raise WireFormatError(
+            f"frame should be {body_start + body_len} bytes long but is {len(mv)} "
+            f"({'truncated' if len(mv) < body_start + body_len else 'trailing bytes'})"
+        )
+    return tree
+
+
+def load(f: BinaryIO, **limits: int) -> Any:
+    """Read one frame from the rest of a binary file; tensors view the bytes read."""
+    max_bytes = limits.get("max_bytes", DEFAULT_MAX_BYTES)
+    buf = bytearray(f.read(max_bytes + 1))
+    return decode(buf, **limits)
