@@ -97,7 +97,7 @@ class _Encoder:
         if t.requires_grad:
             t = t.detach()
         t = t.cpu().contiguous()
-        raw = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         start = self.offset
         self.offset += len(raw) + _pad(len(raw))
         if self.offset > self.max_bytes:

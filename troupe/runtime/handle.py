@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Sequence
 
@@ -12,6 +13,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
 _POLL_S = 1.0  # how often a long call checks its finished ranks for errors
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def split_batch(batch: Any, n: int) -> list[Any]:
@@ -105,7 +107,8 @@ class RoleGroup:
             return ray.get(ref)
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, BaseException) else None
-            raise WorkerCallError(self.name, rank, node, method, str(e), cause) from None
+            text = _ANSI.sub("", str(e))
+            raise WorkerCallError(self.name, rank, node, method, text, cause) from None
         except RayActorError as e:
             raise WorkerDiedError(self.name, rank, node, _death_cause(e)) from None
 

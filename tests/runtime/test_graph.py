@@ -1,0 +1,171 @@
+import os
+import re
+import time
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_actors
+
+from troupe.runtime import (
+    ActorGraph,
+    CallTimeoutError,
+    PlacementTimeoutError,
+    WorkerCallError,
+    WorkerDiedError,
+    get_context,
+)
+
+
+class Policy:
+    def __init__(self, config):
+        self.config = config
+        self.ctx = get_context()  # available while the role object is built
+
+    def whoami(self):
+        c = get_context()
+        return {"role": c.role, "rank": c.rank, "world": c.world_size, "pid": os.getpid(),
+                "lr": self.config["lr"]}
+
+    def double(self, x):
+        return x * 2
+
+    def shard_sum(self, batch, offset=0):
+        return float(batch.sum()) + offset
+
+    def fail(self):
+        raise ValueError("bad batch in rank %d" % get_context().rank)
+
+    def sleep(self, s):
+        time.sleep(s)
+
+
+class Reference:
+    def whoami(self):
+        c = get_context()
+        return {"role": c.role, "rank": c.rank, "world": c.world_size, "pid": os.getpid()}
+
+
+def _bundle_of(actor) -> tuple[str, int]:
+    """(placement group, bundle index) as Ray's own state API records it."""
+    [info] = list_actors(filters=[("actor_id", "=", actor._actor_id.hex())], detail=True)
+    for key in info.required_resources:
+        m = re.fullmatch(r"CPU_group_(\d+)_(\w+)", key)
+        if m:
+            return m.group(2), int(m.group(1))
+    raise AssertionError(f"no bundle resource in {info.required_resources}")
+
+
+@pytest.fixture(scope="module")
+def rlhf_like(cluster):
+    g = ActorGraph("two-roles")
+    g.role("actor", Policy, 2, num_cpus=1, config={"lr": 0.1})
+    g.role("reference", Reference, 2, num_cpus=0.5, colocate_with="actor")
+    graph = g.build(timeout_s=60, call_timeout_s=60)
+    yield graph
+    graph.shutdown()
+
+
+def test_rank_ordered_results(rlhf_like):
+    out = rlhf_like["actor"].call("whoami")
+    assert [(o["role"], o["rank"], o["world"], o["lr"]) for o in out] == [
+        ("actor", 0, 2, 0.1), ("actor", 1, 2, 0.1)]
+    ref = rlhf_like["reference"].call("whoami")
+    assert [(o["role"], o["rank"]) for o in ref] == [("reference", 0), ("reference", 1)]
+    assert len({o["pid"] for o in out + ref}) == 4  # four separate worker processes
+    assert rlhf_like["actor"].call("double", 21) == [42, 42]
+    assert rlhf_like["actor"].call_rank(1, "double", x=5) == 10
+
+
+def test_colocated_workers_share_bundles(rlhf_like):
+    actor_bundles = [_bundle_of(a) for a in rlhf_like["actor"].actors]
+    ref_bundles = [_bundle_of(a) for a in rlhf_like["reference"].actors]
+    assert actor_bundles == ref_bundles
+    assert [b for _, b in actor_bundles] == [0, 1]
+    assert len({pg for pg, _ in actor_bundles}) == 1
+
+
+def test_scatter_sends_each_worker_its_slice(rlhf_like):
+    batch = torch.arange(10.0)
+    assert rlhf_like["actor"].scatter("shard_sum", batch, offset=1) == [
+        float(batch[:5].sum()) + 1, float(batch[5:].sum()) + 1]
+    refs = rlhf_like["actor"].call_async("double", 3)
+    assert rlhf_like["actor"].get(refs) == [6, 6]
+
+
+def test_remote_exception_names_role_rank_and_traceback(rlhf_like):
+    with pytest.raises(WorkerCallError) as e:
+        rlhf_like["actor"].call("fail")
+    err = e.value
+    assert err.role == "actor" and err.rank in (0, 1) and err.method == "fail"
+    assert "bad batch in rank" in err.remote_traceback
+    assert "in fail" in err.remote_traceback and "\x1b[" not in err.remote_traceback
+    assert err.node_id and err.node_id in str(err)
+    with pytest.raises(WorkerCallError, match="no public method 'nope'"):
+        rlhf_like["actor"].call("nope")
+
+
+def test_call_timeout_names_ranks_and_shows_stacks(rlhf_like):
+    group = rlhf_like["actor"]
+    refs = [group.actors[0].call.remote("double", (1,), {}),
+            group.actors[1].call.remote("sleep", (4,), {})]
+    with pytest.raises(CallTimeoutError) as e:
+        group.get(refs, "sleep", timeout_s=1.0)
+    assert e.value.ranks == [1]
+    assert "time.sleep(s)" in e.value.stacks[1] and "in flight: sleep" in e.value.stacks[1]
+    ray.get(refs[1])
+
+
+def test_gpu_request_on_cpu_cluster_times_out_with_typed_error(cluster):
+    g = ActorGraph("wants-gpu").role("trainer", Policy, 1, num_gpus=1, config={"lr": 1})
+    t0 = time.monotonic()
+    with pytest.raises(PlacementTimeoutError) as e:
+        g.build(timeout_s=5)
+    assert time.monotonic() - t0 < 20
+    assert e.value.role == "trainer" and "GPU" in str(e.value) and "trainer" in str(e.value)
+    assert e.value.bundle["GPU"] == 1
+    time.sleep(0.5)
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"] == "wants-gpu/trainer" and pg["state"] != "REMOVED"]
+
+
+def test_killed_worker_gives_typed_error(cluster):
+    graph = ActorGraph("victim").role("critic", Reference, 2, num_cpus=0.5).build(timeout_s=60)
+    try:
+        ray.kill(graph["critic"].actors[1])
+        with pytest.raises(WorkerDiedError) as e:
+            graph["critic"].call("whoami")
+        assert e.value.role == "critic" and e.value.rank == 1
+        assert "critic" in str(e.value) and "rank 1" in str(e.value)
+    finally:
+        graph.shutdown()
+
+
+@pytest.mark.parametrize("declare, field", [
+    (lambda g: g.role("a", Policy, 1).role("a", Policy, 1), "declared twice"),
+    (lambda g: g.role("a", Policy, 1, num_cpus=0), "num_cpus"),
+    (lambda g: g.role("a", Policy, 1, num_gpus=-1), "num_gpus"),
+    (lambda g: g.role("a", Policy, 0), "num_workers"),
+    (lambda g: g.role("a", Policy, 1, resources={"TPU": 0}), "resources"),
+    (lambda g: g.role("a", Policy, 1, strategy="RANDOM"), "strategy"),
+    (lambda g: g.collective("dp", ["a"], backend="mpi"), "backend"),
+])
+def test_invalid_declarations_name_the_field(declare, field):
+    with pytest.raises(ValueError, match=field):
+        declare(ActorGraph("bad"))
+
+
+@pytest.mark.parametrize("declare, field", [
+    (lambda g: g.role("a", Policy, 1, colocate_with="ghost"), "colocate_with='ghost'"),
+    (lambda g: g.role("a", Policy, 2).role("b", Policy, 3, colocate_with="a"), "num_workers=3"),
+    (lambda g: g.role("a", Policy, 1).collective("dp", ["a", "zz"]), "zz"),
+    (lambda g: g.role("a", Policy, 1, num_gpus=0.75).role("b", Policy, 1, num_gpus=0.5,
+                                                          colocate_with="a"), "num_gpus"),
+    (lambda g: g.role("a", Policy, 1, colocate_with="b").role("b", Policy, 1,
+                                                              colocate_with="a"), "cycle"),
+])
+def test_invalid_graphs_fail_at_build(cluster, declare, field):
+    g = ActorGraph("bad")
+    declare(g)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        g.build(timeout_s=5)
