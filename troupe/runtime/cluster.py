@@ -95,7 +95,10 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
             ctx = ray.init(address=address, namespace=namespace, **ray_kwargs)
         except Exception as e:
             hint = ""
-            if "auth" in str(e).lower() or "token" in str(e).lower():
+            if os.environ.get(AUTH_MODE_ENV) == "token":
+                hint = (" Token authentication is on: check that this machine's token (RAY_AUTH_TOKEN,"
+                        " RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is the head node's.")
+            elif "auth" in str(e).lower() or "token" in str(e).lower():
                 hint = (" The cluster requires a token: copy the head node's ~/.ray/auth_token "
                         "to this machine (or set RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN) and set "
                         f"{AUTH_MODE_ENV}=token.")
