@@ -22,9 +22,15 @@ def test_round_trip_any_size(n, seed):
     assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
     expected = torch.where(x >= 0, 1.0, -1.0)
     assert torch.equal(bitpack.unpack_signs(packed, n), expected)
-    # the device-generic torch path agrees byte for byte
+    # the device-generic torch path agrees byte for byte; so does a shift-based unpack
     assert torch.equal(bitpack._pack_torch(x), packed)
-    assert torch.equal(bitpack._unpack_torch(packed, n), expected)
+    shifted = (packed.view(-1, 1) >> torch.arange(7, -1, -1, dtype=torch.uint8)) & 1
+    assert torch.equal(shifted.reshape(-1)[:n].float() * 2 - 1, expected)
+    scaled = bitpack.unpack_signs(packed, n, scale=0.25)
+    assert torch.equal(scaled, expected * 0.25)
+    out = torch.empty(n)
+    assert bitpack.unpack_signs(packed, n, scale=3.0, out=out) is out
+    assert torch.equal(out, expected * 3.0)
 
 
 def test_shapes_dtypes_and_bad_input():

@@ -48,7 +48,15 @@ class Reference:
 
 def _bundle_of(actor) -> tuple[str, int]:
     """(placement group, bundle index) as Ray's own state API records it."""
-    [info] = list_actors(filters=[("actor_id", "=", actor._actor_id.hex())], detail=True)
+    for attempt in range(5):  # the state API can lag behind a busy 2-core machine
+        try:
+            [info] = list_actors(filters=[("actor_id", "=", actor._actor_id.hex())],
+                                 detail=True, timeout=60)
+            break
+        except ray.exceptions.RpcError:
+            if attempt == 4:
+                raise
+            time.sleep(2)
     for key in info.required_resources:
         m = re.fullmatch(r"CPU_group_(\d+)_(\w+)", key)
         if m:

@@ -66,10 +66,15 @@ def head(tmp_path_factory):
 def submit(head, **env_overrides):
     env = {**head["env"], **env_overrides}
     env = {k: v for k, v in env.items() if v is not None}
-    return subprocess.run(
-        [RAY, "job", "submit", "--address", head["url"], "--working-dir",
-         str(head["tmp"] / "job"), "--", "python", "job.py"],
-        env=env, capture_output=True, text=True, timeout=180)
+    for _ in range(30):  # a fresh head's job agent may not be up yet: Ray says to try again
+        out = subprocess.run(
+            [RAY, "job", "submit", "--address", head["url"], "--working-dir",
+             str(head["tmp"] / "job"), "--", "python", "job.py"],
+            env=env, capture_output=True, text=True, timeout=180)
+        if "No available agent" not in out.stdout + out.stderr:
+            return out
+        time.sleep(2)
+    return out
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import math
 import torch
 
 from troupe.collectives.base import Communicator
-from troupe.kernels.bitpack import pack_signs, unpack_signs
+from troupe.kernels.onebit import accumulate_, pack_update_, unpack_
 
 _SCALE_BYTES = 4
 
@@ -34,10 +34,12 @@ class OneBitState:
     def __init__(self) -> None:
         self.worker_error: torch.Tensor | None = None  # (N,) fp32
         self.server_error: torch.Tensor | None = None  # (N / W,) fp32
+        self._scratch: dict[str, torch.Tensor] = {}  # reused work buffers, never saved
 
     def reset(self) -> None:
         """Forget the accumulated errors (e.g. when the compressed phase restarts)."""
         self.worker_error = self.server_error = None
+        self._scratch = {}
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {"worker_error": self.worker_error, "server_error": self.server_error}
@@ -54,6 +56,7 @@ class OneBitState:
                              f"worker_error of {we.numel()}")
         self.worker_error = None if we is None else we.detach().float().clone()
         self.server_error = None if se is None else se.detach().float().clone()
+        self._scratch = {}
 
     def _buffers(self, padded: int, world_size: int, device: torch.device):
         if self.worker_error is None:
@@ -65,20 +68,18 @@ class OneBitState:
                 f"call needs {padded} (one state per tensor; reset() after changing its size)")
         return self.worker_error, self.server_error
 
+    def scratch(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A work buffer shaped like ``like``, kept between calls."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape != like.shape or buf.device != like.device:
+            buf = self._scratch[name] = torch.empty(like.shape, dtype=dtype, device=like.device)
+        return buf
+
 
 def padded_numel(numel: int, world_size: int) -> int:
     """numel rounded up to a multiple of W * lcm(W, 8), so every chunk packs into whole bytes."""
     unit = world_size * math.lcm(world_size, 8)
     return -(-numel // unit) * unit
-
-
-def _compress(x: torch.Tensor, error: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One 1-bit step: (packed signs, scale); ``error`` (if given) receives x - scale*sign(x)."""
-    scale = x.norm() / math.sqrt(x.numel())
-    signs = torch.where(x >= 0, 1.0, -1.0)
-    if error is not None:
-        torch.sub(x, signs * scale, out=error)
-    return pack_signs(x), scale.reshape(1).float()
 
 
 def _with_scales(packed_WB: torch.Tensor, scales_W: torch.Tensor) -> torch.Tensor:
@@ -93,33 +94,39 @@ def _split_scales(msg_WB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return msg_WB[:, :-_SCALE_BYTES], scales
 
 
-def compressed_allreduce(tensor: torch.Tensor, state: OneBitState,
-                         group: Communicator) -> torch.Tensor:
+def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group: Communicator,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """The 1-bit mean of ``tensor`` over ``group`` with error feedback in ``state``.
 
-    Returns a new tensor of the input's shape and dtype, identical on every rank. Over repeated
-    calls the running mean of the outputs tends to the true mean.
+    Returns a tensor of the input's shape and dtype, identical on every rank (written into
+    ``out`` when given: a float32 tensor of padded_numel(numel, W) elements, the result being
+    its first numel). Over repeated calls the running mean of the outputs tends to the true mean.
     """
     W, n = group.world_size, tensor.numel()
     N = padded_numel(n, W)
     chunk = N // W
     worker_error, server_error = state._buffers(N, W, tensor.device)
 
-    m = torch.zeros(N, dtype=torch.float32, device=tensor.device)
-    m[:n] = tensor.detach().reshape(-1)
-    m += worker_error
-    packed, scale = _compress(m, worker_error)  # (N/8,), (1,)
+    scale = accumulate_(worker_error, tensor)  # m = x + e_w, formed in e_w's buffer
+    packed = pack_update_(worker_error, scale)  # (N/8,); e_w = m - s * sign(m)
 
     # Rank j receives chunk j of every rank's signs, each followed by that rank's scale.
     outgoing = _with_scales(packed.view(W, chunk // 8), scale.expand(W))
     incoming = group.all_to_all(outgoing)  # (W, chunk/8 + 4), row i from rank i
     signs_WB, scales_W = _split_scales(incoming)
-    signs = unpack_signs(signs_WB.reshape(-1), W * chunk).view(W, chunk)
-    c = (scales_W.view(W, 1).to(signs.device) * signs).mean(dim=0)
-    c += server_error
-    server_packed, server_scale = _compress(c, server_error)
+    c = state.scratch("server_sum", server_error, torch.float32)
+    for i in range(W):
+        unpack_(signs_WB[i], c, scales_W[i], accumulate=i > 0)
+    server_error += c.div_(W)  # c = mean_i(s_i * sign_i) + e_s, formed in e_s's buffer
+    server_scale = accumulate_(server_error)
+    server_packed = pack_update_(server_error, server_scale)
 
     gathered = group.all_gather(_with_scales(server_packed.view(1, -1), server_scale)[0])
     all_signs, all_scales = _split_scales(gathered)  # (W, chunk/8), (W,)
-    out = unpack_signs(all_signs.reshape(-1), N).view(W, chunk) * all_scales.view(W, 1)
-    return out.reshape(-1)[:n].view(tensor.shape).to(tensor.dtype)
+    if out is None:
+        out = torch.empty(N, device=tensor.device)
+    elif out.numel() != N or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 with padded_numel({n}, {W}) = {N} elements")
+    for j, part in enumerate(out.view(W, chunk)):
+        unpack_(all_signs[j], part, all_scales[j])
+    return out[:n].view(tensor.shape).to(tensor.dtype)

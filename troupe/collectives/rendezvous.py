@@ -22,9 +22,9 @@ class StoreAddress:
     port: int
 
 
-def create_store(host: str, timeout_s: float = 300.0) -> StoreAddress:
-    """Open a TCPStore served by this process on an OS-chosen port of ``host``."""
-    store = TCPStore(host, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+def create_store(host: str, timeout_s: float = 300.0, port: int = 0) -> StoreAddress:
+    """Open a TCPStore served by this process on ``host`` (port 0: one the OS picks)."""
+    store = TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     addr = StoreAddress(host, store.port)
     _served[(addr.host, addr.port)] = store
     return addr

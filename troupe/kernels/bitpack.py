@@ -2,8 +2,10 @@
 
 ``pack_signs`` stores one bit per element, most significant bit first within each byte; a set bit
 means +1 and a clear bit -1, and sign(0) counts as +1 (so does -0.0; NaN counts as -1). The last
-byte is zero-padded. CPU tensors go through numpy's packbits, CUDA tensors through a cupy
-RawKernel when cupy is installed, and through plain torch ops otherwise.
+byte is zero-padded. On CPU, packing goes through numpy's packbits and unpacking through one
+gather from a 256 x 8 table of signs (pre-multiplied by a scale, so a 1-bit tensor is decoded
+straight into its scaled floats). CUDA tensors use cupy RawKernels when cupy is installed and
+plain torch ops otherwise.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ extern "C" __global__ void pack_signs(const float* x, unsigned char* out, long l
     }
     out[i] = byte;
 }
-extern "C" __global__ void unpack_signs(const unsigned char* packed, float* out, long long n) {
+extern "C" __global__ void unpack_signs(const unsigned char* packed, float* out, long long n,
+                                        float scale) {
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // one element
     if (j >= n) return;
-    out[j] = (packed[j >> 3] & (0x80 >> (j & 7))) ? 1.0f : -1.0f;
+    out[j] = (packed[j >> 3] & (0x80 >> (j & 7))) ? scale : -scale;
 }
 """
 _kernels: dict[str, object] = {}
@@ -46,12 +49,19 @@ def packed_size(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """Pack the signs of ``x`` (any shape, any float dtype) into a uint8 tensor of ceil(n/8)."""
+def pack_signs(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Pack the signs of ``x`` (any shape, any float dtype) into a uint8 tensor of ceil(n/8).
+
+    ``scratch``: optional bool tensor of x.numel() elements reused for the CPU path's bits,
+    which saves allocating (and page-faulting) one per call.
+    """
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if not flat.is_cuda:
-        bits = (flat >= 0).numpy()
+        if scratch is not None and scratch.numel() == n and scratch.dtype == torch.bool:
+            bits = np.greater_equal(flat.numpy(), 0, out=scratch.numpy())
+        else:
+            bits = (flat >= 0).numpy()
         return torch.from_numpy(np.packbits(bits))
     if cupy_or_none() is None:
         return _pack_torch(flat)
@@ -64,25 +74,48 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The +1/-1 tensor of ``numel`` elements whose signs ``packed`` holds."""
+def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
+                 scale: float | torch.Tensor = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor of ``numel`` elements equal to +scale or -scale as ``packed`` says.
+
+    ``out``, if given, is a float32 tensor of ``numel`` elements written in place.
+    """
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(f"packed must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     if packed.numel() < packed_size(numel):
         raise ValueError(f"packed holds {packed.numel() * 8} signs, fewer than numel={numel}")
-    if not packed.is_cuda:
-        bits = np.unpackbits(packed.numpy(), count=numel)
-        out = torch.from_numpy(bits).to(dtype)
-        return out.mul_(2).sub_(1)
-    if cupy_or_none() is None:
-        return _unpack_torch(packed, numel).to(dtype)
-    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
-    if numel:
-        grid, block = launch_config(numel)
-        with _stream(packed):
-            _kernel("unpack_signs")(grid, block, (as_cupy(packed.contiguous()), as_cupy(out),
-                                                  np.int64(numel)))
-    return out.to(dtype)
+    if out is not None and (out.numel() != numel or out.dtype != torch.float32):
+        raise ValueError(f"out must be float32 with {numel} elements")
+    if packed.is_cuda and cupy_or_none() is not None:
+        res = out if out is not None else torch.empty(numel, device=packed.device)
+        if numel:
+            grid, block = launch_config(numel)
+            with _stream(packed):
+                _kernel("unpack_signs")(grid, block, (as_cupy(packed.contiguous()), as_cupy(res),
+                                                      np.int64(numel), np.float32(scale)))
+        return res if dtype == torch.float32 else res.to(dtype)
+    # One gather from a 256 x 8 table of +-scale: a single pass that writes the floats.
+    table = _table(packed.device) * scale
+    nbytes = packed_size(numel)
+    idx = packed[:nbytes].long()
+    if out is not None and numel % 8 == 0:
+        torch.index_select(table, 0, idx, out=out.view(nbytes, 8))
+        return out
+    res = torch.index_select(table, 0, idx).view(-1)[:numel]
+    if out is not None:
+        return out.copy_(res)
+    return res if dtype == torch.float32 else res.to(dtype)
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """Row b holds the 8 signs (+1/-1) of byte b, most significant bit first."""
+    if device not in _tables:
+        bits = (torch.arange(256).view(-1, 1) >> torch.arange(7, -1, -1)) & 1
+        _tables[device] = (bits.float() * 2 - 1).to(device)
+    return _tables[device]
 
 
 _SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
@@ -95,12 +128,6 @@ def _pack_torch(flat: torch.Tensor) -> torch.Tensor:
     bits[:n] = flat >= 0
     shifts = _SHIFTS.to(flat.device)
     return (bits.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_torch(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    shifts = _SHIFTS.to(packed.device)
-    bits = (packed.view(-1, 1) >> shifts) & 1
-    return bits.reshape(-1)[:numel].float().mul_(2).sub_(1)
 
 
 class _stream:

@@ -112,6 +112,7 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
     # With RAY_AUTH_MODE unset, Ray (>= 2.5x) turns token auth on for a new local cluster and
     # creates ~/.ray/auth_token if needed; the setting is inherited by every worker it starts.
     ctx = ray.init(
+        address="local",  # a new cluster, never one that `ray start` left on this machine
         num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
         num_gpus=num_gpus,
         namespace=namespace,

@@ -1,0 +1,65 @@
+/* Fused CPU loops for 1-bit compression; each makes one pass over its data.
+ * Signs are packed most significant bit first; a set bit is +1; sign(0) counts as +1. */
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+
+/* Sum of squares in LANES independent float lanes per block, blocks summed in double:
+ * vectorizes without reassociation and keeps float error bounded by the block size. */
+static double sumsq_block(const float *v, int64_t len) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= len; i += LANES)
+        for (int k = 0; k < LANES; ++k) acc[k] += v[i + k] * v[i + k];
+    double total = 0.0;
+    for (int k = 0; k < LANES; ++k) total += acc[k];
+    for (; i < len; ++i) total += (double)v[i] * v[i];
+    return total;
+}
+
+/* e[i] += x[i] for i < n; returns the sum of squares of e[0..N), N >= n. */
+double onebit_accumulate(float *e, const float *x, int64_t n, int64_t N) {
+    const int64_t block = 4096;
+    double total = 0.0;
+    for (int64_t start = 0; start < N; start += block) {
+        int64_t len = N - start < block ? N - start : block;
+        int64_t add = n - start < len ? (n - start > 0 ? n - start : 0) : len;
+        float *v = e + start;
+        for (int64_t i = 0; i < add; ++i) v[i] += x[start + i];
+        total += sumsq_block(v, len);
+    }
+    return total;
+}
+
+/* packed[i/8] holds the signs of e; then e[i] -= scale * sign(e[i]). N % 8 == 0. */
+void onebit_pack_update(float *e, uint8_t *packed, int64_t N, float scale) {
+    for (int64_t b = 0; b < N / 8; ++b) {
+        float *v = e + 8 * b;
+        uint8_t byte = 0;
+        for (int k = 0; k < 8; ++k) {
+            int pos = v[k] >= 0.0f;
+            byte |= (uint8_t)(pos << (7 - k));
+            v[k] = pos ? v[k] - scale : v[k] + scale;
+        }
+        packed[b] = byte;
+    }
+}
+
+/* out[i] (+)= scale * sign_i for the n signs in packed, through a 256 x 8 table of +-scale. */
+void onebit_unpack(const uint8_t *packed, float *out, int64_t n, float scale, int accumulate) {
+    float table[256][8];
+    for (int b = 0; b < 256; ++b)
+        for (int k = 0; k < 8; ++k) table[b][k] = (b >> (7 - k)) & 1 ? scale : -scale;
+    int64_t full = n / 8;
+    if (accumulate) {
+        for (int64_t b = 0; b < full; ++b)
+            for (int k = 0; k < 8; ++k) out[8 * b + k] += table[packed[b]][k];
+    } else {
+        for (int64_t b = 0; b < full; ++b) memcpy(out + 8 * b, table[packed[b]], sizeof table[0]);
+    }
+    for (int64_t i = 8 * full; i < n; ++i) {
+        float v = table[packed[full]][i - 8 * full];
+        out[i] = accumulate ? out[i] + v : v;
+    }
+}
