@@ -12,7 +12,8 @@ Each rank is a process using troupe.collectives directly. Networks:
 Per (network, size, method) one JSON line: seconds per call (slowest rank), bytes each rank
 sent per call as the kernel counted them (TCP bytes_sent of the rank's sockets from `ss -ti`;
 in namespaces also the interface's tx_bytes), and for compressed, the relative L2 error of one
-call and of the running mean after k calls.
+call and of the running mean after k calls. Inputs are data-parallel-like: one gradient shared by
+all ranks plus each rank's own noise of the same size.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def worker(args: argparse.Namespace) -> None:
     g = collectives.init_group("bench", "gloo", args.rank, WORLD, store, timeout_s=600)
     pid = os.getpid()
     for n in [parse_size(s) for s in args.sizes.split(",")]:
-        x = torch.randn(n, generator=torch.Generator().manual_seed(args.rank))
+        # data-parallel-like input: a gradient shared by all ranks plus each rank's own noise
+        x = torch.randn(n, generator=torch.Generator().manual_seed(1234))
+        x += torch.randn(n, generator=torch.Generator().manual_seed(args.rank))
         true_mean = g.all_reduce(x.clone(), "mean")
         for method in ("fp32", "compressed"):
             # Both reuse their output buffer between calls, as an optimizer does.
@@ -89,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
                     return g.all_reduce(buf.copy_(x), "mean")
                 return collectives.compressed_allreduce(x, state, g, out=buf)
 
-            first = once()  # warm-up; also the single-call error
+            first = once().clone()  # warm-up; also the single-call error (buf is reused)
             g.barrier()
             b0, i0, t0 = tcp_bytes_sent(pid), iface_tx_bytes(args.iface), time.perf_counter()
             for _ in range(args.iters):

@@ -177,3 +177,20 @@ def test_invalid_graphs_fail_at_build(cluster, declare, field):
     declare(g)
     with pytest.raises(ValueError, match=re.escape(field)):
         g.build(timeout_s=5)
+
+
+class BrokenInit:
+    def __init__(self, config):
+        raise RuntimeError(f"cannot load checkpoint {config['path']}")
+
+
+def test_constructor_failure_fails_the_build_and_names_the_role(cluster):
+    g = ActorGraph("broken").role("reward", BrokenInit, 2, num_cpus=0.5,
+                                  config={"path": "/nowhere/rm.pt"})
+    with pytest.raises(WorkerDiedError) as e:
+        g.build(timeout_s=60)
+    assert e.value.role == "reward" and e.value.rank in (0, 1)
+    assert "cannot load checkpoint /nowhere/rm.pt" in str(e.value)
+    time.sleep(0.5)
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"] == "broken/reward" and pg["state"] != "REMOVED"]

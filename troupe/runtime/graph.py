@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from troupe.collectives.groups import BACKENDS, resolve_backend
 from troupe.config import Config, validate
 from troupe.errors import CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError
+from troupe.runtime.cluster import init
 from troupe.runtime.handle import Graph, RoleGroup
 from troupe.runtime.worker import RemoteRoleWorker
 
@@ -157,9 +158,8 @@ class ActorGraph:
         WorkerCallError / WorkerDiedError (a worker failed to start), CollectiveTimeoutError
         (a group member did not join). Nothing is left running when it raises.
         """
-        from troupe.runtime.cluster import init
-        init()
         placed = self._check()
+        init()
         deadline = time.monotonic() + timeout_s
         pgs, roles = {}, {}
         try:

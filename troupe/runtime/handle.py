@@ -124,11 +124,8 @@ class RoleGroup:
 
 
 def _death_cause(e: RayActorError) -> str:
-    text = str(e).strip().splitlines()
-    for line in text:
-        if "The actor died" in line or "killed" in line.lower() or "exited" in line.lower():
-            return line.strip()
-    return text[0] if text else type(e).__name__
+    """Ray's account of the death (the creation task's traceback when __init__ raised)."""
+    return _ANSI.sub("", str(e)).strip() or type(e).__name__
 
 
 class Graph:
