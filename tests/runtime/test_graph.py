@@ -46,12 +46,12 @@ class Reference:
         return {"role": c.role, "rank": c.rank, "world": c.world_size, "pid": os.getpid()}
 
 
-def _bundle_of(actor) -> tuple[str, int]:
+def _bundle_of(actor, dashboard: str) -> tuple[str, int]:
     """(placement group, bundle index) as Ray's own state API records it."""
     for attempt in range(5):  # the state API can lag behind a busy 2-core machine
         try:
-            [info] = list_actors(filters=[("actor_id", "=", actor._actor_id.hex())],
-                                 detail=True, timeout=60)
+            [info] = list_actors(address=f"http://{dashboard}", detail=True, timeout=60,
+                                 filters=[("actor_id", "=", actor._actor_id.hex())])
             break
         except ray.exceptions.RpcError:
             if attempt == 4:
@@ -85,9 +85,9 @@ def test_rank_ordered_results(rlhf_like):
     assert rlhf_like["actor"].call_rank(1, "double", x=5) == 10
 
 
-def test_colocated_workers_share_bundles(rlhf_like):
-    actor_bundles = [_bundle_of(a) for a in rlhf_like["actor"].actors]
-    ref_bundles = [_bundle_of(a) for a in rlhf_like["reference"].actors]
+def test_colocated_workers_share_bundles(rlhf_like, cluster):
+    actor_bundles = [_bundle_of(a, cluster.dashboard_url) for a in rlhf_like["actor"].actors]
+    ref_bundles = [_bundle_of(a, cluster.dashboard_url) for a in rlhf_like["reference"].actors]
     assert actor_bundles == ref_bundles
     assert [b for _, b in actor_bundles] == [0, 1]
     assert len({pg for pg, _ in actor_bundles}) == 1
