@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -70,3 +70,35 @@ def even_splits(rows: int, world_size: int) -> list[int]:
     if rows % world_size:
         raise ValueError(f"dim 0 of size {rows} does not split evenly over {world_size} ranks")
     return [rows // world_size] * world_size
+
+
+def reduce_in_place(x: torch.Tensor, op: str, world_size: int,
+                    reduce: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """Run a backend's in-place sum/max/min/prod ``reduce`` on a contiguous copy if needed;
+    'mean' is a sum divided by world_size. Returns ``x``, updated."""
+    check_op(op)
+    if op == "mean" and not x.is_floating_point():
+        raise ValueError(f"op 'mean' needs a floating-point tensor, got {x.dtype}")
+    buf = x if x.is_contiguous() else x.contiguous()
+    reduce(buf)
+    if op == "mean":
+        buf.div_(world_size)
+    if buf is not x:
+        x.copy_(buf)
+    return x
+
+
+def resolve_splits(comm: "Communicator", x: torch.Tensor, output_splits: Sequence[int] | None,
+                   input_splits: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    """Validated (output_splits, input_splits) of an all_to_all along dim 0 of ``x``."""
+    if input_splits is None and output_splits is None:
+        even = even_splits(x.shape[0], comm.world_size)
+        return even, even
+    if input_splits is None:
+        raise ValueError("output_splits given without input_splits")
+    input_splits = check_splits(x, input_splits, comm.world_size, "input_splits")
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(f"input_splits {input_splits} do not sum to dim 0 = {x.shape[0]}")
+    if output_splits is None:
+        output_splits = comm.exchange_splits(input_splits)
+    return check_splits(x, output_splits, comm.world_size, "output_splits"), input_splits

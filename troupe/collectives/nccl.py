@@ -10,7 +10,13 @@ from typing import Sequence
 
 import torch
 
-from troupe.collectives.base import ReduceOp, check_op, check_splits, even_splits
+from troupe.collectives.base import (
+    ReduceOp,
+    check_op,
+    even_splits,
+    reduce_in_place,
+    resolve_splits,
+)
 
 
 def _nccl():
@@ -69,15 +75,10 @@ class NcclCommunicator:
         return torch.cuda.current_stream(t.device).cuda_stream
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        check_op(op)
-        buf = x if x.is_contiguous() else x.contiguous()
-        self.comm.allReduce(self._ptr(buf), self._ptr(buf), buf.numel(), _dtype(buf), _op(op),
-                            self._stream(buf))
-        if op == "mean":
-            buf.div_(self.world_size)
-        if buf is not x:
-            x.copy_(buf)
-        return x
+        def reduce(buf: torch.Tensor) -> None:
+            self.comm.allReduce(self._ptr(buf), self._ptr(buf), buf.numel(), _dtype(buf),
+                                _op(op), self._stream(buf))
+        return reduce_in_place(x, op, self.world_size, reduce)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         check_op(op)
@@ -108,14 +109,7 @@ class NcclCommunicator:
                    input_splits: Sequence[int] | None = None) -> torch.Tensor:
         nccl = _nccl()
         x = x.contiguous()
-        if input_splits is None and output_splits is None:
-            input_splits = output_splits = even_splits(x.shape[0], self.world_size)
-        elif input_splits is None:
-            raise ValueError("output_splits given without input_splits")
-        input_splits = check_splits(x, input_splits, self.world_size, "input_splits")
-        if output_splits is None:
-            output_splits = self.exchange_splits(input_splits)
-        output_splits = check_splits(x, output_splits, self.world_size, "output_splits")
+        output_splits, input_splits = resolve_splits(self, x, output_splits, input_splits)
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         row = x[0].numel() if x.dim() > 1 else 1
         item, dtype, stream = x.element_size(), _dtype(x), self._stream(x)

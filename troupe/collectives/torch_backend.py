@@ -12,7 +12,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from troupe.collectives.base import ReduceOp, check_op, check_splits, even_splits
+from troupe.collectives.base import (
+    ReduceOp,
+    check_op,
+    even_splits,
+    reduce_in_place,
+    resolve_splits,
+)
 
 _TORCH_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -58,18 +64,10 @@ class TorchCommunicator:
         work.wait(self.timeout)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        check_op(op)
-        if op == "mean" and not x.is_floating_point():
-            raise ValueError(f"op 'mean' needs a floating-point tensor, got {x.dtype}")
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _TORCH_OPS[op]
-        buf = x if x.is_contiguous() else x.contiguous()
-        self._wait(self.pg.allreduce([buf], opts))
-        if op == "mean":
-            buf.div_(self.world_size)
-        if buf is not x:
-            x.copy_(buf)
-        return x
+        opts.reduceOp = _TORCH_OPS.get(op, dist.ReduceOp.SUM)
+        return reduce_in_place(x, op, self.world_size,
+                               lambda buf: self._wait(self.pg.allreduce([buf], opts)))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         check_op(op)
@@ -101,16 +99,7 @@ class TorchCommunicator:
     def all_to_all(self, x: torch.Tensor, output_splits: Sequence[int] | None = None,
                    input_splits: Sequence[int] | None = None) -> torch.Tensor:
         x = x.contiguous()
-        if input_splits is None and output_splits is None:
-            input_splits = output_splits = even_splits(x.shape[0], self.world_size)
-        elif input_splits is None:
-            raise ValueError("output_splits given without input_splits")
-        input_splits = check_splits(x, input_splits, self.world_size, "input_splits")
-        if sum(input_splits) != x.shape[0]:
-            raise ValueError(f"input_splits {input_splits} do not sum to dim 0 = {x.shape[0]}")
-        if output_splits is None:
-            output_splits = self.exchange_splits(input_splits)
-        output_splits = check_splits(x, output_splits, self.world_size, "output_splits")
+        output_splits, input_splits = resolve_splits(self, x, output_splits, input_splits)
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         self._wait(self.pg.alltoall_base(out, x, output_splits, input_splits,
                                          dist.AllToAllOptions()))
