@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.own_cluster
+
 RAY = str(Path(sys.executable).parent / "ray")
 
 JOB = textwrap.dedent("""
