@@ -1,6 +1,7 @@
 """A role that runs test functions against its collective groups."""
 
 from troupe import collectives
+from troupe.runtime import ActorGraph
 
 
 class GroupRank:
@@ -12,3 +13,13 @@ class GroupRank:
     def sleep(self, seconds: float) -> None:
         import time
         time.sleep(seconds)
+
+
+def gloo_ranks(name: str, world_size: int):
+    """Yield the role group of ``world_size`` GroupRank workers sharing gloo group "g"."""
+    graph = (ActorGraph(name).role("w", GroupRank, world_size, num_cpus=1)
+             .collective("g", ["w"], backend="gloo").build(timeout_s=120, call_timeout_s=300))
+    try:
+        yield graph["w"]
+    finally:
+        graph.shutdown()

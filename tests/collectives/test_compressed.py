@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from troupe import collectives, wire
-from troupe.runtime import ActorGraph
 
-from tests.collectives.helpers import GroupRank
+from tests.collectives.helpers import gloo_ranks
 
 
 def simulate(inputs: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -64,11 +63,7 @@ def _repeat(g, numel, steps, checkpoint_at, make_input=rank_input):
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def ranks(request, cluster):
-    w = request.param
-    graph = (ActorGraph(f"onebit{w}").role("w", GroupRank, w, num_cpus=1)
-             .collective("g", ["w"], backend="gloo").build(timeout_s=120, call_timeout_s=300))
-    yield graph["w"]
-    graph.shutdown()
+    yield from gloo_ranks(f"onebit{request.param}", request.param)
 
 
 @pytest.mark.parametrize("numel", [1, 37, 1001])

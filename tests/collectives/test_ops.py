@@ -7,7 +7,7 @@ from troupe import collectives
 from troupe.runtime import ActorGraph, connect_group
 from troupe.errors import CollectiveTimeoutError
 
-from tests.collectives.helpers import GroupRank
+from tests.collectives.helpers import GroupRank, gloo_ranks
 
 
 def data(rank: int, shape=(5, 3), dtype=torch.float32, seed=0) -> torch.Tensor:
@@ -19,11 +19,7 @@ def data(rank: int, shape=(5, 3), dtype=torch.float32, seed=0) -> torch.Tensor:
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
 def ranks(request, cluster):
-    w = request.param
-    graph = (ActorGraph(f"ops{w}").role("w", GroupRank, w, num_cpus=1)
-             .collective("g", ["w"], backend="gloo").build(timeout_s=120, call_timeout_s=120))
-    yield graph["w"]
-    graph.shutdown()
+    yield from gloo_ranks(f"ops{request.param}", request.param)
 
 
 def run(ranks, fn, *args):

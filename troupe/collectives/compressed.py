@@ -34,12 +34,11 @@ class OneBitState:
     def __init__(self) -> None:
         self.worker_error: torch.Tensor | None = None  # (N,) fp32
         self.server_error: torch.Tensor | None = None  # (N / W,) fp32
-        self._scratch: dict[str, torch.Tensor] = {}  # reused work buffers, never saved
+        self._server_sum: torch.Tensor | None = None  # work buffer reused between calls, not saved
 
     def reset(self) -> None:
         """Forget the accumulated errors (e.g. when the compressed phase restarts)."""
-        self.worker_error = self.server_error = None
-        self._scratch = {}
+        self.worker_error = self.server_error = self._server_sum = None
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {"worker_error": self.worker_error, "server_error": self.server_error}
@@ -56,7 +55,7 @@ class OneBitState:
                              f"worker_error of {we.numel()}")
         self.worker_error = None if we is None else we.detach().float().clone()
         self.server_error = None if se is None else se.detach().float().clone()
-        self._scratch = {}
+        self._server_sum = None
 
     def _buffers(self, padded: int, world_size: int, device: torch.device):
         if self.worker_error is None:
@@ -68,12 +67,6 @@ class OneBitState:
                 f"call needs {padded} (one state per tensor; reset() after changing its size)")
         return self.worker_error, self.server_error
 
-    def scratch(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A work buffer shaped like ``like``, kept between calls."""
-        buf = self._scratch.get(name)
-        if buf is None or buf.shape != like.shape or buf.device != like.device:
-            buf = self._scratch[name] = torch.empty(like.shape, dtype=dtype, device=like.device)
-        return buf
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -114,7 +107,9 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group: Commun
     outgoing = _with_scales(packed.view(W, chunk // 8), scale.expand(W))
     incoming = group.all_to_all(outgoing)  # (W, chunk/8 + 4), row i from rank i
     signs_WB, scales_W = _split_scales(incoming)
-    c = state.scratch("server_sum", server_error, torch.float32)
+    if state._server_sum is None or state._server_sum.shape != server_error.shape:
+        state._server_sum = torch.empty_like(server_error)
+    c = state._server_sum
     for i in range(W):
         unpack_(signs_WB[i], c, scales_W[i], accumulate=i > 0)
     server_error += c.div_(W)  # c = mean_i(s_i * sign_i) + e_s, formed in e_s's buffer

@@ -49,19 +49,12 @@ def packed_size(numel: int) -> int:
     return (numel + 7) // 8
 
 
-def pack_signs(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack the signs of ``x`` (any shape, any float dtype) into a uint8 tensor of ceil(n/8).
-
-    ``scratch``: optional bool tensor of x.numel() elements reused for the CPU path's bits,
-    which saves allocating (and page-faulting) one per call.
-    """
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Pack the signs of ``x`` (any shape, any float dtype) into a uint8 tensor of ceil(n/8)."""
     flat = x.detach().reshape(-1)
     n = flat.numel()
     if not flat.is_cuda:
-        if scratch is not None and scratch.numel() == n and scratch.dtype == torch.bool:
-            bits = np.greater_equal(flat.numpy(), 0, out=scratch.numpy())
-        else:
-            bits = (flat >= 0).numpy()
+        bits = (flat >= 0).numpy()
         return torch.from_numpy(np.packbits(bits))
     if cupy_or_none() is None:
         return _pack_torch(flat)
