@@ -18,7 +18,7 @@ import time
 from typing import Any, Literal
 
 import ray
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from troupe.collectives.groups import BACKENDS, resolve_backend
@@ -70,6 +70,16 @@ class CollectiveSpec(Config):
     name: str = Field(min_length=1)
     roles: list[str] = Field(min_length=1)
     backend: Literal["gloo", "nccl", "ucc", "auto"] = "auto"
+    parts: list[list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _partition(self) -> "CollectiveSpec":
+        if self.parts is not None:
+            flat = sorted(i for part in self.parts for i in part)
+            if any(not part for part in self.parts) or flat != list(range(len(flat))):
+                raise ValueError(f"parts must split member indices 0..n-1 into non-empty "
+                                 f"disjoint lists, got {self.parts}")
+        return self
 
 
 class ActorGraph:
@@ -97,15 +107,21 @@ class ActorGraph:
             f"role {name!r}")
         return self
 
-    def collective(self, name: str, roles: list[str], backend: str = "auto") -> "ActorGraph":
-        """Declare a communication group among the workers of ``roles``, wired at build."""
+    def collective(self, name: str, roles: list[str], backend: str = "auto",
+                   parts: list[list[int]] | None = None) -> "ActorGraph":
+        """Declare a communication group among the workers of ``roles``, wired at build.
+
+        Members are numbered in role order, then rank. With ``parts`` (lists of member numbers
+        that together cover every member once), each part becomes a group of its own under the
+        same name, so each worker finds its own part by ``name``: expert-parallel groups, say.
+        """
         if name in self.collectives:
             raise ValueError(f"collective: name {name!r} is declared twice")
         if backend not in BACKENDS:
             raise ValueError(f"collective {name!r}: backend must be one of {BACKENDS}, "
                              f"got {backend!r}")
         self.collectives[name] = validate(CollectiveSpec, dict(name=name, roles=roles,
-                                                               backend=backend),
+                                                               backend=backend, parts=parts),
                                           f"collective {name!r}")
         return self
 
@@ -131,6 +147,11 @@ class ActorGraph:
             unknown = [r for r in c.roles if r not in self.roles]
             if unknown:
                 raise ValueError(f"collective {c.name!r}: roles {unknown} are not declared")
+            n = sum(self.roles[r].num_workers for r in c.roles)
+            covered = sum(len(p) for p in c.parts or [])
+            if c.parts is not None and covered != n:
+                raise ValueError(f"collective {c.name!r}: parts cover {covered} members, "
+                                 f"the roles {c.roles} have {n}")
         placed: dict[str, list[str]] = {}
         for name in self.roles:
             placed.setdefault(self._root(name), []).append(name)
@@ -225,7 +246,11 @@ class ActorGraph:
     def _wire(self, graph: Graph, spec: CollectiveSpec, timeout_s: float) -> None:
         members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]
         uses_gpu = any(self.roles[r].num_gpus > 0 for r in spec.roles)
-        connect_group(graph, spec.name, members, resolve_backend(spec.backend, uses_gpu), timeout_s)
+        backend = resolve_backend(spec.backend, uses_gpu)
+        for part in spec.parts or [list(range(len(members)))]:
+            connect_group(graph, spec.name, [members[i] for i in part], backend, timeout_s)
+        graph.collectives[spec.name] = [members[i] for part in spec.parts or [range(len(members))]
+                                        for i in part]
 
 
 def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backend: str,

@@ -136,7 +136,9 @@ class Graph:
         self.name = name
         self.roles = roles
         self.placement_groups = placement_groups
-        self.collectives = collectives  # group name -> members (role, rank) in group-rank order
+        # group name -> members (role, rank) in group-rank order; for a group declared with
+        # parts, the parts one after another
+        self.collectives = collectives
 
     def __getitem__(self, role: str) -> RoleGroup:
         try:

@@ -1,0 +1,166 @@
+"""A decoder-only GPT: pre-LN blocks, causal attention through scaled_dot_product_attention,
+dense or MoE feed-forward layers, optional random layerwise token dropping (random-LTD)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from troupe.collectives import Communicator
+from troupe.config import Config
+from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
+
+
+class GPTConfig(Config):
+    """Model shape. d_ff defaults to 4 * d_model; moe=None gives a dense model."""
+
+    vocab_size: int = Field(default=257, ge=2)
+    seq_len: int = Field(default=128, ge=1)
+    n_layer: int = Field(default=4, ge=1)
+    n_head: int = Field(default=4, ge=1)
+    d_model: int = Field(default=128, ge=1)
+    d_ff: int | None = None
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    moe: MoEConfig | None = None
+
+    def moe_layers(self) -> list[int]:
+        """Indices of the blocks whose feed-forward is MoE."""
+        if self.moe is None:
+            return []
+        k = self.moe.expert_interval
+        return [i for i in range(self.n_layer) if (i + 1) % k == 0]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_head={cfg.n_head}")
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, C = x_BTC.shape
+        q, k, v = self.qkv(x_BTC).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, C/H)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(F.gelu(self.fc(x))), x.new_zeros(())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, ffn: nn.Module):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn, self.ffn = Attention(cfg), ffn
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC)))
+        y, aux = self.ffn(self.ln2(x_BTC))
+        return x_BTC + self.drop(y), aux
+
+
+class GPT(nn.Module):
+    """GPT with tied input/output embeddings. With ``ep_group``, MoE layers hold only this
+    rank's slice of the experts and exchange tokens over the group.
+
+    forward(idx_BT, targets_BT=None, ltd=None) returns (logits_BTV, lm_loss, aux_loss); lm_loss
+    is None without targets. ``ltd`` = (keep, layers, generator): in those layers only ``keep``
+    random tokens per sequence (kept in order) pass through the block; the rest skip it.
+    """
+
+    def __init__(self, cfg: GPTConfig, ep_group: Communicator | None = None, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        d_ff = cfg.d_ff or 4 * cfg.d_model
+        moe_layers = cfg.moe_layers()
+        counts = cfg.moe.experts_per_layer(len(moe_layers)) if cfg.moe else []
+        blocks = []
+        for i in range(cfg.n_layer):
+            if i in moe_layers:
+                E = counts[moe_layers.index(i)]
+                kind = ResidualMoE if cfg.moe.residual else MoE
+                blocks.append(Block(cfg, kind(cfg.d_model, d_ff, E, cfg.moe, ep_group)))
+            else:
+                blocks.append(Block(cfg, MLP(cfg.d_model, d_ff)))
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.init_weights(seed)
+
+    def init_weights(self, seed: int) -> None:
+        """N(0, 0.02) weights (output projections scaled by 1/sqrt(2 * n_layer)), zero biases,
+        unit LayerNorms; every tensor from its own generator, so the expert-parallel split
+        does not change any value."""
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, Experts):
+                module.init_weights(seed, name, std, out_std)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if getattr(p, "expert", False):
+                    continue
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln" in name or name.startswith("ln_"):
+                    p.fill_(1.0)
+                else:
+                    g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+                    s = out_std if name.endswith("proj.weight") else std
+                    p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
+                ltd: tuple[int, range, torch.Generator] | None = None):
+        B, T = idx_BT.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds seq_len={self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx_BT.device)
+        x = self.drop(self.tok_emb(idx_BT) + self.pos_emb(pos))  # (B, T, C)
+        aux = x.new_zeros(())
+        for i, block in enumerate(self.blocks):
+            if ltd is not None and i in ltd[1] and ltd[0] < T:
+                x, a = _through_subset(block, x, ltd[0], ltd[2])
+            else:
+                x, a = block(x)
+            aux = aux + a
+        logits = F.linear(self.ln_f(x), self.tok_emb.weight)  # (B, T, V)
+        loss = None
+        if targets_BT is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BT.reshape(-1))
+        return logits, loss, aux
+
+
+def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random-LTD: ``keep`` random positions of each sequence, in order, go through the block."""
+    B, T, C = x_BTC.shape
+    idx_BK = torch.rand(B, T, generator=gen).argsort(dim=1)[:, :keep].sort(dim=1).values
+    idx_BKC = idx_BK.to(x_BTC.device)[:, :, None].expand(B, keep, C)
+    y, aux = block(torch.gather(x_BTC, 1, idx_BKC))
+    return x_BTC.scatter(1, idx_BKC, y), aux
+
+
+def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) parameters: experts reduce over expert-data-parallel, the rest over all."""
+    dense, expert = [], []
+    for p in model.parameters():
+        (expert if getattr(p, "expert", False) else dense).append(p)
+    return dense, expert

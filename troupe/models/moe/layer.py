@@ -1,0 +1,84 @@
+"""The MoE layer: route tokens with the gate, sort them by expert, send each expert's tokens to
+the rank holding it (all_to_all with variable splits), run the experts, and send the results
+back to be summed with the combine weights. No tokens x experts x capacity tensor is formed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from troupe.collectives import Communicator, all_to_all
+from troupe.models.moe.config import MoEConfig
+from troupe.models.moe.experts import Experts
+from troupe.models.moe.gate import Routing, TopKGate
+
+
+class MoE(nn.Module):
+    """``num_experts`` experts behind a top-k gate; with ``group`` (the expert-parallel group)
+    this rank holds experts [rank * E/P, (rank + 1) * E/P) and exchanges tokens with the others.
+
+    forward(x) returns (y, aux_loss) with y of x's shape.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
+                 group: Communicator | None = None):
+        super().__init__()
+        P = group.world_size if group is not None else 1
+        if num_experts % P:
+            raise ValueError(f"{num_experts} experts do not split over expert-parallel size {P}")
+        self.num_experts, self.group = num_experts, group if P > 1 else None
+        self.num_local = num_experts // P
+        first = (group.rank if self.group is not None else 0) * self.num_local
+        self.gate = TopKGate(d_model, num_experts, cfg)
+        self.experts = Experts(self.num_local, first, d_model, d_ff)
+        self.last_routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x_SM = x.reshape(-1, x.shape[-1])
+        routing = self.gate(x_SM)
+        self.last_routing = routing
+        kept_A = routing.kept_SK.t().reshape(-1)  # choice-major, so first choices come first
+        tokens_A = torch.arange(x_SM.shape[0], device=x.device).repeat(routing.kept_SK.shape[1])
+        tokens_A = tokens_A[kept_A]
+        experts_A = routing.experts_SK.t().reshape(-1)[kept_A]
+        weights_A = routing.weights_SK.t().reshape(-1)[kept_A]
+
+        order = torch.argsort(experts_A, stable=True)
+        tokens_A, weights_A = tokens_A[order], weights_A[order]
+        counts_E = torch.bincount(experts_A, minlength=self.num_experts)
+        x_AM = x_SM.index_select(0, tokens_A)  # (A, M), grouped by expert
+        y_AM = self._run_experts(x_AM, counts_E)
+        out_SM = torch.zeros_like(x_SM).index_add_(0, tokens_A, y_AM * weights_A[:, None].to(y_AM.dtype))
+        return out_SM.view_as(x), routing.aux_loss
+
+    def _run_experts(self, x_AM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.experts(x_AM, counts_E.tolist())
+        P, L = self.group.world_size, self.num_local
+        send_PL = counts_E.view(P, L)
+        recv_PL = self.group.all_to_all(send_PL.contiguous())  # row p: rows per local expert from p
+        send_rows, recv_rows = send_PL.sum(1).tolist(), recv_PL.sum(1).tolist()
+        x_recv = all_to_all(x_AM, self.group, recv_rows, send_rows)  # grouped by source, expert
+        expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_AM.device).repeat(P),
+                                                recv_PL.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        y = self.experts(x_recv[by_expert], recv_PL.sum(0).tolist())
+        y_recv = torch.empty_like(y).index_copy(0, by_expert, y)  # back to source order
+        return all_to_all(y_recv, self.group, send_rows, recv_rows)
+
+
+class ResidualMoE(nn.Module):
+    """Residual MoE: a dense MLP beside the experts, mixed per token by a learned 2-way softmax."""
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
+                 group: Communicator | None = None):
+        super().__init__()
+        self.moe = MoE(d_model, d_ff, num_experts, cfg, group)
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+        self.coefficient = nn.Linear(d_model, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y_moe, aux = self.moe(x)
+        a = F.softmax(self.coefficient(x), dim=-1)
+        return self.mlp(x) * a[..., 1:] + y_moe * a[..., :1], aux
