@@ -1,0 +1,158 @@
+"""Optimizers on 2 and 4 gloo ranks against single-process references, and their invariants."""
+
+import pytest
+import torch
+
+from troupe import collectives
+from troupe.optim import Adam, FlatParams, Lamb, OptimizerConfig, build_optimizer
+from troupe.runtime import ActorGraph, get_context
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _grads_step(model, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+class OptRank:
+    """Trains the shared toy model on this rank's data with a given optimizer."""
+
+    def train(self, cfg: dict, steps: int, lr: float = 1e-2, save_at: int | None = None):
+        group = collectives.get_group("dp")
+        model = _model()
+        flat = FlatParams(model.parameters(), align=group.world_size)
+        opt = build_optimizer(OptimizerConfig(**cfg), flat, group)
+        history, saved = [], None
+        for t in range(1, steps + 1):
+            _grads_step(model, get_context().rank, t)
+            opt.step(lr)
+            flat.zero_grad()
+            history.append(dict(p=flat.data.clone(), v=getattr(opt, "v").clone()))
+            if t == save_at:
+                saved = (flat.data.clone(), opt.state_dict())
+        return history, opt.state_bytes(), opt.comm.bytes_sent, saved
+
+    def resume(self, saved, cfg: dict, start: int, steps: int, lr: float = 1e-2):
+        group = collectives.get_group("dp")
+        model = _model()
+        flat = FlatParams(model.parameters(), align=group.world_size)
+        flat.data.copy_(saved[0])
+        opt = build_optimizer(OptimizerConfig(**cfg), flat, group)
+        opt.load_state_dict(saved[1])
+        for t in range(start + 1, steps + 1):
+            _grads_step(model, get_context().rank, t)
+            opt.step(lr)
+            flat.zero_grad()
+        return flat.data.clone()
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request, cluster):
+    graph = (ActorGraph(f"opt{request.param}").role("w", OptRank, request.param, num_cpus=1)
+             .collective("dp", ["w"], "gloo").build(timeout_s=120, call_timeout_s=300))
+    yield graph["w"]
+    graph.shutdown()
+
+
+def _mean_grad_reference(opt_factory, world: int, steps: int, lr: float = 1e-2):
+    """One process: the mean of the ranks' gradients, fed to a single-rank optimizer."""
+    model = _model()
+    flat = FlatParams(model.parameters(), align=world)
+    opt = opt_factory(flat)
+    out = []
+    for t in range(1, steps + 1):
+        grads = []
+        for r in range(world):
+            flat.zero_grad()
+            _grads_step(model, r, t)
+            grads.append(flat.grad.clone())
+        flat.grad.copy_(torch.stack(grads).sum(0) / world)
+        opt.step(lr)
+        out.append(flat.data.clone())
+    return out
+
+
+def test_onebit_adam_before_freeze_is_adam_without_bias_correction(ranks):
+    steps = 6
+    results = ranks.call("train", dict(name="onebit_adam", freeze_step=10 ** 6), steps)
+    want = _mean_grad_reference(
+        lambda f: Adam(f, betas=(0.9, 0.999), eps=1e-8, bias_correction=False), ranks.world_size,
+        steps)
+    for history, *_ in results:
+        for t in range(steps):
+            torch.testing.assert_close(history[t]["p"], want[t], atol=2e-7, rtol=0)
+
+
+def test_onebit_adam_freezes_variance_and_ranks_agree(ranks):
+    freeze, steps = 3, 8
+    results = ranks.call("train", dict(name="onebit_adam", freeze_step=freeze), steps)
+    for history, *_ in results:
+        assert not torch.equal(history[freeze - 2]["v"], history[freeze - 1]["v"])
+        for t in range(freeze, steps):
+            assert torch.equal(history[t]["v"], history[freeze - 1]["v"])
+    for t in range(steps):  # compressed momentum is identical on every rank, so are parameters
+        for history, *_ in results[1:]:
+            assert torch.equal(history[t]["p"], results[0][0][t]["p"])
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "lamb"])
+def test_sharded_matches_single_process(ranks, name):
+    W, steps = ranks.world_size, 5
+    cfg = dict(name=name, weight_decay=0.01)
+    results = ranks.call("train", cfg, steps)
+    if name == "lamb":
+        factory = lambda f: Lamb(f, weight_decay=0.01, eps=1e-8)  # noqa: E731
+    else:
+        factory = lambda f: Adam(f, weight_decay=0.01, decoupled=name == "adamw")  # noqa: E731
+    want = _mean_grad_reference(factory, W, steps)
+    for history, state_bytes, _, _ in results:
+        torch.testing.assert_close(history[-1]["p"], want[-1], atol=1e-6, rtol=1e-5)
+        n = history[-1]["p"].numel()
+        assert state_bytes == 2 * 4 * n // W  # m and v of this rank's 1/W only
+
+
+def test_zero_one_adam_syncs_ranks_and_updates_variance_on_schedule(ranks):
+    cfg = dict(name="zero_one_adam", var_freeze_step=6, var_update_scaler=2,
+               local_step_scaler=4, local_step_clipper=4)
+    history = [h for h, *_ in ranks.call("train", cfg, 16)]
+    # variance updates at t % interval == 0, interval 1,1,2,2,4...: steps 1, 2, 4, 6
+    changed = [t + 1 for t in range(1, 16) if not torch.equal(history[0][t]["v"],
+                                                                history[0][t - 1]["v"])]
+    assert changed == [2, 4, 6]
+    # local steps after 6: the interval is 1, doubles at steps 10 and 14 (every 4 steps), up to
+    # 4: syncs at 7, 8, 9, 10, 12, 14, then 18
+    for t in (7, 8, 9, 10, 12, 14):
+        for h in history[1:]:
+            assert torch.equal(h[t - 1]["p"], history[0][t - 1]["p"]), f"step {t}"
+    for t in (11, 13, 15, 16):  # local steps
+        assert not torch.equal(history[1][t - 1]["p"], history[0][t - 1]["p"]), f"step {t}"
+
+
+def test_onebit_lamb_ranks_agree_and_train(ranks):
+    cfg = dict(name="onebit_lamb", freeze_step=4, weight_decay=0.01)
+    results = ranks.call("train", cfg, 10)
+    for history, *_ in results[1:]:
+        assert torch.equal(history[-1]["p"], results[0][0][-1]["p"])
+        assert torch.equal(history[-1]["v"], history[3]["v"])  # frozen after step 4
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"])
+def test_state_dict_resume_is_exact(ranks, name):
+    cfg = dict(name=name, freeze_step=3, var_freeze_step=3, var_update_scaler=1,
+               local_step_scaler=2, local_step_clipper=4)
+    results = ranks.call("train", cfg, 9, 1e-2, 5)
+    resumed = ranks.scatter("resume", [r[3] for r in results], cfg, 5, 9)
+    for (history, *_), p in zip(results, resumed):
+        assert torch.equal(p, history[-1]["p"])
+
+
+def test_1bit_sends_fewer_bytes(ranks):
+    steps = 12
+    adam = ranks.call("train", dict(name="adam"), steps)[0][2]
+    onebit = ranks.call("train", dict(name="onebit_adam", freeze_step=2), steps)[0][2]
+    assert onebit < adam / 4

@@ -1,0 +1,81 @@
+"""The optimizer section of a recipe, the learning-rate schedule, and the factory."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from troupe.collectives import Communicator
+from troupe.config import Config
+from troupe.optim.base import Optimizer
+from troupe.optim.flat import FlatParams
+from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
+from troupe.optim.sharded import Adam, Lamb
+
+OPTIMIZERS = ("adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb")
+
+
+class OptimizerConfig(Config):
+    """name picks the algorithm; the rest are its parameters (DeepSpeed's names and defaults
+    where DeepSpeed has them). lr follows a linear warmup over warmup_steps, then a cosine decay
+    to min_lr at the last step."""
+
+    name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    min_lr: float = Field(default=1e-4, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    bias_correction: bool = True
+    # 1-bit Adam and 1-bit LAMB
+    freeze_step: int = Field(default=100_000, ge=0)
+    # 0/1 Adam
+    var_freeze_step: int = Field(default=100_000, ge=0)
+    var_update_scaler: int = Field(default=16, ge=1)
+    local_step_scaler: int = Field(default=32_678, ge=1)
+    local_step_clipper: int = Field(default=16, ge=1)
+    # LAMB and 1-bit LAMB
+    max_coeff: float = Field(default=10.0, gt=0)
+    min_coeff: float = Field(default=0.01, ge=0)
+    coeff_beta: float = Field(default=0.9, ge=0, lt=1)
+    factor_max: float = Field(default=4.0, gt=0)
+    factor_min: float = Field(default=0.5, gt=0)
+    factor_threshold: float = Field(default=0.1, ge=0)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of 1-based ``step`` of ``total_steps``."""
+        if step <= self.warmup_steps:
+            return self.lr * step / max(self.warmup_steps, 1)
+        frac = (step - self.warmup_steps) / max(total_steps - self.warmup_steps, 1)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(frac, 1)))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the state is partitioned over the group (ZeRO-1); the 1-bit ones keep it whole."""
+        return self.name in ("adam", "adamw", "lamb")
+
+
+def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator | None,
+                    grad_scale: float = 1.0) -> Optimizer:
+    """The optimizer ``cfg`` names, over ``flat``, averaging gradients over ``group``."""
+    common = dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                  grad_scale=grad_scale)
+    lamb = dict(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff)
+    if cfg.name in ("adam", "adamw"):
+        return Adam(flat, group, decoupled=cfg.name == "adamw",
+                    bias_correction=cfg.bias_correction, **common)
+    if cfg.name == "lamb":
+        return Lamb(flat, group, **lamb, **common)
+    if cfg.name == "onebit_adam":
+        return OneBitAdam(flat, group, freeze_step=cfg.freeze_step, **common)
+    if cfg.name == "zero_one_adam":
+        return ZeroOneAdam(flat, group, var_freeze_step=cfg.var_freeze_step,
+                           var_update_scaler=cfg.var_update_scaler,
+                           local_step_scaler=cfg.local_step_scaler,
+                           local_step_clipper=cfg.local_step_clipper, **common)
+    return OneBitLamb(flat, group, freeze_step=cfg.freeze_step, coeff_beta=cfg.coeff_beta,
+                      factor_max=cfg.factor_max, factor_min=cfg.factor_min,
+                      factor_threshold=cfg.factor_threshold, **lamb, **common)

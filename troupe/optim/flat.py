@@ -1,0 +1,47 @@
+"""Parameters and gradients viewed as one contiguous fp32 buffer each, so that optimizers and
+collectives work on a single tensor."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+class FlatParams:
+    """Re-homes ``params`` (and their grads) into two flat fp32 buffers padded to a multiple of
+    ``align``; afterwards each ``p.data`` and ``p.grad`` is a view into ``data`` / ``grad``.
+
+    segments[i] = (offset, numel) of the i-th parameter; padding stays zero.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], align: int = 1):
+        self.params = [p for p in params if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = max(math.ceil(self.numel / align) * align, align)
+        self.data = torch.zeros(self.padded, dtype=torch.float32)
+        self.grad = torch.zeros(self.padded, dtype=torch.float32)
+        self.segments: list[tuple[int, int]] = []
+        offset = 0
+        for p in self.params:
+            if p.dtype != torch.float32:
+                raise ValueError(f"FlatParams holds fp32 parameters, got {p.dtype}")
+            n = p.numel()
+            self.data[offset:offset + n].copy_(p.data.reshape(-1))
+            p.data = self.data[offset:offset + n].view_as(p)
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            self.segments.append((offset, n))
+            offset += n
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def segment_ids(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """For each element of [lo, hi): the index of its parameter (len(params) for padding)."""
+        hi = self.padded if hi is None else hi
+        ids = torch.full((self.padded,), len(self.params), dtype=torch.int64)
+        for i, (o, n) in enumerate(self.segments):
+            ids[o:o + n] = i
+        return ids[lo:hi].clone()

@@ -1,0 +1,255 @@
+"""The 1-bit optimizers: OneBitAdam, ZeroOneAdam and OneBitLamb. Each keeps its state whole on
+every rank (as in DeepSpeed: sharding would need an fp32 parameter all_gather per step, which is
+the traffic compression removes) and communicates through compressed_allreduce."""
+
+from __future__ import annotations
+
+import torch
+
+from troupe.collectives import Communicator, OneBitState, compressed_allreduce, padded_numel
+from troupe.optim.base import Optimizer
+from troupe.optim.flat import FlatParams
+from troupe.optim.sharded import trust_ratio
+
+
+class _Compressed(Optimizer):
+    """Shared plumbing: the 1-bit mean of a buffer, each buffer with its own error-feedback
+    state (named in ``onebit``), saved with the optimizer."""
+
+    onebit: dict[str, OneBitState]
+
+    def _onebit_mean(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        x.copy_(compressed_allreduce(x, self.onebit[name], self.group))
+        self.comm.compressed(padded_numel(x.numel(), self.world), self.world)
+        return x
+
+    def state_bytes(self) -> int:
+        errors = [t for st in self.onebit.values() for t in st.state_dict().values()
+                  if t is not None]
+        return super().state_bytes() + sum(t.numel() * t.element_size() for t in errors)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["onebit"] = {name: {k: v.clone() for k, v in st.state_dict().items() if v is not None}
+                           for name, st in self.onebit.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        for name, st in self.onebit.items():
+            st.reset()
+            if state["onebit"].get(name):
+                st.load_state_dict(state["onebit"][name])
+
+    def _local_grad(self) -> torch.Tensor:
+        g = self.flat.grad[:self.flat.numel]
+        return g * self.grad_scale if self.grad_scale != 1.0 else g
+
+
+class OneBitAdam(_Compressed):
+    """1-bit Adam. Steps 1..freeze_step: Adam without bias correction on allreduced gradients.
+    Afterwards the variance is frozen; the momentum is updated from the local gradient and
+    averaged by compressed_allreduce with error feedback.
+
+    Example::
+
+        flat = FlatParams(model.parameters())
+        opt = OneBitAdam(flat, collectives.get_group("dp"), freeze_step=400)
+        loss.backward(); opt.step(lr=1e-3); flat.zero_grad()
+    """
+
+    def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, freeze_step: int = 100_000, grad_scale: float = 1.0):
+        super().__init__(flat, group, grad_scale)
+        self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
+        n = flat.numel
+        self.m, self.v = torch.zeros(n), torch.zeros(n)
+        self.onebit = {"m": OneBitState()}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"m": self.m, "v": self.v}
+
+    def step(self, lr: float) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        if self.t <= self.freeze_step:
+            g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
+            self.m.mul_(b1).add_(g, alpha=1 - b1)
+            self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        else:
+            self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
+            self._onebit_mean(self.m, "m")
+        _adam_update(self.flat.data[:self.flat.numel], self.m, self.v, self.eps, self.wd, lr)
+
+    @property
+    def frozen(self) -> bool:
+        return self.t >= self.freeze_step
+
+
+class ZeroOneAdam(_Compressed):
+    """0/1 Adam. Until var_freeze_step the variance is updated only at steps t with
+    t % interval == 0, from the full-precision gradient mean; the interval starts at 1 and doubles
+    every var_update_scaler variance updates; between them gradients travel 1-bit compressed.
+    After var_freeze_step the variance is frozen and ranks take local steps, accumulating their
+    updates; every local interval (1, doubling every local_step_scaler steps, at most
+    local_step_clipper) the accumulated update is averaged by compressed_allreduce and replaces
+    the local ones, and the momentum is re-derived from it."""
+
+    def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, var_freeze_step: int = 100_000,
+                 var_update_scaler: int = 16, local_step_scaler: int = 32_678,
+                 local_step_clipper: int = 16, grad_scale: float = 1.0):
+        super().__init__(flat, group, grad_scale)
+        self.betas, self.eps, self.wd = betas, eps, weight_decay
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        n = flat.numel
+        self.m, self.v = torch.zeros(n), torch.zeros(n)
+        self.acc, self.anchor = torch.zeros(n), torch.zeros(n)
+        self.onebit = {"grad": OneBitState(), "acc": OneBitState()}
+        self.sched = dict(var_interval=1, var_counter=0, local_interval=1, local_counter=0,
+                          lrs=0.0)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"m": self.m, "v": self.v, "acc": self.acc, "anchor": self.anchor}
+
+    def _extra_state(self) -> dict:
+        return dict(self.sched)
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self.sched.update({k: extra[k] for k in self.sched})
+
+    def step(self, lr: float) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        s, p = self.sched, self.flat.data[:self.flat.numel]
+        if self.t <= self.var_freeze_step:
+            if self.t % s["var_interval"] == 0:
+                g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
+                self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                s["var_counter"] += 1
+                if s["var_counter"] == self.var_update_scaler:
+                    s["var_counter"], s["var_interval"] = 0, s["var_interval"] * 2
+            else:
+                g = self._onebit_mean(self._local_grad().clone(), "grad")
+            self.m.mul_(b1).add_(g, alpha=1 - b1)
+            _adam_update(p, self.m, self.v, self.eps, self.wd, lr)
+            if self.t == self.var_freeze_step:
+                self.anchor.copy_(p)
+            return
+        self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
+        before = p.clone()
+        _adam_update(p, self.m, self.v, self.eps, self.wd, lr)
+        self.acc.add_(before.sub_(p))
+        s["lrs"] += lr
+        s["local_counter"] += 1
+        if s["local_counter"] >= s["local_interval"]:
+            self._sync()
+        if (self.t - self.var_freeze_step) % self.local_step_scaler == 0:
+            s["local_interval"] = min(2 * s["local_interval"], self.local_step_clipper)
+
+    def _sync(self) -> None:
+        s, p = self.sched, self.flat.data[:self.flat.numel]
+        self._onebit_mean(self.acc, "acc")
+        torch.sub(self.anchor, self.acc, out=p)  # every rank lands on the same parameters
+        self.anchor.copy_(p)
+        # the momentum that, with the frozen variance, gives the averaged update per unit lr
+        self.m.copy_(self.acc).div_(s["lrs"]).mul_(self.v.sqrt().add_(self.eps))
+        self.acc.zero_()
+        s["lrs"], s["local_counter"] = 0.0, 0
+
+
+class OneBitLamb(_Compressed):
+    """1-bit LAMB. Steps 1..freeze_step: LAMB on allreduced gradients, tracking an EMA
+    (coeff_beta) of each tensor's trust ratio. Afterwards: the frozen ratio times a per-tensor
+    factor max((sqrt(v)+eps) / (sqrt(v_fresh)+eps)), clamped to [factor_min, factor_max] and to
+    within factor_threshold of its last value, where v_fresh follows the gradients reconstructed
+    from the compressed momentum. All tensors' momenta travel in one fused buffer, each scaled by
+    a per-tensor coefficient fixed at the freeze so that they have similar magnitudes."""
+
+    def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, freeze_step: int = 100_000,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                 grad_scale: float = 1.0):
+        super().__init__(flat, group, grad_scale)
+        self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
+        self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
+        self.factor_max, self.factor_min = factor_max, factor_min
+        self.factor_threshold = factor_threshold
+        n, T = flat.numel, len(flat.params)
+        self.seg = flat.segment_ids(0, n)
+        self.m, self.v, self.v_fresh = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        self.coeff_freeze, self.last_factor = torch.zeros(T), torch.ones(T)
+        self.scaling = torch.ones(T)
+        self.onebit = {"m": OneBitState()}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"m": self.m, "v": self.v, "v_fresh": self.v_fresh,
+                "coeff_freeze": self.coeff_freeze, "last_factor": self.last_factor,
+                "scaling": self.scaling}
+
+    def _per_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(self.flat.params)).index_add_(0, self.seg, x)
+
+    def step(self, lr: float) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        p = self.flat.data[:self.flat.numel]
+        if self.t <= self.freeze_step:
+            g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
+            self.m.mul_(b1).add_(g, alpha=1 - b1)
+            self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            u = self._direction(p)
+            coeff = trust_ratio(self._per_tensor(p * p).sqrt(), self._per_tensor(u * u).sqrt(),
+                                self.min_coeff, self.max_coeff)
+            self.coeff_freeze.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
+            p.add_(u * coeff[self.seg], alpha=-lr)
+            return
+        if self.t == self.freeze_step + 1:
+            self._freeze()
+        m_old = self.m.clone()
+        self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
+        scale = self.scaling[self.seg]
+        self._onebit_mean(self.m.mul_(scale), "m").div_(scale)
+        g_rec = (self.m - m_old * b1).div_(1 - b1)
+        self.v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
+        u_pre = self.m / (self.v.sqrt() + self.eps)
+        u = u_pre + self.wd * p if self.wd else u_pre
+        ratio = (self.v.sqrt() + self.eps).div_(self.v_fresh.sqrt() + self.eps)
+        factor = torch.zeros(len(self.flat.params)).scatter_reduce_(0, self.seg, ratio, "amax",
+                                                                    include_self=False)
+        if self.wd:
+            r = (self._per_tensor(u_pre * u_pre).sqrt() / self._per_tensor(u * u).sqrt()
+                 .clamp_min(1e-30)).clamp_(max=1.0)
+            factor = factor * r + (1 - r)
+        factor = factor.clamp_(self.factor_min, self.factor_max)
+        factor = torch.minimum(factor, self.last_factor * (1 + self.factor_threshold))
+        factor = torch.maximum(factor, self.last_factor * (1 - self.factor_threshold))
+        self.last_factor.copy_(factor)
+        p.add_(u * (self.coeff_freeze * factor)[self.seg], alpha=-lr)
+
+    def _direction(self, p: torch.Tensor) -> torch.Tensor:
+        u = self.m / (self.v.sqrt() + self.eps)
+        return u.add_(p, alpha=self.wd) if self.wd else u
+
+    def _freeze(self) -> None:
+        self.v_fresh.copy_(self.v)
+        counts = self._per_tensor(torch.ones_like(self.m))
+        scales = self._per_tensor(self.m * self.m).sqrt() / counts.sqrt()
+        ok = scales > 0
+        united = scales[ok].mean() if ok.any() else torch.tensor(1.0)
+        self.scaling.copy_(torch.where(ok, united / scales.clamp_min(1e-30), torch.ones_like(scales)))
+
+
+def _adam_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, wd: float,
+                 lr: float) -> None:
+    """p -= lr * (m / (sqrt(v) + eps) + wd * p): Adam without bias correction."""
+    if wd:
+        p.mul_(1 - lr * wd)
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
