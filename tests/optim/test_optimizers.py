@@ -8,9 +8,10 @@ from troupe.optim import Adam, FlatParams, Lamb, OptimizerConfig, build_optimize
 from troupe.runtime import ActorGraph, get_context
 
 
-def _model() -> torch.nn.Module:
+def _model(width: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(),
+                               torch.nn.Linear(width, 3))
 
 
 def _grads_step(model, rank: int, step: int) -> None:
@@ -22,9 +23,10 @@ def _grads_step(model, rank: int, step: int) -> None:
 class OptRank:
     """Trains the shared toy model on this rank's data with a given optimizer."""
 
-    def train(self, cfg: dict, steps: int, lr: float = 1e-2, save_at: int | None = None):
+    def train(self, cfg: dict, steps: int, lr: float = 1e-2, save_at: int | None = None,
+              width: int = 16):
         group = collectives.get_group("dp")
-        model = _model()
+        model = _model(width)
         flat = FlatParams(model.parameters(), align=group.world_size)
         opt = build_optimizer(OptimizerConfig(**cfg), flat, group)
         history, saved = [], None
@@ -153,6 +155,7 @@ def test_state_dict_resume_is_exact(ranks, name):
 
 def test_1bit_sends_fewer_bytes(ranks):
     steps = 12
-    adam = ranks.call("train", dict(name="adam"), steps)[0][2]
-    onebit = ranks.call("train", dict(name="onebit_adam", freeze_step=2), steps)[0][2]
+    adam = ranks.call("train", dict(name="adam"), steps, 1e-2, None, 512)[0][2]
+    onebit = ranks.call("train", dict(name="onebit_adam", freeze_step=2), steps, 1e-2, None,
+                        512)[0][2]
     assert onebit < adam / 4

@@ -13,35 +13,47 @@ from troupe.optim.sharded import trust_ratio
 
 
 class _Compressed(Optimizer):
-    """Shared plumbing: the 1-bit mean of a buffer, each buffer with its own error-feedback
-    state (named in ``onebit``), saved with the optimizer."""
+    """Shared plumbing: the 1-bit mean of a flat buffer, compressed tensor by tensor (each
+    parameter gets its own scale, as in DeepSpeed: one scale for the whole buffer would give
+    small-gradient tensors the magnitude of large ones), with error-feedback states saved with
+    the optimizer."""
 
-    onebit: dict[str, OneBitState]
+    def _init_onebit(self, *names: str) -> None:
+        self.onebit: dict[str, list[OneBitState]] = {
+            name: [OneBitState() for _ in self.flat.segments] for name in names}
 
     def _onebit_mean(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if self.world == 1:
             return x
-        x.copy_(compressed_allreduce(x, self.onebit[name], self.group))
-        self.comm.compressed(padded_numel(x.numel(), self.world), self.world)
+        for (offset, n), state in zip(self.flat.segments, self.onebit[name]):
+            part = x[offset:offset + n]
+            part.copy_(compressed_allreduce(part, state, self.group))
+            self.comm.compressed(padded_numel(n, self.world), self.world)
         return x
 
     def state_bytes(self) -> int:
-        errors = [t for st in self.onebit.values() for t in st.state_dict().values()
-                  if t is not None]
+        errors = [t for states in self.onebit.values() for st in states
+                  for t in st.state_dict().values() if t is not None]
         return super().state_bytes() + sum(t.numel() * t.element_size() for t in errors)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["onebit"] = {name: {k: v.clone() for k, v in st.state_dict().items() if v is not None}
-                           for name, st in self.onebit.items()}
+        state["onebit"] = {name: [{k: v.clone() for k, v in st.state_dict().items()
+                                   if v is not None} for st in states]
+                           for name, states in self.onebit.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        for name, st in self.onebit.items():
-            st.reset()
-            if state["onebit"].get(name):
-                st.load_state_dict(state["onebit"][name])
+        for name, states in self.onebit.items():
+            saved = state["onebit"].get(name, [])
+            if len(saved) != len(states):
+                raise ValueError(f"optimizer state {name!r}: error feedback for {len(saved)} "
+                                 f"tensors, this model has {len(states)}")
+            for st, errors in zip(states, saved):
+                st.reset()
+                if errors:
+                    st.load_state_dict(errors)
 
     def _local_grad(self) -> torch.Tensor:
         g = self.flat.grad[:self.flat.numel]
@@ -67,7 +79,7 @@ class OneBitAdam(_Compressed):
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
         n = flat.numel
         self.m, self.v = torch.zeros(n), torch.zeros(n)
-        self.onebit = {"m": OneBitState()}
+        self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"m": self.m, "v": self.v}
@@ -110,7 +122,7 @@ class ZeroOneAdam(_Compressed):
         n = flat.numel
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         self.acc, self.anchor = torch.zeros(n), torch.zeros(n)
-        self.onebit = {"grad": OneBitState(), "acc": OneBitState()}
+        self._init_onebit("grad", "acc")
         self.sched = dict(var_interval=1, var_counter=0, local_interval=1, local_counter=0,
                           lrs=0.0)
 
@@ -187,7 +199,7 @@ class OneBitLamb(_Compressed):
         self.m, self.v, self.v_fresh = torch.zeros(n), torch.zeros(n), torch.zeros(n)
         self.coeff_freeze, self.last_factor = torch.zeros(T), torch.ones(T)
         self.scaling = torch.ones(T)
-        self.onebit = {"m": OneBitState()}
+        self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"m": self.m, "v": self.v, "v_fresh": self.v_fresh,

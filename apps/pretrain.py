@@ -1,0 +1,48 @@
+"""GPT pretraining, dense or (PR-)MoE with expert parallelism, on troupe actors.
+
+    python apps/pretrain.py --config apps/configs/moe-tiny.yaml [key=value ...]
+    python apps/pretrain.py --config apps/configs/moe-tiny.yaml optimizer.name=onebit_adam
+
+Metrics go to <train.out_dir>/metrics.jsonl, the loss curve to loss.png, checkpoints to
+checkpoints/step-N (one file per rank and a manifest). Running the same command again resumes
+from the newest checkpoint; --no-resume starts over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import troupe
+from troupe.config import ConfigError, load_config
+from troupe.runtime import pretrain
+from troupe.training import PretrainConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default="apps/configs/moe-tiny.yaml", help="YAML recipe")
+    p.add_argument("--resume", default="auto", help="'auto', a checkpoint directory")
+    p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(PretrainConfig, args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    troupe.init()
+    records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)
+    evals = [r for r in records if r["kind"] == "eval"]
+    if evals:
+        print(f"validation loss: {evals[0]['val_loss']:.4f} (step {evals[0]['step']}) -> "
+              f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']}); "
+              f"outputs in {cfg.train.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Deterministic language-model batches: documents shuffled by a seed, split into train and
+validation token streams, and windows drawn as a function of (seed, step) alone, so that a
+resumed run sees exactly the batches an uninterrupted one would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from troupe.config import Config
+from troupe.data.corpus import file_documents, stdlib_documents
+from troupe.data.tokenizer import ByteTokenizer
+
+
+class DataConfig(Config):
+    """source: "stdlib" (docstrings of Python's standard library) or a list of .txt/.jsonl
+    files; val_fraction of the documents (at least one) is held out for validation."""
+
+    source: str | list[str] = "stdlib"
+    val_fraction: float = Field(default=0.05, gt=0, lt=1)
+    seed: int = 1234
+    max_chars: int | None = Field(default=None, ge=1)
+
+
+class TokenDataset:
+    """Train and validation token streams of one corpus."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: ByteTokenizer | None = None):
+        self.cfg, self.tokenizer = cfg, tokenizer or ByteTokenizer()
+        docs = stdlib_documents() if cfg.source == "stdlib" else file_documents(
+            [cfg.source] if isinstance(cfg.source, str) else [Path(p) for p in cfg.source])
+        if len(docs) < 2:
+            raise ValueError("data: need at least 2 documents for a train/validation split")
+        order = np.random.default_rng(cfg.seed).permutation(len(docs))
+        n_val = max(1, round(cfg.val_fraction * len(docs)))
+        val, train = [docs[i] for i in order[:n_val]], [docs[i] for i in order[n_val:]]
+        self.train = self._stream(train)
+        self.val = self._stream(val)
+
+    def _stream(self, docs: list[str]) -> np.ndarray:
+        ids = np.concatenate([self.tokenizer.encode(d, eos=True) for d in docs])
+        return ids[:self.cfg.max_chars] if self.cfg.max_chars else ids
+
+    def train_batch(self, step: int, batch_size: int, seq_len: int, rank: int = 0,
+                    world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s rows of global batch ``step`` (batch_size rows in all): inputs and
+        next-token targets, each (batch_size / world, seq_len)."""
+        if batch_size % world:
+            raise ValueError(f"batch_size={batch_size} does not split over {world} ranks")
+        if len(self.train) <= seq_len + 1:
+            raise ValueError(f"training stream of {len(self.train)} tokens is shorter than "
+                             f"seq_len={seq_len}")
+        rng = np.random.default_rng([self.cfg.seed, step])
+        starts = rng.integers(0, len(self.train) - seq_len - 1, size=batch_size)
+        per = batch_size // world
+        return self._windows(self.train, starts[rank * per:(rank + 1) * per], seq_len)
+
+    def val_batches(self, num_batches: int, batch_size: int, seq_len: int, rank: int = 0,
+                    world: int = 1):
+        """The same fixed validation windows every time (evenly spaced over the stream)."""
+        total = num_batches * batch_size
+        span = len(self.val) - seq_len - 1
+        if span <= 0:
+            raise ValueError(f"validation stream of {len(self.val)} tokens is shorter than "
+                             f"seq_len={seq_len}; raise data.val_fraction")
+        starts = np.linspace(0, span, total).astype(np.int64)
+        per = batch_size // world
+        for b in range(num_batches):
+            rows = starts[b * batch_size:(b + 1) * batch_size][rank * per:(rank + 1) * per]
+            yield self._windows(self.val, rows, seq_len)
+
+    @staticmethod
+    def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int):
+        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+        w = torch.from_numpy(stream[idx].astype(np.int64))
+        return w[:, :-1], w[:, 1:]

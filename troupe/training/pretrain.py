@@ -1,0 +1,160 @@
+"""One data-parallel rank of GPT pretraining, in plain torch: the model (with this rank's slice
+of the experts), ZeRO-1 or 1-bit optimizers over flat buckets, deterministic batches with the
+curriculum and random-LTD schedules, evaluation, and its share of a sharded checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from pydantic import Field, model_validator
+
+from troupe.collectives import Communicator
+from troupe.config import Config
+from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig, TokenDataset
+from troupe.models import GPT, GPTConfig, expert_parameters
+from troupe.optim import FlatParams, Optimizer, OptimizerConfig, ShardedOptimizer, build_optimizer
+
+
+class TrainConfig(Config):
+    """steps: optimizer steps; batch_size: sequences per step over all ranks; num_workers:
+    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never)."""
+
+    steps: int = Field(default=200, ge=1)
+    batch_size: int = Field(default=16, ge=1)
+    num_workers: int = Field(default=2, ge=1)
+    eval_every: int = Field(default=50, ge=0)
+    eval_batches: int = Field(default=4, ge=1)
+    checkpoint_every: int = Field(default=0, ge=0)
+    seed: int = 0
+    out_dir: str = "runs/pretrain"
+
+
+class PretrainConfig(Config):
+    """A pretraining recipe (apps/configs/*.yaml)."""
+
+    model: GPTConfig = GPTConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    random_ltd: RandomLTDConfig = RandomLTDConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _fits(self) -> "PretrainConfig":
+        W = self.train.num_workers
+        if self.train.batch_size % W:
+            raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
+                             f"train.num_workers={W}")
+        if self.model.moe is not None and W % self.model.moe.ep_size:
+            raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
+                             f"train.num_workers={W}")
+        return self
+
+
+class Bucket:
+    """Parameters that share a reduction group, flattened, with their optimizer."""
+
+    def __init__(self, name: str, params: list, group: Communicator | None,
+                 cfg: OptimizerConfig, grad_scale: float):
+        self.name, self.group = name, group
+        W = group.world_size if group is not None else 1
+        self.flat = FlatParams(params, align=W if cfg.sharded else 1)
+        self.optimizer: Optimizer = build_optimizer(cfg, self.flat, group, grad_scale)
+
+    def owned(self) -> tuple[int, int]:
+        """The slice of the flat buffer this rank saves: its shard, or everything."""
+        opt = self.optimizer
+        return (opt.lo, opt.hi) if isinstance(opt, ShardedOptimizer) else (0, self.flat.padded)
+
+    def state_dict(self) -> dict:
+        lo, hi = self.owned()
+        return {"params": self.flat.data[lo:hi].clone(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        lo, hi = self.owned()
+        if state["params"].numel() != hi - lo:
+            raise ValueError(f"{where}: bucket {self.name!r} holds {state['params'].numel()} "
+                             f"parameters, this rank owns {hi - lo}: saved with another layout")
+        self.flat.data[lo:hi].copy_(state["params"])
+        if (lo, hi) != (0, self.flat.padded) and self.group is not None:
+            parts = self.group.all_gather(self.flat.data[lo:hi].contiguous())
+            self.flat.data.copy_(parts.reshape(-1))
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class PretrainWorker:
+    """Rank ``rank`` of ``world``. Groups: ``dp`` over all ranks; with MoE, ``ep`` (this rank's
+    expert-parallel group) and ``edp`` (the ranks holding the same experts); None where a group
+    would have one member."""
+
+    def __init__(self, cfg: PretrainConfig, rank: int, world: int, dp: Communicator | None,
+                 ep: Communicator | None = None, edp: Communicator | None = None):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
+        self.data = TokenDataset(cfg.data)
+        self.model = GPT(cfg.model, ep, seed=cfg.train.seed)
+        dense, expert = expert_parameters(self.model)
+        self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0)]
+        if expert:
+            edp_size = edp.world_size if edp is not None else 1
+            self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
+        self.dp, self.step = dp, 0
+
+    def train_step(self, step: int) -> dict:
+        """Run global step ``step`` (1-based); returns this rank's metrics."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        full = cfg.model.seq_len
+        seq_len = cfg.curriculum.seq_len_at(step, full)
+        x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.rank, self.world)
+        x, y = x[:, :seq_len], y[:, :seq_len]
+        keep = cfg.random_ltd.keep_at(step, seq_len)
+        ltd = None
+        if cfg.random_ltd.enabled and keep < seq_len:
+            gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + step * 131 + self.rank)
+            ltd = (keep, cfg.random_ltd.layers(cfg.model.n_layer), gen)
+        self.model.train()
+        _, lm_loss, aux = self.model(x, y, ltd=ltd)
+        lm_loss_value = lm_loss.item()
+        coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
+        (lm_loss + coef * aux).backward()
+        lr = cfg.optimizer.lr_at(step, cfg.train.steps)
+        for b in self.buckets:
+            b.optimizer.step(lr)
+            b.flat.zero_grad()
+        self.step = step
+        return {"step": step, "loss": lm_loss_value, "aux_loss": aux.detach().item(), "lr": lr,
+                "seq_len": seq_len, "ltd_keep": keep, "tokens": x.numel(),
+                "bytes_sent": sum(b.optimizer.comm.bytes_sent for b in self.buckets),
+                "seconds": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over this rank's share of the fixed validation windows."""
+        self.model.eval()
+        c = self.cfg
+        losses = [self.model(x, y)[1].item() for x, y in self.data.val_batches(
+            c.train.eval_batches, c.train.batch_size, c.model.seq_len, self.rank, self.world)]
+        return sum(losses) / len(losses)
+
+    def memory(self) -> dict:
+        """Bytes of parameters and of optimizer state held by this rank."""
+        return {"param_bytes": sum(b.flat.padded * 4 for b in self.buckets),
+                "optimizer_bytes": sum(b.optimizer.state_bytes() for b in self.buckets)}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "rank": self.rank, "world": self.world,
+                "torch_rng": torch.get_rng_state(),
+                "buckets": {b.name: b.state_dict() for b in self.buckets}}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        if state.get("world") != self.world or state.get("rank") != self.rank:
+            raise ValueError(f"{where}: written by rank {state.get('rank')} of "
+                             f"{state.get('world')}, loading into rank {self.rank} of {self.world}")
+        names = sorted(b.name for b in self.buckets)
+        if sorted(state["buckets"]) != names:
+            raise ValueError(f"{where}: buckets {sorted(state['buckets'])}, model has {names}")
+        for b in self.buckets:
+            b.load_state_dict(state["buckets"][b.name], where)
+        torch.set_rng_state(state["torch_rng"])
+        self.step = int(state["step"])
