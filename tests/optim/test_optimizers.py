@@ -34,7 +34,7 @@ class OptRank:
             _grads_step(model, get_context().rank, t)
             opt.step(lr)
             flat.zero_grad()
-            history.append(dict(p=flat.data.clone(), v=getattr(opt, "v").clone()))
+            history.append(dict(p=flat.data.clone(), v=opt.state_tensors()["v"].clone()))
             if t == save_at:
                 saved = (flat.data.clone(), opt.state_dict())
         return history, opt.state_bytes(), opt.comm.bytes_sent, saved

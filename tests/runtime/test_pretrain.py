@@ -70,3 +70,24 @@ def test_damaged_checkpoint_is_named(cluster, tmp_path):
     victim.write_bytes(bytes(data))
     with pytest.raises(Exception, match="rank-00001.trp does not match its manifest"):
         pretrain.run(cfg, resume=str(directory), progress=False)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_offloaded_shards_match_zero1(cluster, tmp_path, optimizer):
+    """Master weights and optimizer state on ParameterShard actors give the losses of ZeRO-1
+    inside the trainers, hold 1/W of the state each, and resume exactly."""
+    over = dict(optimizer__name=optimizer, model__moe=None, train__steps=6,
+                train__checkpoint_every=3, train__eval_every=3)
+    zero1 = pretrain.run(_cfg(tmp_path, "zero1", **over), resume=None, progress=False)
+    cfg = _cfg(tmp_path, "offload", train__offload=True, **over)
+    first = pretrain.run(cfg, resume=None, stop_after=3, progress=False)
+    second = pretrain.run(cfg, resume="auto", progress=False)
+    a = [r.get("loss", r.get("val_loss")) for r in zero1]
+    b = [r.get("loss", r.get("val_loss")) for r in first + second]
+    assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+    graph = pretrain.build_graph(cfg, name="offload-memory")
+    graph.shutdown()
+    owners = graph.owner_info
+    assert all(t["optimizer_bytes"] == 0 for t in graph.info)  # trainers hold no state
+    total = 2 * owners[0]["param_bytes"]
+    assert [o["optimizer_bytes"] for o in owners] == [total] * 2  # m and v of one shard each

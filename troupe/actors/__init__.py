@@ -1,5 +1,6 @@
 """Role classes hosted by the graph's workers: thin shells over the plain classes below."""
 
 from troupe.actors.pretrain import PretrainRank
+from troupe.actors.shard import ParameterShardRank
 
-__all__ = ["PretrainRank"]
+__all__ = ["ParameterShardRank", "PretrainRank"]

@@ -3,6 +3,7 @@ groups ("dp", and with MoE "ep" and "edp")."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from troupe import collectives
@@ -25,10 +26,11 @@ class PretrainRank:
         self.worker: PretrainWorker | None = None
 
     def setup(self) -> dict:
+        """Build the model and optimizers; returns this rank's pid and memory figures."""
         ctx = get_context()
         self.worker = PretrainWorker(self.cfg, ctx.rank, ctx.world_size, _group("dp"),
-                                     _group("ep"), _group("edp"))
-        return self.worker.memory()
+                                     _group("ep"), _group("edp"), _group("offload"))
+        return {"pid": os.getpid(), **self.worker.memory()}
 
     def train_step(self, step: int) -> dict:
         return self._w.train_step(step)

@@ -42,7 +42,9 @@ class Attention(nn.Module):
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_head={cfg.n_head}")
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        # no bias: a key bias gets exactly zero gradient (softmax ignores a shift shared by all
+        # keys), so its frozen variance would be zero and 1-bit momentum noise would blow it up
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:

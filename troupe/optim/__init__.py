@@ -1,11 +1,15 @@
 """Optimizers over flat fp32 buffers: ZeRO-1 sharded Adam, AdamW and LAMB with plain
-collectives, and the 1-bit family (OneBitAdam, ZeroOneAdam, OneBitLamb) on compressed_allreduce."""
+collectives (or offloaded to ParameterShard owners), and the 1-bit family (OneBitAdam,
+ZeroOneAdam, OneBitLamb) on compressed_allreduce."""
 
 from troupe.optim.base import CommCounter, Optimizer
-from troupe.optim.config import OPTIMIZERS, OptimizerConfig, build_optimizer
-from troupe.optim.flat import FlatParams
+from troupe.optim.config import OPTIMIZERS, OptimizerConfig, build_optimizer, build_shard_rule
+from troupe.optim.flat import FlatParams, padded_size, segment_ids
+from troupe.optim.offload import OffloadedOptimizer, ParameterShard
 from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
-from troupe.optim.sharded import Adam, Lamb, ShardedOptimizer
+from troupe.optim.sharded import Adam, AdamRule, Lamb, LambRule, ShardedOptimizer, ShardRule
 
-__all__ = ["OPTIMIZERS", "Adam", "CommCounter", "FlatParams", "Lamb", "OneBitAdam", "OneBitLamb",
-           "Optimizer", "OptimizerConfig", "ShardedOptimizer", "ZeroOneAdam", "build_optimizer"]
+__all__ = ["OPTIMIZERS", "Adam", "AdamRule", "CommCounter", "FlatParams", "Lamb", "LambRule",
+           "OffloadedOptimizer", "OneBitAdam", "OneBitLamb", "Optimizer", "OptimizerConfig",
+           "ParameterShard", "ShardRule", "ShardedOptimizer", "ZeroOneAdam", "build_optimizer",
+           "build_shard_rule", "padded_size", "segment_ids"]

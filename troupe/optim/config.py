@@ -9,10 +9,10 @@ from pydantic import Field
 
 from troupe.collectives import Communicator
 from troupe.config import Config
-from troupe.optim.base import Optimizer
-from troupe.optim.flat import FlatParams
+from troupe.optim.base import CommCounter, Optimizer
+from troupe.optim.flat import FlatParams, segment_ids
 from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
-from troupe.optim.sharded import Adam, Lamb
+from troupe.optim.sharded import Adam, AdamRule, Lamb, LambRule, ShardRule
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb")
 
@@ -79,3 +79,17 @@ def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator 
     return OneBitLamb(flat, group, freeze_step=cfg.freeze_step, coeff_beta=cfg.coeff_beta,
                       factor_max=cfg.factor_max, factor_min=cfg.factor_min,
                       factor_threshold=cfg.factor_threshold, **lamb, **common)
+
+
+def build_shard_rule(cfg: OptimizerConfig, numels: list[int], padded: int, lo: int, hi: int,
+                     norm_group: Communicator | None, comm: CommCounter) -> ShardRule:
+    """The update of shard [lo, hi) of a flat buffer of tensors of ``numels`` elements, for a
+    ParameterShard owner (ZeRO-1 algorithms only)."""
+    if not cfg.sharded:
+        raise ValueError(f"optimizer {cfg.name!r} keeps its state on every rank and cannot be "
+                         "offloaded; use adam, adamw or lamb")
+    if cfg.name == "lamb":
+        return LambRule(segment_ids(numels, padded, lo, hi), len(numels) + 1, norm_group, comm,
+                        cfg.betas, cfg.eps, cfg.weight_decay, cfg.min_coeff, cfg.max_coeff)
+    return AdamRule(hi - lo, cfg.betas, cfg.eps, cfg.weight_decay, cfg.name == "adamw",
+                    cfg.bias_correction)

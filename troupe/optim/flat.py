@@ -20,7 +20,7 @@ class FlatParams:
     def __init__(self, params: Iterable[nn.Parameter], align: int = 1):
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        self.padded = max(math.ceil(self.numel / align) * align, align)
+        self.padded = padded_size([p.numel() for p in self.params], align)
         self.data = torch.zeros(self.padded, dtype=torch.float32)
         self.grad = torch.zeros(self.padded, dtype=torch.float32)
         self.segments: list[tuple[int, int]] = []
@@ -40,8 +40,21 @@ class FlatParams:
 
     def segment_ids(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """For each element of [lo, hi): the index of its parameter (len(params) for padding)."""
-        hi = self.padded if hi is None else hi
-        ids = torch.full((self.padded,), len(self.params), dtype=torch.int64)
-        for i, (o, n) in enumerate(self.segments):
-            ids[o:o + n] = i
-        return ids[lo:hi].clone()
+        return segment_ids([n for _, n in self.segments], self.padded, lo, hi)
+
+
+def padded_size(numels: list[int], align: int) -> int:
+    """The size of a flat buffer holding tensors of ``numels`` elements, padded to ``align``."""
+    return max(math.ceil(sum(numels) / align) * align, align)
+
+
+def segment_ids(numels: list[int], padded: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Tensor index of each element of [lo, hi) of a flat buffer of tensors of ``numels``
+    elements (len(numels) for the padding), without the tensors themselves."""
+    hi = padded if hi is None else hi
+    ids = torch.full((padded,), len(numels), dtype=torch.int64)
+    offset = 0
+    for i, n in enumerate(numels):
+        ids[offset:offset + n] = i
+        offset += n
+    return ids[lo:hi].clone()

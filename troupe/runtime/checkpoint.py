@@ -1,5 +1,5 @@
-"""Driver side of sharded checkpoints: every rank of a role writes its file in parallel, then
-the driver writes the manifest that makes the checkpoint complete."""
+"""Driver side of sharded checkpoints: every rank of the given roles writes its file in
+parallel, then the driver writes the manifest that makes the checkpoint complete."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from troupe.runtime.handle import RoleGroup
 from troupe.training import checkpoint as ckpt
 
 
-def save(role: RoleGroup, root: str | Path, step: int, keep: int = 2, **meta: Any) -> Path:
-    """Checkpoint ``role`` (whose workers implement ``save(directory)``) as root/step-NNNNNNNN;
-    keeps the newest ``keep`` complete checkpoints."""
+def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
+         **meta: Any) -> Path:
+    """Checkpoint ``roles`` (whose workers implement ``save(directory)``) as
+    root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
     directory = Path(root) / f"step-{step:08d}"
     if directory.exists():
         shutil.rmtree(directory)
-    files = role.call("save", str(directory))
-    ckpt.write_manifest(directory, files, step=step, world_size=role.world_size, **meta)
+    refs = [(role, role.call_async("save", str(directory))) for role in roles]
+    files = [entry for role, r in refs for entry in role.get(r, "save")]
+    ckpt.write_manifest(directory, files, step=step,
+                        roles={role.name: role.world_size for role in roles}, **meta)
     done = sorted((d for d in Path(root).glob("step-*") if (d / ckpt.MANIFEST).is_file()),
                   key=lambda d: int(d.name.split("-")[1]))
     for old in done[:-keep] if keep > 0 else []:
@@ -26,16 +29,18 @@ def save(role: RoleGroup, root: str | Path, step: int, keep: int = 2, **meta: An
     return directory
 
 
-def restore(role: RoleGroup, directory: str | Path) -> int:
-    """Load a checkpoint into ``role`` (workers implement ``load(directory)``); returns the step."""
+def restore(roles: list[RoleGroup], directory: str | Path) -> int:
+    """Load a checkpoint into ``roles`` (workers implement ``load(directory)``, all called at
+    once, since loading may exchange tensors between roles); returns the step."""
     manifest = ckpt.read_manifest(directory)
-    if manifest["world_size"] != role.world_size:
-        raise ValueError(f"checkpoint {directory} was written by {manifest['world_size']} ranks; "
-                         f"role {role.name!r} has {role.world_size}")
-    steps = set(role.call("load", str(directory)))
-    if steps != {manifest["step"]}:
-        raise ValueError(f"checkpoint {directory}: ranks restored steps {sorted(steps)}, "
-                         f"manifest says {manifest['step']}")
+    saved = manifest.get("roles", {})
+    for role in roles:
+        if saved.get(role.name) != role.world_size:
+            raise ValueError(f"checkpoint {directory} holds {saved.get(role.name, 0)} ranks of "
+                             f"role {role.name!r}; the graph has {role.world_size}")
+    refs = [(role, role.call_async("load", str(directory))) for role in roles]
+    for role, r in refs:
+        role.get(r, "load")
     return manifest["step"]
 
 

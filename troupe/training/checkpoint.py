@@ -16,13 +16,14 @@ MANIFEST = "manifest.json"
 FORMAT = "troupe-checkpoint/1"
 
 
-def rank_file(directory: str | Path, rank: int) -> Path:
-    return Path(directory) / f"rank-{rank:05d}.trp"
+def rank_file(directory: str | Path, rank: int, prefix: str = "rank") -> Path:
+    return Path(directory) / f"{prefix}-{rank:05d}.trp"
 
 
-def write_rank(directory: str | Path, rank: int, state: dict[str, Any]) -> dict[str, Any]:
+def write_rank(directory: str | Path, rank: int, state: dict[str, Any],
+               prefix: str = "rank") -> dict[str, Any]:
     """Write one rank's state; returns {"file", "bytes", "sha256"} for the manifest."""
-    path = rank_file(directory, rank)
+    path = rank_file(directory, rank, prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -33,9 +34,10 @@ def write_rank(directory: str | Path, rank: int, state: dict[str, Any]) -> dict[
     return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
-def read_rank(directory: str | Path, rank: int, manifest: dict[str, Any]) -> dict[str, Any]:
+def read_rank(directory: str | Path, rank: int, manifest: dict[str, Any],
+              prefix: str = "rank") -> dict[str, Any]:
     """Read one rank's state, checked against the manifest's size and hash."""
-    path = rank_file(directory, rank)
+    path = rank_file(directory, rank, prefix)
     entry = next((e for e in manifest["files"] if e["file"] == path.name), None)
     if entry is None:
         raise ValueError(f"checkpoint {directory}: manifest lists no file for rank {rank} "

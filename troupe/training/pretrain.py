@@ -13,12 +13,17 @@ from troupe.collectives import Communicator
 from troupe.config import Config
 from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig, TokenDataset
 from troupe.models import GPT, GPTConfig, expert_parameters
-from troupe.optim import FlatParams, Optimizer, OptimizerConfig, ShardedOptimizer, build_optimizer
+from troupe.optim import (CommCounter, FlatParams, OffloadedOptimizer, Optimizer,
+                          OptimizerConfig, ParameterShard, ShardedOptimizer, build_optimizer,
+                          build_shard_rule, padded_size)
 
 
 class TrainConfig(Config):
     """steps: optimizer steps; batch_size: sequences per step over all ranks; num_workers:
-    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never)."""
+    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never).
+    offload: keep the dense parameters' fp32 master weights and optimizer state on
+    ``num_workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
+    optimizers only); expert parameters stay sharded over their trainers."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -28,6 +33,8 @@ class TrainConfig(Config):
     checkpoint_every: int = Field(default=0, ge=0)
     seed: int = 0
     out_dir: str = "runs/pretrain"
+    offload: bool = False
+    shard_cpus: float = Field(default=1.0, gt=0)
 
 
 class PretrainConfig(Config):
@@ -46,6 +53,9 @@ class PretrainConfig(Config):
         if self.train.batch_size % W:
             raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
                              f"train.num_workers={W}")
+        if self.train.offload and not self.optimizer.sharded:
+            raise ValueError(f"train.offload: optimizer.name={self.optimizer.name!r} keeps its "
+                             "state on every rank; offload works with adam, adamw or lamb")
         if self.model.moe is not None and W % self.model.moe.ep_size:
             raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
                              f"train.num_workers={W}")
@@ -56,15 +66,22 @@ class Bucket:
     """Parameters that share a reduction group, flattened, with their optimizer."""
 
     def __init__(self, name: str, params: list, group: Communicator | None,
-                 cfg: OptimizerConfig, grad_scale: float):
+                 cfg: OptimizerConfig, grad_scale: float, offload: Communicator | None = None):
         self.name, self.group = name, group
         W = group.world_size if group is not None else 1
         self.flat = FlatParams(params, align=W if cfg.sharded else 1)
-        self.optimizer: Optimizer = build_optimizer(cfg, self.flat, group, grad_scale)
+        self.optimizer: Optimizer
+        if offload is not None:
+            self.optimizer = OffloadedOptimizer(self.flat, offload, grad_scale)
+        else:
+            self.optimizer = build_optimizer(cfg, self.flat, group, grad_scale)
 
     def owned(self) -> tuple[int, int]:
-        """The slice of the flat buffer this rank saves: its shard, or everything."""
+        """The slice of the flat buffer this rank saves: its shard, everything, or nothing
+        (offloaded: the shard owners save the parameters)."""
         opt = self.optimizer
+        if isinstance(opt, OffloadedOptimizer):
+            return (0, 0)
         return (opt.lo, opt.hi) if isinstance(opt, ShardedOptimizer) else (0, self.flat.padded)
 
     def state_dict(self) -> dict:
@@ -77,7 +94,9 @@ class Bucket:
             raise ValueError(f"{where}: bucket {self.name!r} holds {state['params'].numel()} "
                              f"parameters, this rank owns {hi - lo}: saved with another layout")
         self.flat.data[lo:hi].copy_(state["params"])
-        if (lo, hi) != (0, self.flat.padded) and self.group is not None:
+        if isinstance(self.optimizer, OffloadedOptimizer):
+            self.optimizer.pull_params()
+        elif (lo, hi) != (0, self.flat.padded) and self.group is not None:
             parts = self.group.all_gather(self.flat.data[lo:hi].contiguous())
             self.flat.data.copy_(parts.reshape(-1))
         self.optimizer.load_state_dict(state["optimizer"])
@@ -86,16 +105,20 @@ class Bucket:
 class PretrainWorker:
     """Rank ``rank`` of ``world``. Groups: ``dp`` over all ranks; with MoE, ``ep`` (this rank's
     expert-parallel group) and ``edp`` (the ranks holding the same experts); None where a group
-    would have one member."""
+    would have one member. ``offload``: the trainers + ParameterShard owners group, when the
+    dense parameters are offloaded (the owners must construct in step: see ShardOwner)."""
 
     def __init__(self, cfg: PretrainConfig, rank: int, world: int, dp: Communicator | None,
-                 ep: Communicator | None = None, edp: Communicator | None = None):
+                 ep: Communicator | None = None, edp: Communicator | None = None,
+                 offload: Communicator | None = None):
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
         self.data = TokenDataset(cfg.data)
         self.model = GPT(cfg.model, ep, seed=cfg.train.seed)
         dense, expert = expert_parameters(self.model)
-        self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0)]
+        self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
+        if offload is not None:
+            self.buckets[0].optimizer.push_params()
         if expert:
             edp_size = edp.world_size if edp is not None else 1
             self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
@@ -158,3 +181,42 @@ class PretrainWorker:
             b.load_state_dict(state["buckets"][b.name], where)
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
+
+
+class ShardOwner:
+    """A ParameterShard owner of the dense parameters (train.offload): index ``index`` of W.
+    ``offload`` is the trainers + owners group; ``owners`` the owners among themselves (LAMB's
+    per-tensor norms)."""
+
+    def __init__(self, cfg: PretrainConfig, offload: Communicator,
+                 owners: Communicator | None):
+        with torch.device("meta"):  # shapes only: the owner never holds a model
+            dense, _ = expert_parameters(GPT(cfg.model, None, seed=cfg.train.seed))
+        numels = [p.numel() for p in dense if p.requires_grad]
+        W = cfg.train.num_workers
+        padded = padded_size(numels, W)
+        chunk, index = padded // W, offload.rank - W
+        self.comm = CommCounter()
+        rule = build_shard_rule(cfg.optimizer, numels, padded, index * chunk,
+                                (index + 1) * chunk, owners, self.comm)
+        self.cfg, self.index = cfg, index
+        self.shard = ParameterShard(offload, padded, rule)
+        self.shard.receive_params()
+
+    def step(self, step: int) -> None:
+        self.shard.step(self.cfg.optimizer.lr_at(step, self.cfg.train.steps))
+
+    def memory(self) -> dict:
+        state = self.shard.rule.state_tensors().values()
+        return {"param_bytes": self.shard.params.numel() * 4,
+                "optimizer_bytes": sum(t.numel() * t.element_size() for t in state)}
+
+    def state_dict(self) -> dict:
+        return {"index": self.index, "shard": self.shard.state_dict()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        if state.get("index") != self.index:
+            raise ValueError(f"{where}: written by owner {state.get('index')}, loading into "
+                             f"owner {self.index}")
+        self.shard.load_state_dict(state["shard"], where)
+        self.shard.send_params()

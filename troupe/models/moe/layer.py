@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.collectives import Communicator, all_to_all
+from troupe.kernels.moe import permute, unpermute
 from troupe.models.moe.config import MoEConfig
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import Routing, TopKGate
@@ -38,19 +39,10 @@ class MoE(nn.Module):
         x_SM = x.reshape(-1, x.shape[-1])
         routing = self.gate(x_SM)
         self.last_routing = routing
-        kept_A = routing.kept_SK.t().reshape(-1)  # choice-major, so first choices come first
-        tokens_A = torch.arange(x_SM.shape[0], device=x.device).repeat(routing.kept_SK.shape[1])
-        tokens_A = tokens_A[kept_A]
-        experts_A = routing.experts_SK.t().reshape(-1)[kept_A]
-        weights_A = routing.weights_SK.t().reshape(-1)[kept_A]
-
-        order = torch.argsort(experts_A, stable=True)
-        tokens_A, weights_A = tokens_A[order], weights_A[order]
-        counts_E = torch.bincount(experts_A, minlength=self.num_experts)
-        x_AM = x_SM.index_select(0, tokens_A)  # (A, M), grouped by expert
-        y_AM = self._run_experts(x_AM, counts_E)
-        out_SM = torch.zeros_like(x_SM).index_add_(0, tokens_A, y_AM * weights_A[:, None].to(y_AM.dtype))
-        return out_SM.view_as(x), routing.aux_loss
+        x_AM, plan = permute(x_SM, routing.experts_SK, routing.weights_SK, routing.kept_SK,
+                             self.num_experts)
+        y_AM = self._run_experts(x_AM, plan.counts_E)
+        return unpermute(y_AM, plan).view_as(x), routing.aux_loss
 
     def _run_experts(self, x_AM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if self.group is None:
