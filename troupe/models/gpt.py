@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,23 @@ class GPTConfig(Config):
         return [i for i in range(self.n_layer) if (i + 1) % k == 0]
 
 
+@dataclass
+class KVCache:
+    """Keys and values of every layer for a batch, (B, H, max_len, C/H) each; ``length``
+    positions are filled."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg: GPTConfig, batch: int, max_len: int, device=None,
+              dtype: torch.dtype = torch.float32) -> "KVCache":
+        shape = (batch, cfg.n_head, max_len, cfg.d_model // cfg.n_head)
+        return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
+                   [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -47,12 +65,21 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x_BTC.shape
         q, k, v = self.qkv(x_BTC).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, C/H)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if cache is not None:  # append this step's keys and values, attend over all so far
+            L = cache.length
+            cache.k[layer][:, :, L:L + T] = k
+            cache.v[layer][:, :, L:L + T] = v
+            k, v = cache.k[layer][:, :, :L + T], cache.v[layer][:, :, :L + T]
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -72,8 +99,9 @@ class Block(nn.Module):
         self.attn, self.ffn = Attention(cfg), ffn
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC)))
+    def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer))
         y, aux = self.ffn(self.ln2(x_BTC))
         return x_BTC + self.drop(y), aux
 
@@ -130,24 +158,55 @@ class GPT(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * s)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
-                ltd: tuple[int, range, torch.Generator] | None = None):
+                ltd: tuple[int, range, torch.Generator] | None = None, **kw):
+        """Logits (B, T, V), the mean next-token loss against ``targets_BT`` (None without),
+        and the MoE auxiliary loss. Keywords as for ``hidden``."""
+        h, aux = self.hidden(idx_BT, ltd=ltd, **kw)
+        logits = F.linear(h, self.tok_emb.weight)  # (B, T, V)
+        loss = None
+        if targets_BT is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BT.reshape(-1))
+        return logits, loss, aux
+
+    def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
+               valid_BS: torch.Tensor | None = None, cache: KVCache | None = None):
+        """Final hidden states (B, T, C) after ln_f, and the MoE auxiliary loss.
+
+        valid_BS: which of the S = cache.length + T positions hold real tokens (False for left
+        padding); positions are then counted over real tokens only, so a left-padded prompt is
+        embedded as if it started at position 0. cache: KVCache to extend with these T tokens.
+        """
         B, T = idx_BT.shape
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx_BT.device)
+        L = cache.length if cache is not None else 0
+        if L + T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {L + T} tokens exceeds seq_len={self.cfg.seq_len}")
+        mask = None
+        if valid_BS is None:
+            pos = torch.arange(L, L + T, device=idx_BT.device)
+        else:
+            pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
+            mask = attention_mask(valid_BS, T)
         x = self.drop(self.tok_emb(idx_BT) + self.pos_emb(pos))  # (B, T, C)
         aux = x.new_zeros(())
         for i, block in enumerate(self.blocks):
             if ltd is not None and i in ltd[1] and ltd[0] < T:
                 x, a = _through_subset(block, x, ltd[0], ltd[2])
             else:
-                x, a = block(x)
+                x, a = block(x, mask, cache, i)
             aux = aux + a
-        logits = F.linear(self.ln_f(x), self.tok_emb.weight)  # (B, T, V)
-        loss = None
-        if targets_BT is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BT.reshape(-1))
-        return logits, loss, aux
+        if cache is not None:
+            cache.length += T
+        return self.ln_f(x), aux
+
+
+def attention_mask(valid_BS: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, 1, T, S) boolean mask for the last T of S positions: causal, real keys only, and
+    each query may always see itself (so padding rows are not empty)."""
+    B, S = valid_BS.shape
+    q = torch.arange(S - T, S, device=valid_BS.device)[:, None]
+    k = torch.arange(S, device=valid_BS.device)[None, :]
+    mask = (k <= q) & valid_BS[:, None, :]
+    return (mask | (k == q)).unsqueeze(1)
 
 
 def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
@@ -156,7 +215,7 @@ def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
     B, T, C = x_BTC.shape
     idx_BK = torch.rand(B, T, generator=gen).argsort(dim=1)[:, :keep].sort(dim=1).values
     idx_BKC = idx_BK.to(x_BTC.device)[:, :, None].expand(B, keep, C)
-    y, aux = block(torch.gather(x_BTC, 1, idx_BKC))
+    y, aux = block(torch.gather(x_BTC, 1, idx_BKC))  # causal among the kept, in order
     return x_BTC.scatter(1, idx_BKC, y), aux
 
 

@@ -71,12 +71,15 @@ class RoleGroup:
     def scatter(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(slice, *args, **kwargs)`` with worker r receiving only slice r of
         ``batch`` (see ``split_batch``; a list of exactly world_size items is used as is)."""
+        return self.get(self.scatter_async(method, batch, *args, **kwargs), method)
+
+    def scatter_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> list:
+        """``scatter`` without waiting: the refs in rank order (see ``get``)."""
         if isinstance(batch, list) and len(batch) == self.world_size:
             slices = batch
         else:
             slices = split_batch(batch, self.world_size)
-        refs = [a.call.remote(method, (s, *args), kwargs) for a, s in zip(self.actors, slices)]
-        return self.get(refs, method)
+        return [a.call.remote(method, (s, *args), kwargs) for a, s in zip(self.actors, slices)]
 
     def get(self, refs: Sequence[ray.ObjectRef], method: str = "call",
             timeout_s: float | None = None) -> list[Any]:

@@ -1,0 +1,90 @@
+"""The RLHF roles in one process: each step's loss falls, generation with the KV cache matches
+recomputation, the data loader names bad lines."""
+
+import json
+
+import pytest
+import torch
+
+from troupe.rlhf.batch import completions, left_pad, response_mask
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.data import SortTask, read_jsonl
+from troupe.rlhf.roles import Critic, Policy, Reward
+
+SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
+             sft=dict(steps=30), reward=dict(steps=30), ppo=dict(iterations=5, max_new_tokens=6))
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:2: field\(s\) chosen, rejected"):
+        read_jsonl(path)
+    path.write_text("{oops\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:1: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_task_gold_and_pairs():
+    task = SortTask()
+    assert task.gold("sort 7391:", "1379") == 1.0
+    assert task.gold("sort 7391:", "1397") < 1.0
+    for e in task.preferences(200, 0):
+        assert task.gold(e.prompt, e.chosen) > task.gold(e.prompt, e.rejected)
+
+
+def test_batch_masks():
+    ids, valid = left_pad([[1, 2], [3]], 0)
+    assert ids.tolist() == [[1, 2], [0, 3]] and valid.tolist() == [[True, True], [False, True]]
+    assert response_mask(torch.tensor([[5, 9, 7, 9]]), 9).tolist() == [[1, 1, 0, 0]]
+
+    class Tok:
+        eos_id = pad_id = 0
+
+        def encode(self, t):
+            return [ord(c) for c in t]
+
+    ids, valid, mask = completions(Tok(), ["ab", "c"], ["x", "yz"])
+    # row 0 is a b x eos: x and eos are predicted at positions 1 and 2; row 1 is c y z eos
+    assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_sft_and_reward_losses_fall():
+    cfg = RLHFConfig(**SMALL)
+    task = SortTask()
+    policy, reward = Policy(cfg, None, 0), Reward(cfg, None, 0)
+    policy.train.use_optimizer(cfg.sft.optimizer, 30)
+    reward.train.use_optimizer(cfg.reward.optimizer, 30)
+    demos = task.demonstrations(32, 0)
+    pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(32, 1)]
+    sft = [policy.sft_step(demos, s)["loss"] for s in range(1, 31)]
+    rm = [reward.rm_step(pairs, s)["loss"] for s in range(1, 31)]
+    assert sft[-1] < sft[0] - 1.0 and rm[-1] < rm[0]
+
+
+def test_generation_with_cache_matches_recompute():
+    cfg = RLHFConfig(**SMALL)
+    policy = Policy(cfg, None, 0)
+    from troupe.rlhf.batch import prompts
+    ids, valid = prompts(policy.tok, ["sort 12:", "sort 98765:"])
+    a = policy.lm.generate(ids, valid, 6, policy.tok.eos_id, temperature=0.0)
+    b = policy.lm.generate(ids, valid, 6, policy.tok.eos_id, temperature=0.0, use_cache=False)
+    assert torch.equal(a, b)
+
+
+def test_ppo_step_on_own_samples():
+    cfg = RLHFConfig(**SMALL)
+    policy, critic = Policy(cfg, None, 0), Critic(cfg, None, 0)
+    policy.train.use_optimizer(cfg.ppo.actor, 5)
+    critic.train.use_optimizer(cfg.ppo.critic, 5)
+    g = policy.generate(["sort 321:", "sort 9:"], seed=0)
+    assert g["ids"].shape[1] == g["valid"].shape[1] == g["action"].shape[1] + 1
+    old = policy.logprobs(g["ids"], g["valid"])
+    values = critic.values(g["ids"], g["valid"])
+    assert old.shape == values.shape == g["action"].shape
+    adv = torch.ones_like(old) * g["action"]
+    exp = {**g, "old_logp": old, "adv": adv, "old_values": values, "returns": adv}
+    stats = policy.ppo_step(exp, 1, None)
+    assert stats["policy_loss"] == pytest.approx(-1.0, abs=1e-5)  # ratio 1: -mean(A)
+    assert critic.critic_step(exp, 1)["value_loss"] > 0

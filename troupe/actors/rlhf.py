@@ -1,0 +1,117 @@
+"""The four RLHF roles as graph workers: thin shells that build the plain role classes of
+troupe.rlhf once their data-parallel groups are wired ("policy", "critic", "reward")."""
+
+from __future__ import annotations
+
+import torch
+
+from troupe import collectives
+from troupe.config import validate
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.roles import Critic, Policy, Reference, Reward
+from troupe.runtime.context import get_context
+
+
+def _config(config: dict | RLHFConfig) -> RLHFConfig:
+    return config if isinstance(config, RLHFConfig) else validate(RLHFConfig, config,
+                                                                  "rlhf config")
+
+
+def _group(name: str) -> collectives.Communicator | None:
+    return collectives.get_group(name) if name in collectives.list_groups() else None
+
+
+class PolicyActor:
+    def __init__(self, config: dict | RLHFConfig):
+        self.cfg, self.role = _config(config), None
+
+    def setup(self) -> None:
+        self.role = Policy(self.cfg, _group("policy"), get_context().rank)
+
+    def start_sft(self, total_steps: int) -> None:
+        self.role.train.use_optimizer(self.cfg.sft.optimizer, total_steps)
+
+    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> dict:
+        return self.role.sft_step(pairs, step)
+
+    def begin_ppo(self, sft_path: str) -> None:
+        self.role.begin_ppo(sft_path)
+
+    def generate(self, prompts: list[str], seed: int, use_ema: bool = False,
+                 temperature: float | None = None) -> dict:
+        return self.role.generate(prompts, seed, use_ema, temperature)
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        return self.role.logprobs(batch["ids"], batch["valid"])
+
+    def ppo_step(self, exp: dict, iteration: int, ptx=None) -> dict:
+        return self.role.ppo_step(exp, iteration, ptx)
+
+    def save(self, path: str, ema: bool = False) -> str:
+        return self.role.save(path, ema)
+
+    def load(self, path: str) -> None:
+        self.role.load(path)
+
+
+class ReferenceActor:
+    def __init__(self, config: dict | RLHFConfig):
+        self.cfg, self.role = _config(config), None
+
+    def setup(self) -> None:
+        self.role = Reference(self.cfg, get_context().rank)
+
+    def load(self, path: str) -> None:
+        self.role.load(path)
+
+    def logprobs(self, batch: dict) -> torch.Tensor:
+        return self.role.logprobs(batch["ids"], batch["valid"])
+
+
+class RewardActor:
+    def __init__(self, config: dict | RLHFConfig):
+        self.cfg, self.role = _config(config), None
+
+    def setup(self) -> None:
+        self.role = Reward(self.cfg, _group("reward"), get_context().rank)
+
+    def start_training(self, total_steps: int) -> None:
+        self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
+
+    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> dict:
+        return self.role.rm_step(examples, step)
+
+    def evaluate(self, examples: list[tuple[str, str, str]]) -> dict:
+        return self.role.evaluate(examples)
+
+    def score(self, batch: dict) -> torch.Tensor:
+        return self.role.score(batch["ids"], batch["valid"])
+
+    def save(self, path: str) -> str:
+        return self.role.save(path)
+
+    def load(self, path: str) -> None:
+        self.role.load(path)
+
+
+class CriticActor:
+    def __init__(self, config: dict | RLHFConfig):
+        self.cfg, self.role = _config(config), None
+
+    def setup(self) -> None:
+        self.role = Critic(self.cfg, _group("critic"), get_context().rank)
+
+    def begin_ppo(self, reward_path: str) -> None:
+        self.role.begin_ppo(reward_path)
+
+    def values(self, batch: dict) -> torch.Tensor:
+        return self.role.values(batch["ids"], batch["valid"])
+
+    def critic_step(self, exp: dict, iteration: int) -> dict:
+        return self.role.critic_step(exp, iteration)
+
+    def save(self, path: str) -> str:
+        return self.role.save(path)
+
+    def load(self, path: str) -> None:
+        self.role.load(path)

@@ -1,0 +1,47 @@
+"""Turning text into the left-padded tensors the roles work on."""
+
+from __future__ import annotations
+
+import torch
+
+from troupe.rlhf.lm import Tokenizer
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, valid), both (B, max length), real tokens right-aligned."""
+    S = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    valid = torch.zeros(len(seqs), S, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, S - len(s):] = torch.tensor(s)
+            valid[i, S - len(s):] = True
+    return ids, valid
+
+
+def prompts(tok: Tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    return left_pad([tok.encode(t) for t in texts], tok.pad_id)
+
+
+def completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
+    """Prompt + response + eos, left-padded: (ids, valid, response_mask) where response_mask
+    (B, S-1) marks the next-token targets that belong to the response (its eos included)."""
+    seqs, starts = [], []
+    for p, r in zip(prompt_texts, responses):
+        pi = tok.encode(p)
+        seqs.append(pi + tok.encode(r) + [tok.eos_id])
+        starts.append(len(pi))
+    ids, valid = left_pad(seqs, tok.pad_id)
+    S = ids.shape[1]
+    mask = torch.zeros(len(seqs), S - 1)
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        first = S - len(s) + start  # index of the first response token
+        mask[i, first - 1:] = 1.0  # target t+1 is predicted at t
+    return ids, valid, mask
+
+
+def response_mask(response_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 for generated tokens up to and including the first eos, 0 after it."""
+    is_eos = (response_BN == eos_id).long()
+    before = is_eos.cumsum(1) - is_eos  # eos tokens strictly before position t
+    return (before == 0).float()

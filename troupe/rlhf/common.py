@@ -1,0 +1,93 @@
+"""What every RLHF role shares: building its model, a data-parallel optimizer over its flat
+parameters, and saving / loading weights in troupe's wire format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from troupe import wire
+from troupe.collectives import Communicator
+from troupe.models.lora import merged_state_dict
+from troupe.optim import FlatParams, Optimizer, OptimizerConfig, build_optimizer
+from troupe.rlhf.config import ModelConfig
+from troupe.rlhf.lm import GPTLM, HFLM, ByteTokens, CausalLM, HFTokens, Tokenizer
+
+
+def build_lm(cfg: ModelConfig, seed: int) -> tuple[CausalLM, Tokenizer]:
+    """The language model and tokenizer a recipe names."""
+    if cfg.kind == "hf":
+        return HFLM(cfg.path), HFTokens(cfg.path)
+    tok = ByteTokens()
+    if cfg.gpt.vocab_size != tok.vocab_size:
+        raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer has "
+                         f"{tok.vocab_size} tokens")
+    return GPTLM(cfg.gpt, seed=seed), tok
+
+
+class Trainable:
+    """A module whose trainable parameters live in one flat buffer, stepped by a troupe
+    optimizer that averages gradients over ``group`` (ZeRO-1, or 1-bit compressed)."""
+
+    def __init__(self, module: nn.Module, group: Communicator | None):
+        self.module, self.group = module, group
+        self.world = group.world_size if group is not None else 1
+        self.flat = FlatParams([p for p in module.parameters() if p.requires_grad],
+                               align=self.world)
+        self.opt: Optimizer | None = None
+        self.opt_cfg: OptimizerConfig | None = None
+        self.total_steps = 1
+
+    def use_optimizer(self, cfg: OptimizerConfig, total_steps: int) -> None:
+        """(Re)start the optimizer, e.g. at the beginning of a training step."""
+        self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
+        self.opt = build_optimizer(cfg, self.flat, self.group)
+
+    def step(self, loss: torch.Tensor, step: int) -> float:
+        assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
+        loss.backward()
+        lr = self.opt_cfg.lr_at(step, self.total_steps)
+        self.opt.step(lr)
+        self.flat.zero_grad()
+        return lr
+
+
+def save_module(path: str | Path, module: nn.Module, **meta) -> Path:
+    """Weights of ``module`` (LoRA adapters folded in) to ``path``, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    state = {k: v.contiguous() for k, v in merged_state_dict(module).items()}
+    with open(tmp, "wb") as f:
+        wire.dump({"meta": meta, "state": state}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dict:
+    """Load weights saved by save_module; errors name the file and the keys at fault."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {path} does not exist (run the earlier step?)")
+    with open(path, "rb") as f:
+        try:
+            blob = wire.load(f)
+        except wire.WireFormatError as e:
+            raise ValueError(f"{path}: {e}") from None
+    state = blob["state"]
+    mine = module.state_dict()
+    missing = [k for k in mine if k not in state]
+    if strict and (missing or set(state) - set(mine)):
+        raise ValueError(f"{path}: keys missing {missing[:5]}, unexpected "
+                         f"{sorted(set(state) - set(mine))[:5]}")
+    with torch.no_grad():
+        for k, v in state.items():
+            if k in mine:
+                if mine[k].shape != v.shape:
+                    raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model "
+                                     f"{tuple(mine[k].shape)}")
+                mine[k].copy_(v)
+    return blob["meta"]

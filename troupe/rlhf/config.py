@@ -1,0 +1,103 @@
+"""The RLHF recipe: model source, the bundled task or your data, and the three steps."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from troupe.config import Config
+from troupe.models import GPTConfig
+from troupe.optim import OptimizerConfig
+
+
+class ModelConfig(Config):
+    """kind "gpt": troupe's GPT of shape ``gpt``; kind "hf": a Hugging Face causal LM and its
+    tokenizer loaded from the local directory ``path`` (no hub access)."""
+
+    kind: Literal["gpt", "hf"] = "gpt"
+    gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _path(self) -> "ModelConfig":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.path: a local directory is required for kind 'hf'")
+        return self
+
+
+class TaskConfig(Config):
+    """The bundled sorting task (used when ``data.path`` is unset): digits per prompt,
+    the share of flawed SFT demonstrations, and how many examples each step gets."""
+
+    min_digits: int = Field(default=3, ge=1)
+    max_digits: int = Field(default=5, ge=1)
+    noise: float = Field(default=0.5, ge=0, le=1)
+    sft_examples: int = Field(default=20000, ge=1)
+    preference_examples: int = Field(default=20000, ge=1)
+    eval_examples: int = Field(default=256, ge=8)
+
+
+class DataConfig(Config):
+    """Your own data: a JSON-lines file with prompt, chosen and rejected (DeepSpeed-Chat's
+    format); SFT trains on prompt + chosen, the reward model on the pairs, PPO on the prompts.
+    The last ``eval_fraction`` is held out."""
+
+    path: str | None = None
+    eval_fraction: float = Field(default=0.05, gt=0, lt=1)
+
+
+class StepConfig(Config):
+    """A supervised step (SFT or reward model)."""
+
+    steps: int = Field(default=600, ge=0)
+    batch_size: int = Field(default=32, ge=1)
+    optimizer: OptimizerConfig = OptimizerConfig(name="adamw", lr=2e-3, min_lr=2e-4,
+                                                 warmup_steps=20)
+
+
+class LoRAConfig(Config):
+    """Low-rank adapters on the policy's linear layers during PPO (fused into the weights
+    for generation and at the end)."""
+
+    enabled: bool = False
+    rank: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+
+
+class PPOConfig(Config):
+    iterations: int = Field(default=120, ge=0)
+    prompts_per_iter: int = Field(default=32, ge=1)
+    max_new_tokens: int = Field(default=8, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    ppo_epochs: int = Field(default=1, ge=1)
+    kl_coef: float = Field(default=0.05, ge=0)
+    clip_reward: float = Field(default=5.0, gt=0)
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1)
+    policy_clip: float = Field(default=0.2, gt=0)
+    value_clip: float = Field(default=0.2, gt=0)
+    actor: OptimizerConfig = OptimizerConfig(name="adamw", lr=2e-4, min_lr=2e-4)
+    critic: OptimizerConfig = OptimizerConfig(name="adamw", lr=5e-4, min_lr=5e-4)
+    ema: bool = False
+    ema_beta: float = Field(default=0.992, gt=0, lt=1)
+    ptx_coef: float = Field(default=0.0, ge=0)
+    lora: LoRAConfig = LoRAConfig()
+    checkpoint_every: int = Field(default=40, ge=0)
+    eval_every: int = Field(default=20, ge=1)
+
+
+class RLHFConfig(Config):
+    """An RLHF recipe (apps/configs/rlhf-*.yaml)."""
+
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    data: DataConfig = DataConfig()
+    sft: StepConfig = StepConfig()
+    reward: StepConfig = StepConfig(steps=400)
+    ppo: PPOConfig = PPOConfig()
+    workers: int = Field(default=2, ge=1)
+    colocate: bool = True
+    num_cpus: float = Field(default=0.25, gt=0)
+    seed: int = 0
+    out_dir: str = "runs/rlhf"

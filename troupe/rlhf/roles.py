@@ -1,0 +1,210 @@
+"""The four RLHF roles in plain torch. Each is one data-parallel rank of its role: tensors that
+arrive are this rank's slice of the batch, and gradient averaging happens in its optimizer.
+
+Policy (actor): SFT in step 1; in step 3 generates in its inference layout (eval mode, no
+autograd, KV cache, LoRA fused) and trains with the clipped PPO loss. Reference: the frozen SFT
+policy. Reward: the pairwise reward model of step 2, frozen in step 3. Critic: initialised from
+the reward model, trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from troupe.collectives import Communicator
+from troupe.rlhf import ppo
+from troupe.rlhf.batch import completions, prompts, response_mask
+from troupe.rlhf.common import Trainable, build_lm, load_module, save_module
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.lm import ValueModel, token_logprobs
+from troupe.models.lora import fuse_lora, inject_lora, unfuse_lora
+
+
+class Policy:
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+        self.cfg, self.rank = cfg, rank
+        torch.manual_seed(cfg.seed * 1000 + rank)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed)
+        self.train = Trainable(self.lm, group)
+        self.ema = None
+
+    # step 1 ---------------------------------------------------------------------------------
+    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> dict:
+        self.lm.train()
+        ids, valid, mask = completions(self.tok, [p for p, _ in pairs], [r for _, r in pairs])
+        logp = token_logprobs(self.lm.logits(ids, valid), ids)
+        loss = -ppo.masked_mean(logp, mask)
+        lr = self.train.step(loss, step)
+        return {"loss": loss.item(), "lr": lr}
+
+    # step 3 ---------------------------------------------------------------------------------
+    def begin_ppo(self, sft_path: str) -> None:
+        load_module(sft_path, self.lm)
+        if self.cfg.ppo.lora.enabled:
+            inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
+            self.train = Trainable(self.lm, self.train.group)  # only the adapters train
+        self.train.use_optimizer(self.cfg.ppo.actor, self.cfg.ppo.iterations * self.cfg.ppo.ppo_epochs)
+        if self.cfg.ppo.ema:
+            self.ema = copy.deepcopy(self.lm)
+
+    @torch.no_grad()
+    def generate(self, texts: list[str], seed: int, use_ema: bool = False,
+                 temperature: float | None = None) -> dict:
+        """Sample responses in the inference layout; returns the sequences and their masks."""
+        model = self.ema if use_ema and self.ema is not None else self.lm
+        t0 = time.perf_counter()
+        model.eval()
+        fused = self.cfg.ppo.lora.enabled and fuse_lora(model)
+        p_ids, p_valid = prompts(self.tok, texts)
+        gen = torch.Generator().manual_seed(seed * 7919 + self.rank)
+        temp = self.cfg.ppo.temperature if temperature is None else temperature
+        resp = model.generate(p_ids, p_valid, self.cfg.ppo.max_new_tokens, self.tok.eos_id,
+                              temperature=temp, generator=gen)
+        if fused:
+            unfuse_lora(model)
+        rmask = response_mask(resp, self.tok.eos_id)
+        ids = torch.cat([p_ids, resp], 1)
+        valid = torch.cat([p_valid, rmask.bool()], 1)
+        P = p_ids.shape[1]
+        action = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+        action[:, P - 1:] = rmask  # target t+1 predicted at t
+        texts_out = [self.tok.decode([i for i, m in zip(r.tolist(), mk.tolist()) if m and
+                                      i != self.tok.eos_id]) for r, mk in zip(resp, rmask)]
+        return {"ids": ids, "valid": valid, "action": action, "responses": texts_out,
+                "prompts": list(texts),
+                "seconds": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.lm.eval()
+        return token_logprobs(self.lm.logits(ids, valid), ids)
+
+    def ppo_step(self, exp: dict, iteration: int, ptx: list[tuple[str, str]] | None) -> dict:
+        self.lm.train()
+        logp = token_logprobs(self.lm.logits(exp["ids"], exp["valid"]), exp["ids"])
+        loss = ppo.policy_loss(logp, exp["old_logp"], exp["adv"], exp["action"],
+                               self.cfg.ppo.policy_clip)
+        stats = {"policy_loss": loss.item()}
+        if ptx and self.cfg.ppo.ptx_coef > 0:
+            ids, valid, mask = completions(self.tok, [p for p, _ in ptx], [r for _, r in ptx])
+            lm_loss = -ppo.masked_mean(token_logprobs(self.lm.logits(ids, valid), ids), mask)
+            loss = loss + self.cfg.ppo.ptx_coef * lm_loss
+            stats["ptx_loss"] = lm_loss.item()
+        self.train.step(loss, iteration)
+        if self.ema is not None:
+            ppo.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
+        return stats
+
+    def save(self, path: str, ema: bool = False) -> str:
+        save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
+        return path
+
+    def load(self, path: str) -> None:
+        load_module(path, self.lm)
+
+
+class Reference:
+    """The frozen SFT policy, for the KL penalty."""
+
+    def __init__(self, cfg: RLHFConfig, rank: int):
+        self.lm, _ = build_lm(cfg.model, cfg.seed)
+        self.lm.requires_grad_(False)
+
+    def load(self, path: str) -> None:
+        load_module(path, self.lm)
+
+    @torch.no_grad()
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.lm.eval()
+        return token_logprobs(self.lm.logits(ids, valid), ids)
+
+
+class Reward:
+    """The reward model: a value head on a language model, scored at the last real token."""
+
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed * 1000 + 500 + rank)
+        lm, self.tok = build_lm(cfg.model, cfg.seed + 1)
+        self.model = ValueModel(lm)
+        self.train = Trainable(self.model, group)
+
+    def _pairs(self, examples: list[tuple[str, str, str]]):
+        P = [e[0] for e in examples]
+        ids, valid, _ = completions(self.tok, P + P, [e[1] for e in examples]
+                                    + [e[2] for e in examples])
+        return ids, valid
+
+    def _loss(self, examples):
+        ids, valid = self._pairs(examples)
+        values = self.model(ids, valid)
+        B = len(examples)
+        end = last_real(valid)
+        return ppo.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:], end[:B], end[B:])
+
+    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> dict:
+        self.model.train()
+        loss, sc, sr = self._loss(examples)
+        lr = self.train.step(loss, step)
+        return {"loss": loss.item(), "accuracy": (sc > sr).float().mean().item(), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[tuple[str, str, str]]) -> dict:
+        self.model.eval()
+        loss, sc, sr = self._loss(examples)
+        return {"loss": loss.item(), "correct": int((sc > sr).sum()), "count": len(examples)}
+
+    @torch.no_grad()
+    def score(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        values = self.model(ids, valid)
+        return values[torch.arange(len(ids)), last_real(valid)]
+
+    def save(self, path: str) -> str:
+        save_module(path, self.model, kind="reward")
+        return path
+
+    def load(self, path: str) -> None:
+        load_module(path, self.model)
+
+
+class Critic:
+    """The value function, started from the reward model's weights."""
+
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+        self.cfg = cfg
+        lm, _ = build_lm(cfg.model, cfg.seed + 1)
+        self.model = ValueModel(lm)
+        self.train = Trainable(self.model, group)
+
+    def begin_ppo(self, reward_path: str) -> None:
+        load_module(reward_path, self.model)
+        self.train.use_optimizer(self.cfg.ppo.critic,
+                                 self.cfg.ppo.iterations * self.cfg.ppo.ppo_epochs)
+
+    @torch.no_grad()
+    def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        return self.model(ids, valid)[:, :-1]  # value of the state before each target
+
+    def critic_step(self, exp: dict, iteration: int) -> dict:
+        self.model.train()
+        values = self.model(exp["ids"], exp["valid"])[:, :-1]
+        loss = ppo.value_loss(values, exp["old_values"], exp["returns"], exp["action"],
+                              self.cfg.ppo.value_clip)
+        self.train.step(loss, iteration)
+        return {"value_loss": loss.item()}
+
+    def save(self, path: str) -> str:
+        save_module(path, self.model, kind="critic")
+        return path
+
+    def load(self, path: str) -> None:
+        load_module(path, self.model)
+
+
+def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each (left-padded, possibly right-padded) row."""
+    return ppo.last_index(valid_BS)

@@ -1,0 +1,257 @@
+"""Driver of the three-step RLHF pipeline: one graph holding the policy, reference, reward and
+critic roles (colocated on the same bundles by default), and the loops of SFT, reward-model
+training and PPO. Metrics go to JSON lines, plots to rlhf.png, weights after each step and
+every ``ppo.checkpoint_every`` PPO iterations."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from troupe.actors import CriticActor, PolicyActor, ReferenceActor, RewardActor
+from troupe.rlhf import ppo
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.data import SortTask, read_jsonl
+from troupe.runtime.graph import ActorGraph
+from troupe.runtime.handle import Graph
+from troupe.runtime.metrics import MetricsLog
+
+STEPS = ("sft", "reward", "ppo")
+
+
+@dataclass
+class Data:
+    sft: list[tuple[str, str]]
+    pairs: list[tuple[str, str, str]]
+    eval_pairs: list[tuple[str, str, str]]
+    prompts: list[str]
+    eval_prompts: list[str]
+    gold: Callable[[str, str], float] | None
+
+
+def prepare_data(cfg: RLHFConfig) -> Data:
+    """The bundled task (generated from the seed) or the JSON-lines file of ``data.path``."""
+    if cfg.data.path:
+        rows = read_jsonl(cfg.data.path)
+        n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
+        train, held = rows[:-n_eval], rows[-n_eval:]
+        return Data([(e.prompt, e.chosen) for e in train],
+                    [(e.prompt, e.chosen, e.rejected) for e in train],
+                    [(e.prompt, e.chosen, e.rejected) for e in held],
+                    [e.prompt for e in train], [e.prompt for e in held], None)
+    t, s = cfg.task, cfg.seed
+    task = SortTask(t.min_digits, t.max_digits, t.noise)
+    pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(
+        t.preference_examples + t.eval_examples, s + 2)]
+    return Data(task.demonstrations(t.sft_examples, s + 1), pairs[:-t.eval_examples],
+                pairs[-t.eval_examples:], task.prompts(20000, s + 3),
+                task.prompts(t.eval_examples, s + 4), task.gold)
+
+
+def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
+    """The four roles, ``cfg.workers`` each; colocated on the policy's bundles unless
+    ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
+    g, W, conf = ActorGraph("rlhf"), cfg.workers, cfg.model_dump()
+    g.role("policy", PolicyActor, W, num_cpus=cfg.num_cpus, config=conf)
+    for name, cls in (("reference", ReferenceActor), ("reward", RewardActor),
+                      ("critic", CriticActor)):
+        g.role(name, cls, W, num_cpus=cfg.num_cpus, config=conf,
+               colocate_with="policy" if cfg.colocate else None)
+    if W > 1:
+        for name in ("policy", "reward", "critic"):
+            g.collective(name, [name])
+    graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
+    try:
+        for name in ("policy", "reference", "reward", "critic"):
+            graph[name].call("setup")
+    except BaseException:
+        graph.shutdown()
+        raise
+    return graph
+
+
+def _batches(items: list, batch: int, steps: int, seed: int):
+    rng = random.Random(seed)
+    for step in range(1, steps + 1):
+        yield step, rng.sample(items, batch)
+
+
+def run_sft(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path) -> Path:
+    policy, c = graph["policy"], cfg.sft
+    policy.call("start_sft", c.steps)
+    for step, batch in tqdm(_batches(data.sft, c.batch_size, c.steps, cfg.seed + 10),
+                            total=c.steps, desc="step 1: SFT"):
+        stats = policy.scatter("sft_step", batch, step)
+        log.write({"kind": "sft", "step": step, "loss": _mean(stats, "loss")})
+    path = out / "sft" / "policy.trp"
+    policy.call_rank(0, "save", str(path))
+    return path
+
+
+def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path) -> Path:
+    reward, c = graph["reward"], cfg.reward
+    reward.call("start_training", c.steps)
+    for step, batch in tqdm(_batches(data.pairs, c.batch_size, c.steps, cfg.seed + 20),
+                            total=c.steps, desc="step 2: reward model"):
+        stats = reward.scatter("rm_step", batch, step)
+        log.write({"kind": "reward", "step": step, "loss": _mean(stats, "loss"),
+                   "accuracy": _mean(stats, "accuracy")})
+    ev = reward.scatter("evaluate", data.eval_pairs)
+    acc = sum(e["correct"] for e in ev) / sum(e["count"] for e in ev)
+    log.write({"kind": "reward_eval", "step": c.steps, "accuracy": acc,
+               "loss": _mean(ev, "loss")})
+    path = out / "reward" / "reward.trp"
+    reward.call_rank(0, "save", str(path))
+    return path
+
+
+def evaluate_policy(graph: Graph, data: Data, seed: int, temperature: float | None = None,
+                    use_ema: bool = False) -> dict:
+    """Gold reward (if the task has one) of the policy's responses to the held-out prompts."""
+    gens = graph["policy"].scatter("generate", data.eval_prompts, seed, use_ema, temperature)
+    responses = [r for g in gens for r in g["responses"]]
+    out = {"samples": list(zip(data.eval_prompts[:4], responses[:4]))}
+    if data.gold is not None:
+        gold = [data.gold(p, r) for p, r in zip(data.eval_prompts, responses)]
+        out["gold"] = sum(gold) / len(gold)
+        out["exact"] = sum(g == 1.0 for g in gold) / len(gold)
+    return out
+
+
+def make_experience(graph: Graph, cfg: RLHFConfig, gens: list[dict]) -> tuple[list[dict], dict]:
+    """Score the policy's samples with the other roles (in parallel) and compute the per-token
+    rewards, advantages and returns. One experience dict per data-parallel rank."""
+    calls = {name: graph[name].scatter_async(method, gens) for name, method in (
+        ("policy", "logprobs"), ("reference", "logprobs"), ("reward", "score"),
+        ("critic", "values"))}
+    got = {name: graph[name].get(refs, name) for name, refs in calls.items()}
+    exps, kls, scores = [], [], []
+    for r, g in enumerate(gens):
+        mask = g["action"]
+        rewards = ppo.kl_rewards(got["policy"][r], got["reference"][r], got["reward"][r], mask,
+                                 cfg.ppo.kl_coef, cfg.ppo.clip_reward)
+        adv, ret = ppo.gae(rewards, got["critic"][r], mask, cfg.ppo.gamma, cfg.ppo.lam)
+        exps.append({"ids": g["ids"], "valid": g["valid"], "action": mask,
+                     "old_logp": got["policy"][r], "old_values": got["critic"][r],
+                     "adv": adv, "returns": ret})
+        kls.append(((got["policy"][r] - got["reference"][r]) * mask).sum(1))
+        scores.append(got["reward"][r])
+    adv_all = torch.cat([e["adv"][e["action"] > 0] for e in exps])
+    mean, std = adv_all.mean(), adv_all.std().clamp_min(1e-6)
+    for e in exps:  # whiten advantages over the whole batch
+        e["adv"] = (e["adv"] - mean) / std * e["action"]
+    return exps, {"score": torch.cat(scores).mean().item(), "kl": torch.cat(kls).mean().item()}
+
+
+def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
+            sft_path: Path, reward_path: Path) -> dict:
+    p, W = cfg.ppo, cfg.workers
+    policy, critic = graph["policy"], graph["critic"]
+    for role, method, path in (("policy", "begin_ppo", sft_path),
+                               ("reference", "load", sft_path),
+                               ("reward", "load", reward_path),
+                               ("critic", "begin_ppo", reward_path)):
+        graph[role].call(method, str(path))
+    before = evaluate_policy(graph, data, cfg.seed + 99)
+    log.write({"kind": "ppo_eval", "step": 0, **before})
+    rng = random.Random(cfg.seed + 30)
+    for it in tqdm(range(1, p.iterations + 1), desc="step 3: PPO"):
+        t0 = time.perf_counter()
+        gens = policy.scatter("generate", rng.sample(data.prompts, p.prompts_per_iter), it)
+        t1 = time.perf_counter()
+        exps, stats = make_experience(graph, cfg, gens)
+        t2 = time.perf_counter()
+        for _ in range(p.ppo_epochs):
+            ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) for _ in range(W)] \
+                if p.ptx_coef > 0 else [None] * W
+            refs = [a.call.remote("ppo_step", (e, it, x), {}) for a, e, x in
+                    zip(policy.actors, exps, ptx)]
+            c_refs = critic.scatter_async("critic_step", exps, it)
+            pstats, cstats = policy.get(refs, "ppo_step"), critic.get(c_refs, "critic_step")
+        rec = {"kind": "ppo", "step": it, **stats, "policy_loss": _mean(pstats, "policy_loss"),
+               "value_loss": _mean(cstats, "value_loss"),
+               "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2}
+        if data.gold is not None:
+            golds = [data.gold(q, r) for g in gens for q, r in zip(g["prompts"], g["responses"])]
+            rec["gold"] = sum(golds) / len(golds)
+        log.write(rec)
+        if it % p.eval_every == 0 or it == p.iterations:
+            log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99)})
+        if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
+            d = out / "ppo" / f"iter-{it:05d}"
+            policy.call_rank(0, "save", str(d / "policy.trp"))
+            critic.call_rank(0, "save", str(d / "critic.trp"))
+            (d / "state.json").write_text(json.dumps({"iteration": it}))
+    after = evaluate_policy(graph, data, cfg.seed + 99)
+    return {"before": before, "after": after}
+
+
+def _mean(stats: list[dict], key: str) -> float:
+    return sum(s[key] for s in stats) / len(stats)
+
+
+def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> dict:
+    """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order) and return a summary;
+    a later step alone uses the weights an earlier run left in ``out_dir``."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
+    log, data = MetricsLog(out / "metrics.jsonl"), prepare_data(cfg)
+    sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
+    summary: dict = {}
+    graph = build_graph(cfg)
+    try:
+        if "sft" in steps:
+            run_sft(graph, cfg, data, log, out)
+            summary["sft"] = evaluate_policy(graph, data, cfg.seed + 99)
+            log.write({"kind": "sft_eval", "step": cfg.sft.steps, **summary["sft"]})
+        if "reward" in steps:
+            run_reward(graph, cfg, data, log, out)
+            summary["reward_accuracy"] = log.records()[-1]["accuracy"]
+        if "ppo" in steps:
+            summary["ppo"] = run_ppo(graph, cfg, data, log, out, sft_path, reward_path)
+    finally:
+        graph.shutdown()
+    plot(log.records(), out / "rlhf.png")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def plot(records: list[dict], path: Path) -> Path:
+    """SFT loss, reward-model accuracy, PPO reward, KL and gold reward, one panel each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(kind, key):
+        return [(r["step"], r[key]) for r in records if r.get("kind") == kind and key in r]
+
+    panels = [("SFT loss", [("train", series("sft", "loss"))]),
+              ("reward model accuracy", [("train", series("reward", "accuracy")),
+                                         ("held out", series("reward_eval", "accuracy"))]),
+              ("PPO reward-model score", [("batch", series("ppo", "score"))]),
+              ("KL to reference (per sequence)", [("batch", series("ppo", "kl"))]),
+              ("gold reward", [("batch", series("ppo", "gold")),
+                               ("held out", series("ppo_eval", "gold"))])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, lines) in zip(axes, panels):
+        for label, pts in lines:
+            if pts:
+                ax.plot(*zip(*pts), "o-" if len(pts) < 20 else "-", label=label, linewidth=0.9,
+                        markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if any(pts for _, pts in lines):
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
