@@ -81,13 +81,15 @@ def _mean_grad_reference(opt_factory, world: int, steps: int, lr: float = 1e-2):
 
 def test_onebit_adam_before_freeze_is_adam_without_bias_correction(ranks):
     steps = 6
-    results = ranks.call("train", dict(name="onebit_adam", freeze_step=10 ** 6), steps)
-    want = _mean_grad_reference(
-        lambda f: Adam(f, betas=(0.9, 0.999), eps=1e-8, bias_correction=False), ranks.world_size,
-        steps)
-    for history, *_ in results:
-        for t in range(steps):
-            torch.testing.assert_close(history[t]["p"], want[t], atol=2e-7, rtol=0)
+    for bc in (False, True):
+        results = ranks.call("train", dict(name="onebit_adam", freeze_step=10 ** 6,
+                                           bias_correction=bc), steps)
+        want = _mean_grad_reference(
+            lambda f: Adam(f, betas=(0.9, 0.999), eps=1e-8, bias_correction=bc),  # noqa: B023
+            ranks.world_size, steps)
+        for history, *_ in results:
+            for t in range(steps):
+                torch.testing.assert_close(history[t]["p"], want[t], atol=2e-7, rtol=0)
 
 
 def test_onebit_adam_freezes_variance_and_ranks_agree(ranks):

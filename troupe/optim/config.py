@@ -20,7 +20,9 @@ OPTIMIZERS = ("adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_l
 class OptimizerConfig(Config):
     """name picks the algorithm; the rest are its parameters (DeepSpeed's names and defaults
     where DeepSpeed has them). lr follows a linear warmup over warmup_steps, then a cosine decay
-    to min_lr at the last step."""
+    to min_lr at the last step. bias_correction: Adam's moment corrections, for every algorithm
+    (DeepSpeed's 1-bit optimizers run without; with it, a frozen variance keeps the correction
+    of its last update, which matters when the warmup is short of 1/(1 - beta2) steps)."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
@@ -63,6 +65,7 @@ def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator 
     """The optimizer ``cfg`` names, over ``flat``, averaging gradients over ``group``."""
     common = dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   grad_scale=grad_scale)
+    onebit = dict(common, bias_correction=cfg.bias_correction)
     lamb = dict(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff)
     if cfg.name in ("adam", "adamw"):
         return Adam(flat, group, decoupled=cfg.name == "adamw",
@@ -70,15 +73,15 @@ def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator 
     if cfg.name == "lamb":
         return Lamb(flat, group, **lamb, **common)
     if cfg.name == "onebit_adam":
-        return OneBitAdam(flat, group, freeze_step=cfg.freeze_step, **common)
+        return OneBitAdam(flat, group, freeze_step=cfg.freeze_step, **onebit)
     if cfg.name == "zero_one_adam":
         return ZeroOneAdam(flat, group, var_freeze_step=cfg.var_freeze_step,
                            var_update_scaler=cfg.var_update_scaler,
                            local_step_scaler=cfg.local_step_scaler,
-                           local_step_clipper=cfg.local_step_clipper, **common)
+                           local_step_clipper=cfg.local_step_clipper, **onebit)
     return OneBitLamb(flat, group, freeze_step=cfg.freeze_step, coeff_beta=cfg.coeff_beta,
                       factor_max=cfg.factor_max, factor_min=cfg.factor_min,
-                      factor_threshold=cfg.factor_threshold, **lamb, **common)
+                      factor_threshold=cfg.factor_threshold, **lamb, **onebit)
 
 
 def build_shard_rule(cfg: OptimizerConfig, numels: list[int], padded: int, lo: int, hi: int,

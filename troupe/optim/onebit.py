@@ -61,7 +61,9 @@ class _Compressed(Optimizer):
 
 
 class OneBitAdam(_Compressed):
-    """1-bit Adam. Steps 1..freeze_step: Adam without bias correction on allreduced gradients.
+    """1-bit Adam. Steps 1..freeze_step: Adam on allreduced gradients (without bias correction,
+    as in DeepSpeed, unless ``bias_correction``: then the frozen variance keeps the correction
+    of its last update, which matters when freeze_step is short of 1/(1 - beta2) steps).
     Afterwards the variance is frozen; the momentum is updated from the local gradient and
     averaged by compressed_allreduce with error feedback.
 
@@ -74,9 +76,11 @@ class OneBitAdam(_Compressed):
 
     def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, freeze_step: int = 100_000, grad_scale: float = 1.0):
+                 weight_decay: float = 0.0, freeze_step: int = 100_000,
+                 bias_correction: bool = False, grad_scale: float = 1.0):
         super().__init__(flat, group, grad_scale)
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
+        self.bias_correction = bias_correction
         n = flat.numel
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         self._init_onebit("m")
@@ -94,7 +98,10 @@ class OneBitAdam(_Compressed):
         else:
             self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
             self._onebit_mean(self.m, "m")
-        _adam_update(self.flat.data[:self.flat.numel], self.m, self.v, self.eps, self.wd, lr)
+        bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t,
+                                min(self.t, self.freeze_step))
+        _adam_update(self.flat.data[:self.flat.numel], self.m, self.v, self.eps, self.wd, lr,
+                     bc1, bc2)
 
     @property
     def frozen(self) -> bool:
@@ -114,17 +121,19 @@ class ZeroOneAdam(_Compressed):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100_000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32_678,
-                 local_step_clipper: int = 16, grad_scale: float = 1.0):
+                 local_step_clipper: int = 16, bias_correction: bool = False,
+                 grad_scale: float = 1.0):
         super().__init__(flat, group, grad_scale)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
+        self.bias_correction = bias_correction
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         n = flat.numel
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         self.acc, self.anchor = torch.zeros(n), torch.zeros(n)
         self._init_onebit("grad", "acc")
-        self.sched = dict(var_interval=1, var_counter=0, local_interval=1, local_counter=0,
-                          lrs=0.0)
+        self.sched = dict(var_interval=1, var_counter=0, var_updates=0, local_interval=1,
+                          local_counter=0, lrs=0.0)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"m": self.m, "v": self.v, "acc": self.acc, "anchor": self.anchor}
@@ -144,18 +153,19 @@ class ZeroOneAdam(_Compressed):
                 g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
                 self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 s["var_counter"] += 1
+                s["var_updates"] += 1
                 if s["var_counter"] == self.var_update_scaler:
                     s["var_counter"], s["var_interval"] = 0, s["var_interval"] * 2
             else:
                 g = self._onebit_mean(self._local_grad().clone(), "grad")
             self.m.mul_(b1).add_(g, alpha=1 - b1)
-            _adam_update(p, self.m, self.v, self.eps, self.wd, lr)
+            _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
             if self.t == self.var_freeze_step:
                 self.anchor.copy_(p)
             return
         self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
         before = p.clone()
-        _adam_update(p, self.m, self.v, self.eps, self.wd, lr)
+        _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
         self.acc.add_(before.sub_(p))
         s["lrs"] += lr
         s["local_counter"] += 1
@@ -164,13 +174,17 @@ class ZeroOneAdam(_Compressed):
         if (self.t - self.var_freeze_step) % self.local_step_scaler == 0:
             s["local_interval"] = min(2 * s["local_interval"], self.local_step_clipper)
 
+    def _bc(self) -> tuple[float, float]:
+        return _corrections(self.bias_correction, self.betas, self.t, self.sched["var_updates"])
+
     def _sync(self) -> None:
         s, p = self.sched, self.flat.data[:self.flat.numel]
         self._onebit_mean(self.acc, "acc")
         torch.sub(self.anchor, self.acc, out=p)  # every rank lands on the same parameters
         self.anchor.copy_(p)
         # the momentum that, with the frozen variance, gives the averaged update per unit lr
-        self.m.copy_(self.acc).div_(s["lrs"]).mul_(self.v.sqrt().add_(self.eps))
+        bc1, bc2 = self._bc()
+        self.m.copy_(self.acc).div_(s["lrs"]).mul_((self.v / bc2).sqrt_().add_(self.eps)).mul_(bc1)
         self.acc.zero_()
         s["lrs"], s["local_counter"] = 0.0, 0
 
@@ -188,9 +202,10 @@ class OneBitLamb(_Compressed):
                  weight_decay: float = 0.0, freeze_step: int = 100_000,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 grad_scale: float = 1.0):
+                 bias_correction: bool = False, grad_scale: float = 1.0):
         super().__init__(flat, group, grad_scale)
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
+        self.bias_correction = bias_correction
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
@@ -217,7 +232,7 @@ class OneBitLamb(_Compressed):
             g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
             self.m.mul_(b1).add_(g, alpha=1 - b1)
             self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            u = self._direction(p)
+            u = self._direction(p, *_corrections(self.bias_correction, self.betas, self.t, self.t))
             coeff = trust_ratio(self._per_tensor(p * p).sqrt(), self._per_tensor(u * u).sqrt(),
                                 self.min_coeff, self.max_coeff)
             self.coeff_freeze.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
@@ -231,9 +246,12 @@ class OneBitLamb(_Compressed):
         self._onebit_mean(self.m.mul_(scale), "m").div_(scale)
         g_rec = (self.m - m_old * b1).div_(1 - b1)
         self.v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
-        u_pre = self.m / (self.v.sqrt() + self.eps)
+        bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t, self.freeze_step)
+        _, bc2_fresh = _corrections(self.bias_correction, self.betas, self.t, self.t)
+        denom = (self.v / bc2).sqrt_().add_(self.eps)
+        u_pre = self.m / bc1 / denom
         u = u_pre + self.wd * p if self.wd else u_pre
-        ratio = (self.v.sqrt() + self.eps).div_(self.v_fresh.sqrt() + self.eps)
+        ratio = denom.div_((self.v_fresh / bc2_fresh).sqrt_().add_(self.eps))
         factor = torch.zeros(len(self.flat.params)).scatter_reduce_(0, self.seg, ratio, "amax",
                                                                     include_self=False)
         if self.wd:
@@ -246,8 +264,8 @@ class OneBitLamb(_Compressed):
         self.last_factor.copy_(factor)
         p.add_(u * (self.coeff_freeze * factor)[self.seg], alpha=-lr)
 
-    def _direction(self, p: torch.Tensor) -> torch.Tensor:
-        u = self.m / (self.v.sqrt() + self.eps)
+    def _direction(self, p: torch.Tensor, bc1: float, bc2: float) -> torch.Tensor:
+        u = (self.m / bc1).div_((self.v / bc2).sqrt_().add_(self.eps))
         return u.add_(p, alpha=self.wd) if self.wd else u
 
     def _freeze(self) -> None:
@@ -259,9 +277,18 @@ class OneBitLamb(_Compressed):
         self.scaling.copy_(torch.where(ok, united / scales.clamp_min(1e-30), torch.ones_like(scales)))
 
 
+def _corrections(enabled: bool, betas: tuple[float, float], m_updates: int,
+                 v_updates: int) -> tuple[float, float]:
+    """Adam's bias corrections 1 - beta^k for the moments' numbers of updates (1 when off)."""
+    if not enabled:
+        return 1.0, 1.0
+    return 1 - betas[0] ** m_updates, 1 - betas[1] ** max(v_updates, 1)
+
+
 def _adam_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, wd: float,
-                 lr: float) -> None:
-    """p -= lr * (m / (sqrt(v) + eps) + wd * p): Adam without bias correction."""
+                 lr: float, bc1: float = 1.0, bc2: float = 1.0) -> None:
+    """p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p); bc1 = bc2 = 1 is Adam without
+    bias correction (DeepSpeed's 1-bit Adam)."""
     if wd:
         p.mul_(1 - lr * wd)
-    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+    p.addcdiv_(m, (v / bc2).sqrt_().add_(eps), value=-lr / bc1)

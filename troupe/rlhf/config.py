@@ -88,7 +88,10 @@ class PPOConfig(Config):
 
 
 class RLHFConfig(Config):
-    """An RLHF recipe (apps/configs/rlhf-*.yaml)."""
+    """An RLHF recipe (apps/configs/rlhf-*.yaml). workers: data-parallel workers per role;
+    colocate: the four roles share the policy's bundles (else each role is placed on its own);
+    max_restarts: how often the reference, reward and critic roles may be restarted during PPO
+    (from their last checkpoint) before the run fails."""
 
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -99,5 +102,6 @@ class RLHFConfig(Config):
     workers: int = Field(default=2, ge=1)
     colocate: bool = True
     num_cpus: float = Field(default=0.25, gt=0)
+    max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
@@ -86,6 +86,26 @@ class RoleGroup:
         """Wait for refs from ``call_async`` (rank order), raising typed errors."""
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         return self.gather(list(refs), list(range(len(refs))), method, timeout)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Return once every worker answers, waiting out workers that Ray is restarting;
+        raises WorkerDiedError for a worker that is gone for good (restarts used up), and
+        CallTimeoutError if one is still restarting after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for rank, actor in enumerate(self.actors):
+            while True:
+                try:
+                    ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    break
+                except ActorUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise self._timeout("ready", [rank], timeout_s) from None
+                    time.sleep(0.2)
+                except GetTimeoutError:
+                    raise self._timeout("ready", [rank], timeout_s) from None
+                except RayActorError as e:
+                    node = self.node_ids[rank] if rank < len(self.node_ids) else None
+                    raise WorkerDiedError(self.name, rank, node, _death_cause(e)) from None
 
     def gather(self, refs: list[ray.ObjectRef], ranks: list[int], method: str,
                timeout_s: float | None) -> list[Any]:

@@ -16,10 +16,11 @@ import torch
 from tqdm import tqdm
 
 from troupe.actors import CriticActor, PolicyActor, ReferenceActor, RewardActor
+from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.rlhf import ppo
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
-from troupe.runtime.graph import ActorGraph
+from troupe.runtime.graph import ActorGraph, connect_group
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 
@@ -63,7 +64,8 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
     for name, cls in (("reference", ReferenceActor), ("reward", RewardActor),
                       ("critic", CriticActor)):
         g.role(name, cls, W, num_cpus=cfg.num_cpus, config=conf,
-               colocate_with="policy" if cfg.colocate else None)
+               colocate_with="policy" if cfg.colocate else None,
+               max_restarts=cfg.max_restarts if name in RESTARTABLE else 0)
     if W > 1:
         for name in ("policy", "reward", "critic"):
             g.collective(name, [name])
@@ -150,37 +152,78 @@ def make_experience(graph: Graph, cfg: RLHFConfig, gens: list[dict]) -> tuple[li
     return exps, {"score": torch.cat(scores).mean().item(), "kl": torch.cat(kls).mean().item()}
 
 
-def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
-            sft_path: Path, reward_path: Path) -> dict:
+def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int,
+                  rng: random.Random) -> dict:
+    """Generate, score, and update policy and critic once; returns the iteration's metrics."""
     p, W = cfg.ppo, cfg.workers
+    policy, critic = graph["policy"], graph["critic"]
+    t0 = time.perf_counter()
+    gens = policy.scatter("generate", rng.sample(data.prompts, p.prompts_per_iter), it)
+    t1 = time.perf_counter()
+    exps, stats = make_experience(graph, cfg, gens)
+    t2 = time.perf_counter()
+    for _ in range(p.ppo_epochs):
+        ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) for _ in range(W)] \
+            if p.ptx_coef > 0 else [None] * W
+        refs = [a.call.remote("ppo_step", (e, it, x), {}) for a, e, x in
+                zip(policy.actors, exps, ptx)]
+        c_refs = critic.scatter_async("critic_step", exps, it)
+        pstats, cstats = policy.get(refs, "ppo_step"), critic.get(c_refs, "critic_step")
+    rec = {"kind": "ppo", "step": it, **stats, "policy_loss": _mean(pstats, "policy_loss"),
+           "value_loss": _mean(cstats, "value_loss"),
+           "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2}
+    if data.gold is not None:
+        golds = [data.gold(q, r) for g in gens for q, r in zip(g["prompts"], g["responses"])]
+        rec["gold"] = sum(golds) / len(golds)
+    return rec
+
+
+RESTARTABLE = ("reference", "reward", "critic")
+
+
+def recover(graph: Graph, role: str, method: str, path: Path, generation: int,
+            timeout_s: float = 300.0) -> None:
+    """Bring ``role`` back after one of its workers died and Ray restarted it: wait until every
+    worker answers, rebuild the role's group (a new generation), set the workers up again and
+    reload their weights with ``method(path)``. A worker that cannot come back (restarts used
+    up) raises WorkerDiedError naming the role, rank and cause."""
+    group = graph[role]
+    group.wait_ready(timeout_s)
+    if role in graph.collectives:
+        connect_group(graph, role, graph.collectives[role], "gloo", timeout_s, generation)
+    group.call("setup")
+    group.call(method, str(path))
+
+
+def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
+            sft_path: Path, reward_path: Path, on_iteration: Callable | None = None) -> dict:
+    p = cfg.ppo
     policy, critic = graph["policy"], graph["critic"]
     for role, method, path in (("policy", "begin_ppo", sft_path),
                                ("reference", "load", sft_path),
                                ("reward", "load", reward_path),
                                ("critic", "begin_ppo", reward_path)):
         graph[role].call(method, str(path))
+    restore = {"reference": ("load", sft_path), "reward": ("load", reward_path),
+               "critic": ("begin_ppo", reward_path)}
     before = evaluate_policy(graph, data, cfg.seed + 99)
     log.write({"kind": "ppo_eval", "step": 0, **before})
-    rng = random.Random(cfg.seed + 30)
+    rng, restarts = random.Random(cfg.seed + 30), 0
     for it in tqdm(range(1, p.iterations + 1), desc="step 3: PPO"):
-        t0 = time.perf_counter()
-        gens = policy.scatter("generate", rng.sample(data.prompts, p.prompts_per_iter), it)
-        t1 = time.perf_counter()
-        exps, stats = make_experience(graph, cfg, gens)
-        t2 = time.perf_counter()
-        for _ in range(p.ppo_epochs):
-            ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) for _ in range(W)] \
-                if p.ptx_coef > 0 else [None] * W
-            refs = [a.call.remote("ppo_step", (e, it, x), {}) for a, e, x in
-                    zip(policy.actors, exps, ptx)]
-            c_refs = critic.scatter_async("critic_step", exps, it)
-            pstats, cstats = policy.get(refs, "ppo_step"), critic.get(c_refs, "critic_step")
-        rec = {"kind": "ppo", "step": it, **stats, "policy_loss": _mean(pstats, "policy_loss"),
-               "value_loss": _mean(cstats, "value_loss"),
-               "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2}
-        if data.gold is not None:
-            golds = [data.gold(q, r) for g in gens for q, r in zip(g["prompts"], g["responses"])]
-            rec["gold"] = sum(golds) / len(golds)
+        if on_iteration is not None:
+            on_iteration(it, graph)
+        while True:
+            try:
+                rec = ppo_iteration(graph, cfg, data, it, rng)
+                break
+            except (WorkerDiedError, WorkerCallError) as e:
+                if e.role not in RESTARTABLE or restarts >= cfg.max_restarts:
+                    _raise_death(graph, e.role)  # the dead worker, rather than its peer's error
+                    raise
+                restarts += 1
+                log.write({"kind": "recovery", "step": it, "role": e.role, "rank": e.rank,
+                           "error": str(e).splitlines()[0]})
+                recover(graph, e.role, *restore[e.role], generation=restarts)
         log.write(rec)
         if it % p.eval_every == 0 or it == p.iterations:
             log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99)})
@@ -189,8 +232,14 @@ def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
             policy.call_rank(0, "save", str(d / "policy.trp"))
             critic.call_rank(0, "save", str(d / "critic.trp"))
             (d / "state.json").write_text(json.dumps({"iteration": it}))
+            restore["critic"] = ("begin_ppo", d / "critic.trp")
     after = evaluate_policy(graph, data, cfg.seed + 99)
-    return {"before": before, "after": after}
+    return {"before": before, "after": after, "restarts": restarts}
+
+
+def _raise_death(graph: Graph, role: str) -> None:
+    """Raise WorkerDiedError (role, rank, cause) if a worker of ``role`` is dead."""
+    graph[role].wait_ready(60)
 
 
 def _mean(stats: list[dict], key: str) -> float:
