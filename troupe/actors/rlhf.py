@@ -75,7 +75,9 @@ class RewardActor:
     def setup(self) -> None:
         self.role = Reward(self.cfg, _group("reward"), get_context().rank)
 
-    def start_training(self, total_steps: int) -> None:
+    def start_training(self, total_steps: int, init_path: str | None = None) -> None:
+        if init_path is not None:
+            self.role.init_from_policy(init_path)
         self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
 
     def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> dict:

@@ -48,9 +48,11 @@ class DataConfig(Config):
 
 
 class StepConfig(Config):
-    """A supervised step (SFT or reward model)."""
+    """A supervised step (SFT or reward model). init_from_sft (reward model only): start the
+    reward model's body from the SFT policy's weights instead of from scratch."""
 
     steps: int = Field(default=600, ge=0)
+    init_from_sft: bool = True
     batch_size: int = Field(default=32, ge=1)
     optimizer: OptimizerConfig = OptimizerConfig(name="adamw", lr=2e-3, min_lr=2e-4,
                                                  warmup_steps=20)

@@ -162,6 +162,10 @@ class Reward:
         values = self.model(ids, valid)
         return values[torch.arange(len(ids)), last_real(valid)]
 
+    def init_from_policy(self, path: str) -> None:
+        """Start the body from a policy checkpoint (the value head stays at zero)."""
+        load_module(path, self.model.lm)
+
     def save(self, path: str) -> str:
         save_module(path, self.model, kind="reward")
         return path

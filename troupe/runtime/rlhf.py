@@ -99,7 +99,11 @@ def run_sft(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
 
 def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path) -> Path:
     reward, c = graph["reward"], cfg.reward
-    reward.call("start_training", c.steps)
+    sft = out / "sft" / "policy.trp"
+    if c.init_from_sft and not sft.is_file():
+        raise FileNotFoundError(f"reward.init_from_sft: {sft} does not exist; run step 1 first "
+                                "or set reward.init_from_sft=false")
+    reward.call("start_training", c.steps, str(sft) if c.init_from_sft else None)
     for step, batch in tqdm(_batches(data.pairs, c.batch_size, c.steps, cfg.seed + 20),
                             total=c.steps, desc="step 2: reward model"):
         stats = reward.scatter("rm_step", batch, step)
