@@ -13,11 +13,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-import troupe
-from troupe.config import ConfigError, load_config
-from troupe.runtime import pretrain
-from troupe.training import PretrainConfig
+# the troupe next to this script comes first: `ray job submit --working-dir .` runs the code
+# you uploaded, whether or not (and whichever) troupe is installed on the cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import troupe  # noqa: E402
+from troupe.config import ConfigError, load_config  # noqa: E402
+from troupe.runtime import pretrain  # noqa: E402
+from troupe.training import PretrainConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

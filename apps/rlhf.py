@@ -15,11 +15,16 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
-import troupe
-from troupe.config import ConfigError, load_config
-from troupe.rlhf.config import RLHFConfig
-from troupe.runtime import rlhf
+# the troupe next to this script comes first: `ray job submit --working-dir .` runs the code
+# you uploaded, whether or not (and whichever) troupe is installed on the cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import troupe  # noqa: E402
+from troupe.config import ConfigError, load_config  # noqa: E402
+from troupe.rlhf.config import RLHFConfig  # noqa: E402
+from troupe.runtime import rlhf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,10 +39,10 @@ def tcp_bytes_sent(pids: list[int]) -> int:
 
 
 def config(args, optimizer: dict, workers: int) -> PretrainConfig:
+    lr = args.lamb_lr if "lamb" in optimizer["name"] else args.lr
     return PretrainConfig(
         model=dict(seq_len=128, n_layer=4, n_head=4, d_model=128),
-        optimizer=dict(lr=args.lr, min_lr=args.lr / 10, warmup_steps=args.steps // 10,
-                       **optimizer),
+        optimizer=dict(lr=lr, min_lr=lr / 10, warmup_steps=args.steps // 10, **optimizer),
         data=dict(seed=1),
         train=dict(steps=args.steps, batch_size=args.batch, num_workers=workers,
                    eval_batches=8, out_dir="runs/bench-optimizers", seed=0))
@@ -63,7 +63,7 @@ def train(args, name: str, optimizer: dict) -> dict:
                 "bytes_sent_per_rank": metrics[0]["bytes_sent"],
                 "tcp_bytes_sent_per_rank": tcp // args.workers,
                 "optimizer_state_bytes": graph.info[0]["optimizer_bytes"],
-                "seconds": round(seconds, 1), **optimizer}
+                "seconds": round(seconds, 1), "lr": cfg.optimizer.lr, **optimizer}
     finally:
         graph.shutdown()
 
@@ -73,7 +73,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam family")
+    p.add_argument("--lamb-lr", type=float, default=1e-2, help="LAMB family (trust ratio scaled)")
     p.add_argument("--only", nargs="*", default=None)
     args = p.parse_args()
     troupe.init(num_cpus=max(args.workers, 4))

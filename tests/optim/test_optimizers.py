@@ -161,3 +161,13 @@ def test_1bit_sends_fewer_bytes(ranks):
     onebit = ranks.call("train", dict(name="onebit_adam", freeze_step=2), steps, 1e-2, None,
                         512)[0][2]
     assert onebit < adam / 4
+
+
+def test_onebit_lamb_before_freeze_is_lamb(ranks):
+    steps = 5
+    results = ranks.call("train", dict(name="onebit_lamb", freeze_step=10 ** 6, eps=1e-6,
+                                       weight_decay=0.01), steps)
+    want = _mean_grad_reference(lambda f: Lamb(f, eps=1e-6, weight_decay=0.01),
+                                ranks.world_size, steps)
+    for history, *_ in results:
+        torch.testing.assert_close(history[-1]["p"], want[-1], atol=1e-6, rtol=1e-5)

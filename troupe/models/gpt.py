@@ -183,6 +183,9 @@ class GPT(nn.Module):
         mask = None
         if valid_BS is None:
             pos = torch.arange(L, L + T, device=idx_BT.device)
+        elif T == 1:  # one new token per sequence (decoding): it may see every real key
+            pos = valid_BS.sum(1, keepdim=True) - 1  # (B, 1)
+            mask = valid_BS[:, None, None, :]
         else:
             pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
             mask = attention_mask(valid_BS, T)

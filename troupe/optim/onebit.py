@@ -111,7 +111,9 @@ class OneBitAdam(_Compressed):
 class ZeroOneAdam(_Compressed):
     """0/1 Adam. Until var_freeze_step the variance is updated only at steps t with
     t % interval == 0, from the full-precision gradient mean; the interval starts at 1 and doubles
-    every var_update_scaler variance updates; between them gradients travel 1-bit compressed.
+    every var_update_scaler variance updates; at the other steps the momentum is updated from
+    the local gradient and averaged 1-bit compressed (compressing the smooth momentum rather
+    than the raw gradient, as 1-bit Adam does).
     After var_freeze_step the variance is frozen and ranks take local steps, accumulating their
     updates; every local interval (1, doubling every local_step_scaler steps, at most
     local_step_clipper) the accumulated update is averaged by compressed_allreduce and replaces
@@ -131,7 +133,7 @@ class ZeroOneAdam(_Compressed):
         n = flat.numel
         self.m, self.v = torch.zeros(n), torch.zeros(n)
         self.acc, self.anchor = torch.zeros(n), torch.zeros(n)
-        self._init_onebit("grad", "acc")
+        self._init_onebit("m", "acc")
         self.sched = dict(var_interval=1, var_counter=0, var_updates=0, local_interval=1,
                           local_counter=0, lrs=0.0)
 
@@ -149,16 +151,17 @@ class ZeroOneAdam(_Compressed):
         b1, b2 = self.betas
         s, p = self.sched, self.flat.data[:self.flat.numel]
         if self.t <= self.var_freeze_step:
-            if self.t % s["var_interval"] == 0:
+            if self.t % s["var_interval"] == 0:  # a variance step: the exact gradient mean
                 g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
                 self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                self.m.mul_(b1).add_(g, alpha=1 - b1)
                 s["var_counter"] += 1
                 s["var_updates"] += 1
                 if s["var_counter"] == self.var_update_scaler:
                     s["var_counter"], s["var_interval"] = 0, s["var_interval"] * 2
-            else:
-                g = self._onebit_mean(self._local_grad().clone(), "grad")
-            self.m.mul_(b1).add_(g, alpha=1 - b1)
+            else:  # otherwise the momentum travels 1-bit compressed, as in 1-bit Adam
+                self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
+                self._onebit_mean(self.m, "m")
             _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
             if self.t == self.var_freeze_step:
                 self.anchor.copy_(p)

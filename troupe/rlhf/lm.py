@@ -104,7 +104,7 @@ class GPTLM(CausalLM):
             raise ValueError(f"prompt of {P} + {max_new} new tokens exceeds seq_len={self.max_len}")
         seq, valid = ids_BP, valid_BP
         cache = KVCache.empty(self.gpt.cfg, B, P + max_new, ids_BP.device) if use_cache else None
-        logits = self.gpt(ids_BP, valid_BS=valid_BP, cache=cache)[0][:, -1]
+        logits = self._last_logits(ids_BP, valid_BP, cache)
         done = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
         out = []
         for _ in range(max_new):
@@ -117,12 +117,18 @@ class GPTLM(CausalLM):
             seq = torch.cat([seq, nxt[:, None]], 1)
             valid = torch.cat([valid, torch.ones_like(nxt[:, None], dtype=torch.bool)], 1)
             if cache is not None:
-                logits = self.gpt(nxt[:, None], valid_BS=valid, cache=cache)[0][:, -1]
+                logits = self._last_logits(nxt[:, None], valid, cache)
             else:
-                logits = self.gpt(seq, valid_BS=valid)[0][:, -1]
+                logits = self._last_logits(seq, valid, None)
         res = torch.stack(out, 1)
         pad = torch.full((B, max_new - res.shape[1]), eos_id, dtype=res.dtype, device=res.device)
         return torch.cat([res, pad], 1)
+
+
+    def _last_logits(self, ids, valid, cache):
+        """Next-token logits after the last position only (B, V)."""
+        h = self.gpt.hidden(ids, valid_BS=valid, cache=cache)[0][:, -1]
+        return F.linear(h, self.gpt.tok_emb.weight)
 
 
 class HFLM(CausalLM):
