@@ -6,8 +6,8 @@ Both methods get the same routing (a top-k gate with capacity factor 1.0, comput
 timed region) and identity experts, so what is measured is moving tokens to experts and back:
 forward + backward time (median of --iters) and peak memory. Peak memory of the first forward + backward is the process's peak resident set (ru_maxrss)
 minus its resident set just before, each (method, experts) in a fresh subprocess so that
-high-water marks do not mix (the peak of importing torch stays below; checked by the sorted
-run's figure matching its tensors' sizes); on CUDA it is max_memory_allocated.
+high-water marks do not mix, with glibc's mmap threshold lowered so that freed tensors leave the
+resident set at once; on CUDA it is max_memory_allocated.
 One JSON line per (experts, top_k), with the einsum baseline measured in the same run.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
@@ -114,6 +115,9 @@ def main() -> None:
         print(json.dumps(measure(a.child[0], a.tokens, a.width, int(a.child[1]), int(a.child[2]),
                                  a.iters, a.device)))
         return
+    # big blocks straight from mmap, so freed memory leaves the resident set at once and the
+    # peak resident set follows the peak of live tensors (glibc would otherwise reuse heap)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for k in a.top_k:
         for E in a.experts:
             res = {}
@@ -121,7 +125,7 @@ def main() -> None:
                 out = subprocess.run(
                     [sys.executable, __file__, "--tokens", str(a.tokens), "--width", str(a.width),
                      "--iters", str(a.iters), "--device", a.device, "--child", method, str(E),
-                     str(k)], check=True, capture_output=True, text=True).stdout
+                     str(k)], check=True, capture_output=True, text=True, env=env).stdout
                 res[method] = json.loads(out.strip().splitlines()[-1])
             base, mine = res["gshard_einsum"], res["sorted"]
             print(json.dumps({

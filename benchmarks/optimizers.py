@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam family")
-    p.add_argument("--lamb-lr", type=float, default=1e-2, help="LAMB family (trust ratio scaled)")
+    p.add_argument("--lamb-lr", type=float, default=3e-2, help="LAMB family (trust ratio scaled)")
     p.add_argument("--only", nargs="*", default=None)
     args = p.parse_args()
     troupe.init(num_cpus=max(args.workers, 4))

@@ -96,7 +96,7 @@ class GPTLM(CausalLM):
     def hidden(self, ids_BS, valid_BS):
         return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, ids_BP, valid_BP, max_new, eos_id, temperature=1.0, use_cache=True,
                  generator=None):
         B, P = ids_BP.shape
