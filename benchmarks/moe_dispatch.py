@@ -7,7 +7,8 @@ timed region) and identity experts, so what is measured is moving tokens to expe
 forward + backward time (median of --iters) and peak memory. Peak memory of the first forward + backward is the process's peak resident set (ru_maxrss)
 minus its resident set just before, each (method, experts) in a fresh subprocess so that
 high-water marks do not mix, with glibc's mmap threshold lowered so that freed tensors leave the
-resident set at once; on CUDA it is max_memory_allocated.
+resident set at once (times come from a separate process with the default allocator); on CUDA
+it is max_memory_allocated.
 One JSON line per (experts, top_k), with the einsum baseline measured in the same run.
 """
 
@@ -115,18 +116,23 @@ def main() -> None:
         print(json.dumps(measure(a.child[0], a.tokens, a.width, int(a.child[1]), int(a.child[2]),
                                  a.iters, a.device)))
         return
-    # big blocks straight from mmap, so freed memory leaves the resident set at once and the
-    # peak resident set follows the peak of live tensors (glibc would otherwise reuse heap)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    # Memory runs take big blocks straight from mmap, so that freed tensors leave the resident
+    # set at once and its peak follows the peak of live tensors (glibc would otherwise reuse
+    # its heap); timing runs use the default allocator, as a real job would.
+    mem_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     for k in a.top_k:
         for E in a.experts:
             res = {}
             for method in ("gshard_einsum", "sorted"):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--tokens", str(a.tokens), "--width", str(a.width),
-                     "--iters", str(a.iters), "--device", a.device, "--child", method, str(E),
-                     str(k)], check=True, capture_output=True, text=True, env=env).stdout
-                res[method] = json.loads(out.strip().splitlines()[-1])
+                runs = []
+                for env in (dict(os.environ), mem_env):
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--tokens", str(a.tokens), "--width",
+                         str(a.width), "--iters", str(a.iters), "--device", a.device, "--child",
+                         method, str(E), str(k)], check=True, capture_output=True, text=True,
+                        env=env).stdout
+                    runs.append(json.loads(out.strip().splitlines()[-1]))
+                res[method] = {**runs[0], "peak_bytes": runs[1]["peak_bytes"]}
             base, mine = res["gshard_einsum"], res["sorted"]
             print(json.dumps({
                 "bench": "moe_dispatch", "device": a.device, "machine": platform.node(),

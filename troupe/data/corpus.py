@@ -7,6 +7,7 @@ import ast
 import json
 import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 
 def stdlib_documents(min_chars: int = 40) -> list[str]:
@@ -35,6 +36,22 @@ def stdlib_documents(min_chars: int = 40) -> list[str]:
     return docs
 
 
+def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSON-lines file; a line that is not
+    a JSON object raises ValueError naming the file and line."""
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object")
+            yield i, row
+
+
 def file_documents(paths: list[str | Path], text_key: str = "text") -> list[str]:
     """Documents from .txt files (one per file) and .jsonl files (one per line, the string
     under ``text_key``). Errors name the file and line."""
@@ -45,18 +62,11 @@ def file_documents(paths: list[str | Path], text_key: str = "text") -> list[str]
         if p.suffix == ".txt":
             docs.append(p.read_text(encoding="utf-8"))
         elif p.suffix == ".jsonl":
-            with p.open(encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-                    if not isinstance(row, dict) or not isinstance(row.get(text_key), str):
-                        raise ValueError(f"{p}:{i}: expected an object with a string "
-                                         f"{text_key!r} field")
-                    docs.append(row[text_key])
+            for i, row in jsonl_objects(p):
+                if not isinstance(row.get(text_key), str):
+                    raise ValueError(f"{p}:{i}: expected an object with a string "
+                                     f"{text_key!r} field")
+                docs.append(row[text_key])
         else:
             raise ValueError(f"data file {p}: expected .txt or .jsonl, got {p.suffix!r}")
     if not docs:

@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from troupe.data.corpus import jsonl_objects
+
 FIELDS = ("prompt", "chosen", "rejected")
 
 
@@ -28,20 +30,11 @@ def read_jsonl(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(f"RLHF data file {path} does not exist")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: expected an object with {', '.join(FIELDS)}")
-            bad = [k for k in FIELDS if not isinstance(row.get(k), str)]
-            if bad:
-                raise ValueError(f"{path}:{i}: field(s) {', '.join(bad)} missing or not a string")
-            out.append(Example(row["prompt"], row["chosen"], row["rejected"]))
+    for i, row in jsonl_objects(path):
+        bad = [k for k in FIELDS if not isinstance(row.get(k), str)]
+        if bad:
+            raise ValueError(f"{path}:{i}: field(s) {', '.join(bad)} missing or not a string")
+        out.append(Example(row["prompt"], row["chosen"], row["rejected"]))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out

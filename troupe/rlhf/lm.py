@@ -107,12 +107,12 @@ class GPTLM(CausalLM):
         logits = self._last_logits(ids_BP, valid_BP, cache)
         done = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
         out = []
-        for _ in range(max_new):
+        for i in range(max_new):
             nxt = sample(logits, temperature, generator)
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
             out.append(nxt)
             done |= nxt == eos_id
-            if done.all():
+            if done.all() or i == max_new - 1:
                 break
             seq = torch.cat([seq, nxt[:, None]], 1)
             valid = torch.cat([valid, torch.ones_like(nxt[:, None], dtype=torch.bool)], 1)
