@@ -1,0 +1,64 @@
+"""Quantization invariants: the round-trip error is within half a step of each group, the INT8
+GEMM is exact, and the rescaled product equals the fp32 product of the dequantized operands."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from troupe.kernels.quant import (dequantize_weight, int8_gemm, int8_linear, pack_int4,
+                                  quantize_tokens, quantize_weight, unpack_int4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([8, 4]), axis=st.sampled_from([0, 1]),
+       group=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 10_000),
+       magnitude=st.sampled_from([1e-3, 1.0, 50.0]))
+def test_round_trip_within_half_a_step(bits, axis, group, seed, magnitude):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 16, generator=g) * magnitude
+    qw = quantize_weight(w, bits, group, axis)
+    err = (w - dequantize_weight(qw)).abs()
+    if axis == 0:
+        bound = qw.scales.repeat_interleave(group)[:, None].expand(8, 16)
+    else:
+        bound = qw.scales.repeat_interleave(group, dim=1)
+    assert (err <= bound / 2 * (1 + 1e-5) + 1e-12).all()
+
+
+def test_int4_packing_round_trip():
+    q = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert torch.equal(unpack_int4(packed, 32), q)
+
+
+def test_int8_gemm_is_exact():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-127, 128, (37, 300), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (50, 300), generator=g, dtype=torch.int8)
+    assert torch.equal(int8_gemm(x, w).long(), x.long() @ w.long().t())
+
+
+def test_int8_gemm_refuses_overflowing_inner_dimension():
+    with pytest.raises(ValueError, match="overflow"):
+        int8_gemm(torch.zeros(2, 140_000, dtype=torch.int8),
+                  torch.zeros(3, 140_000, dtype=torch.int8))
+
+
+def test_rescaled_product_equals_dequantized_fp32_product():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(96, 128, generator=g)
+    qw = quantize_weight(w, 8, group_size=8, axis=0)
+    xq, xs = quantize_tokens(x)
+    want = (xq.double() * xs.double()[:, None]) @ dequantize_weight(qw).double().t()
+    got = int8_linear(x, qw)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # and close to the unquantized product
+    assert ((got - x @ w.t()).norm() / (x @ w.t()).norm()).item() < 0.02
+
+
+def test_weight_memory():
+    w = torch.randn(256, 512)
+    assert quantize_weight(w, 8, 64).nbytes / (w.numel() * 4) < 0.3
+    assert quantize_weight(w, 4, 64, axis=1).nbytes / (w.numel() * 4) < 0.17

@@ -1,0 +1,120 @@
+"""ZeroQuant's quantization primitives: symmetric group-wise weight quantization to INT8 or
+INT4 (two values a byte), token-wise dynamic INT8 activations, and the INT8 x INT8 -> INT32
+GEMM with its rescale. Torch ops (``torch._int_mm`` for the GEMM), on CPU or GPU tensors.
+
+Shapes: weights are (O, I) as in nn.Linear; activations (T, I) for T tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QMAX = {8: 127, 4: 7}
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class QuantizedWeight:
+    """Integer weights and their fp32 scales.
+
+    axis 0: groups of ``group_size`` output rows share a scale (scales (O / group_size,)), so
+    every output channel has one scale and an INT8 GEMM can be rescaled per column;
+    axis 1: groups of ``group_size`` input columns within a row (scales (O, I / group_size)),
+    finer, for weight-only use. INT4 values are packed two a byte along the input dimension.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    group_size: int
+    axis: int
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scales.numel() * 4
+
+
+def quantize_weight(w_OI: torch.Tensor, bits: int = 8, group_size: int | None = None,
+                    axis: int = 0) -> QuantizedWeight:
+    """Symmetric quantization: scale = max|w| / qmax per group, q = round(w / scale)."""
+    if bits not in QMAX:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    O, I = w_OI.shape
+    n = O if axis == 0 else I
+    g = group_size or n
+    if n % g:
+        raise ValueError(f"group_size={g} does not divide the {'output' if axis == 0 else 'input'}"
+                         f" dimension {n}")
+    w = w_OI.float()
+    grouped = w.reshape(O // g, g * I) if axis == 0 else w.reshape(O, I // g, g)
+    amax = grouped.abs().amax(dim=-1)
+    scales = (amax / QMAX[bits]).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(grouped / scales.unsqueeze(-1)).clamp_(-QMAX[bits], QMAX[bits])
+    q = q.to(torch.int8).reshape(O, I)
+    if bits == 4:
+        q = pack_int4(q)
+    return QuantizedWeight(q, scales, bits, g, axis, (O, I))
+
+
+def dequantize_weight(qw: QuantizedWeight) -> torch.Tensor:
+    O, I = qw.shape
+    q = unpack_int4(qw.q, I) if qw.bits == 4 else qw.q
+    q = q.float()
+    if qw.axis == 0:
+        return (q.reshape(O // qw.group_size, -1) * qw.scales[:, None]).reshape(O, I)
+    return (q.reshape(O, I // qw.group_size, -1) * qw.scales[..., None]).reshape(O, I)
+
+
+def channel_scales(qw: QuantizedWeight) -> torch.Tensor:
+    """One scale per output channel (axis-0 quantization only): (O,)."""
+    if qw.axis != 0:
+        raise ValueError("per-channel scales need axis-0 (output-row) groups")
+    return qw.scales.repeat_interleave(qw.group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], (..., I) with I even -> uint8 (..., I/2), low nibble first."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"INT4 packing needs an even input dimension, got {q.shape[-1]}")
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of pack_int4: int8 (..., n)."""
+    lo = (packed & 0xF).to(torch.int8)
+    hi = (packed >> 4).to(torch.int8)
+    out = torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], -1)[..., :n]
+    return torch.where(out > 7, out - 16, out)
+
+
+def quantize_tokens(x_TI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-wise dynamic INT8: each row gets scale max|x_t| / 127. Returns (q (T, I), s (T,))."""
+    scales = (x_TI.float().abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(x_TI.float() / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int8_gemm(xq_TI: torch.Tensor, wq_OI: torch.Tensor) -> torch.Tensor:
+    """Exact INT8 x INT8 -> INT32 product x @ w.T: (T, O). Raises when the inner dimension
+    could overflow int32 (I * 127 * 127 > 2^31 - 1)."""
+    T, I = xq_TI.shape
+    if I * 127 * 127 > _INT32_MAX:
+        raise ValueError(f"inner dimension {I} can overflow int32 accumulation")
+    if xq_TI.device.type == "cpu" or T > 16:
+        return torch._int_mm(xq_TI.contiguous(), wq_OI.t().contiguous())
+    # torch._int_mm needs more than 16 rows on CUDA: pad
+    pad = torch.zeros(17 - T, I, dtype=torch.int8, device=xq_TI.device)
+    return torch._int_mm(torch.cat([xq_TI, pad]), wq_OI.t().contiguous())[:T]
+
+
+def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None):
+    """W8A8: quantize the tokens, INT8 GEMM, rescale by s_x[:, None] * s_w[None, :]."""
+    if qw.bits != 8 or qw.axis != 0:
+        raise ValueError("int8_linear needs INT8 weights with per-output-channel groups")
+    xq, xs = quantize_tokens(x_TI)
+    y = int8_gemm(xq, qw.q).float() * xs[:, None] * channel_scales(qw)[None, :]
+    return y + bias if bias is not None else y
