@@ -1,0 +1,81 @@
+"""Quantized replacements for nn.Linear and a function that swaps them into a model.
+
+Modes: "w8a8" (INT8 weights per output channel, token-wise INT8 activations, INT8 GEMM),
+"w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights, dequantized for an
+fp32 product), "fp32" (leave the layer alone)."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from troupe.kernels.quant import QuantizedWeight, dequantize_weight, int8_linear, quantize_weight
+
+MODES = ("fp32", "w8a8", "w8a16", "w4a16")
+
+
+class QuantizedLinear(nn.Module):
+    """An nn.Linear held as integer weights plus scales (bias kept in fp32)."""
+
+    def __init__(self, linear: nn.Linear, mode: str, group_size: int = 64):
+        super().__init__()
+        if mode not in MODES[1:]:
+            raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+        O, I = linear.weight.shape
+        self.mode, self.in_features, self.out_features = mode, I, O
+        w = linear.weight.detach()
+        if mode == "w8a8":
+            g = _divisor(O, group_size)
+            self.qw = quantize_weight(w, 8, g, axis=0)
+        else:
+            g = _divisor(I, group_size)
+            self.qw = quantize_weight(w, 8 if mode == "w8a16" else 4, g, axis=1)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                                  requires_grad=False)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.qw.nbytes
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_weight(self.qw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.mode == "w8a8":
+            y = int8_linear(x2, self.qw, self.bias)
+        else:
+            y = F.linear(x2, self.dequantized_weight(), self.bias)
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+def _divisor(n: int, want: int) -> int:
+    """The largest divisor of n not above ``want``."""
+    for g in range(min(want, n), 0, -1):
+        if n % g == 0:
+            return g
+    return 1
+
+
+def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64) -> dict[str, str]:
+    """Replace each nn.Linear whose qualified name matches a rule's glob pattern (first match
+    wins) by a QuantizedLinear of that rule's mode; returns {module name: mode} for the
+    replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8)."""
+    for pattern, mode in rules.items():
+        if mode not in MODES:
+            raise ValueError(f"rule {pattern!r}: mode must be one of {MODES}, got {mode!r}")
+    done: dict[str, str] = {}
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        mode = next((md for pat, md in rules.items() if fnmatch.fnmatch(name, pat)), "fp32")
+        if mode == "fp32":
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantizedLinear(linear, mode, group_size))
+        done[name] = mode
+    return done
