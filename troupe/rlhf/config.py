@@ -85,6 +85,7 @@ class PPOConfig(Config):
     ema_beta: float = Field(default=0.992, gt=0, lt=1)
     ptx_coef: float = Field(default=0.0, ge=0)
     lora: LoRAConfig = LoRAConfig()
+    int8_generation: bool = False  # roll out with W8A8 weights (troupe.compression)
     checkpoint_every: int = Field(default=40, ge=0)
     eval_every: int = Field(default=20, ge=1)
 

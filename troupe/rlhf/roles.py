@@ -14,6 +14,7 @@ import time
 import torch
 
 from troupe.collectives import Communicator
+from troupe.compression import quantize_model
 from troupe.rlhf import ppo
 from troupe.rlhf.batch import completions, prompts, response_mask
 from troupe.rlhf.common import Trainable, build_lm, load_module, save_module
@@ -60,8 +61,9 @@ class Policy:
         p_ids, p_valid = prompts(self.tok, texts)
         gen = torch.Generator().manual_seed(seed * 7919 + self.rank)
         temp = self.cfg.ppo.temperature if temperature is None else temperature
-        resp = model.generate(p_ids, p_valid, self.cfg.ppo.max_new_tokens, self.tok.eos_id,
-                              temperature=temp, generator=gen)
+        engine = self._int8_copy(model) if self.cfg.ppo.int8_generation else model
+        resp = engine.generate(p_ids, p_valid, self.cfg.ppo.max_new_tokens, self.tok.eos_id,
+                               temperature=temp, generator=gen)
         if fused:
             unfuse_lora(model)
         rmask = response_mask(resp, self.tok.eos_id)
@@ -75,6 +77,15 @@ class Policy:
         return {"ids": ids, "valid": valid, "action": action, "responses": texts_out,
                 "prompts": list(texts),
                 "seconds": time.perf_counter() - t0}
+
+    @staticmethod
+    def _int8_copy(model):
+        """The inference layout with INT8 weights: a copy whose linear layers run W8A8 through
+        troupe's INT8 GEMM (the tied output embedding stays fp32). Rebuilt for every batch of
+        rollouts, since the policy changes between them."""
+        engine = copy.deepcopy(model)
+        quantize_model(engine, {"*": "w8a8"})
+        return engine
 
     @torch.no_grad()
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
