@@ -1,6 +1,8 @@
-"""Model compression: ZeroQuant-style quantized Linear layers and whole-model quantization by
-module-name patterns. (LKD and serving build on these; see issue 6.)"""
+"""Model compression: ZeroQuant-style quantized Linear layers, whole-model quantization by
+module-name patterns, and layer-by-layer knowledge distillation (LKD)."""
 
-from troupe.compression.quantize import MODES, QuantizedLinear, quantize_model
+from troupe.compression.lkd import FakeQuantLinear, layerwise_distill, random_batches
+from troupe.compression.quantize import MODES, QuantizedLinear, quantize_for, quantize_model
 
-__all__ = ["MODES", "QuantizedLinear", "quantize_model"]
+__all__ = ["MODES", "FakeQuantLinear", "QuantizedLinear", "layerwise_distill", "quantize_for",
+           "quantize_model", "random_batches"]

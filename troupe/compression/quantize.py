@@ -26,13 +26,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
         O, I = linear.weight.shape
         self.mode, self.in_features, self.out_features = mode, I, O
-        w = linear.weight.detach()
-        if mode == "w8a8":
-            g = _divisor(O, group_size)
-            self.qw = quantize_weight(w, 8, g, axis=0)
-        else:
-            g = _divisor(I, group_size)
-            self.qw = quantize_weight(w, 8 if mode == "w8a16" else 4, g, axis=1)
+        self.qw = quantize_for(linear.weight.detach(), mode, group_size)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
 
@@ -51,6 +45,17 @@ class QuantizedLinear(nn.Module):
         else:
             y = F.linear(x2, self.dequantized_weight(), self.bias)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> QuantizedWeight:
+    """The weight quantization a mode uses: per-output-channel groups for w8a8 (so the INT8
+    GEMM can be rescaled per column), groups along the input for the weight-only modes."""
+    O, I = w_OI.shape
+    if mode == "w8a8":
+        return quantize_weight(w_OI, 8, _divisor(O, group_size), axis=0)
+    if mode in ("w8a16", "w4a16"):
+        return quantize_weight(w_OI, 8 if mode == "w8a16" else 4, _divisor(I, group_size), axis=1)
+    raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
 
 
 def _divisor(n: int, want: int) -> int:

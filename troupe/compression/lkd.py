@@ -1,0 +1,113 @@
+"""Layer-by-layer knowledge distillation (ZeroQuant's LKD): for each block in order, train a
+quantized copy to reproduce the full-precision block's output on the full-precision block's
+input (MSE). Training goes through fake quantization with a straight-through estimator; the
+result is frozen into QuantizedLinear layers.
+
+The data is optional: batches of token ids from the training corpus, a user's text, or
+random tokens (``random_batches``)."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from troupe.compression.quantize import MODES, QuantizedLinear, quantize_for
+from troupe.kernels.quant import dequantize_weight, quantize_tokens
+from troupe.models import GPT
+
+
+class FakeQuantLinear(nn.Module):
+    """An nn.Linear trained through quantization: the forward uses dq(q(w)) (and, for w8a8,
+    token-wise quantized inputs); gradients pass straight through to the fp32 weight."""
+
+    def __init__(self, linear: nn.Linear, mode: str, group_size: int = 64):
+        super().__init__()
+        self.mode, self.group_size = mode, group_size
+        self.weight = nn.Parameter(linear.weight.detach().clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qw = quantize_for(self.weight.detach(), self.mode, self.group_size)
+        w = self.weight + (dequantize_weight(qw) - self.weight).detach()
+        if self.mode == "w8a8":
+            x2 = x.reshape(-1, x.shape[-1])
+            q, s = quantize_tokens(x2.detach())
+            x = x + ((q.float() * s[:, None]).reshape(x.shape) - x).detach()
+        return F.linear(x, w, self.bias)
+
+    def freeze(self) -> QuantizedLinear:
+        lin = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
+        lin.weight.data = self.weight.detach().clone()
+        if self.bias is not None:
+            lin.bias.data = self.bias.detach().clone()
+        return QuantizedLinear(lin, self.mode, self.group_size)
+
+
+def _swap(module: nn.Module, rules: dict[str, str], prefix: str, make) -> None:
+    for name, child in list(module.named_children()):
+        full = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.Linear):
+            mode = next((m for p, m in rules.items() if fnmatch.fnmatch(full, p)), "fp32")
+            if mode != "fp32":
+                setattr(module, name, make(child, mode))
+        else:
+            _swap(child, rules, full, make)
+
+
+def random_batches(vocab: int, n: int, batch: int, seq_len: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq_len), generator=g) for _ in range(n)]
+
+
+def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[torch.Tensor],
+                      steps_per_layer: int = 80, lr: float = 3e-5,
+                      group_size: int = 64) -> tuple[GPT, list[tuple[float, float]]]:
+    """A quantized copy of ``teacher`` (linear layers by ``rules``, as quantize_model), with
+    each block distilled in order. Returns (student, [(mse before, mse after) per block])."""
+    for pattern, mode in rules.items():
+        if mode not in MODES:
+            raise ValueError(f"rule {pattern!r}: mode must be one of {MODES}, got {mode!r}")
+    teacher = teacher.eval()
+    student = copy.deepcopy(teacher)
+    _swap(student, rules, "", lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
+    student.requires_grad_(False)
+    batches = list(batches)
+    with torch.no_grad():  # the full-precision inputs of block 0
+        inputs = [teacher.drop(teacher.tok_emb(b) + teacher.pos_emb(torch.arange(b.shape[1])))
+                  for b in batches]
+    report = []
+    for t_block, s_block in zip(teacher.blocks, student.blocks):
+        with torch.no_grad():
+            targets = [t_block(x)[0] for x in inputs]
+        params = [p for m in s_block.modules() if isinstance(m, FakeQuantLinear)
+                  for p in m.parameters()]
+        before = _mse(s_block, inputs, targets)
+        if params:
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.Adam(params, lr=lr)
+            for step in range(steps_per_layer):
+                i = step % len(inputs)
+                loss = F.mse_loss(s_block(inputs[i])[0], targets[i])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            for p in params:
+                p.requires_grad_(False)
+        report.append((before, _mse(s_block, inputs, targets)))
+        inputs = targets  # the next block learns on the full-precision activations
+    for m in list(student.modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, FakeQuantLinear):
+                setattr(m, child_name, child.freeze())
+    return student, report
+
+
+@torch.no_grad()
+def _mse(block: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    return sum(F.mse_loss(block(x)[0], t).item() for x, t in zip(inputs, targets)) / len(inputs)
