@@ -91,3 +91,22 @@ def test_offloaded_shards_match_zero1(cluster, tmp_path, optimizer):
     assert all(t["optimizer_bytes"] == 0 for t in graph.info)  # trainers hold no state
     total = 2 * owners[0]["param_bytes"]
     assert [o["optimizer_bytes"] for o in owners] == [total] * 2  # m and v of one shard each
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
+def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
+    """The single-process model rebuilt from the ranks' shards (experts from both
+    expert-parallel slices) scores the run's last validation loss."""
+    import torch
+
+    from troupe.training.export import load_full_model
+    cfg = _cfg(tmp_path, optimizer, model__moe={**MOE, "dropless": True},
+               optimizer__name=optimizer, optimizer__freeze_step=2, train__steps=4)
+    records = pretrain.run(cfg, resume=None, progress=False)
+    model = load_full_model(checkpoint.latest(tmp_path / optimizer / "checkpoints"))
+    from troupe.data import TokenDataset
+    data = TokenDataset(cfg.data)
+    with torch.no_grad():
+        losses = [model(x, y)[1].item() for x, y in data.val_batches(
+            cfg.train.eval_batches, cfg.train.batch_size, cfg.model.seq_len)]
+    assert sum(losses) / len(losses) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
