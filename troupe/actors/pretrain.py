@@ -13,10 +13,6 @@ from troupe.training import PretrainConfig, PretrainWorker
 from troupe.training import checkpoint as ckpt
 
 
-def _group(name: str) -> collectives.Communicator | None:
-    return collectives.get_group(name) if name in collectives.list_groups() else None
-
-
 class PretrainRank:
     """One data-parallel trainer rank. The driver calls ``setup`` once the groups are wired."""
 
@@ -28,8 +24,8 @@ class PretrainRank:
     def setup(self) -> dict:
         """Build the model and optimizers; returns this rank's pid and memory figures."""
         ctx = get_context()
-        self.worker = PretrainWorker(self.cfg, ctx.rank, ctx.world_size, _group("dp"),
-                                     _group("ep"), _group("edp"), _group("offload"))
+        dp, ep, edp, offload = (collectives.find_group(n) for n in ("dp", "ep", "edp", "offload"))
+        self.worker = PretrainWorker(self.cfg, ctx.rank, ctx.world_size, dp, ep, edp, offload)
         return {"pid": os.getpid(), **self.worker.memory()}
 
     def train_step(self, step: int) -> dict:

@@ -17,16 +17,12 @@ def _config(config: dict | RLHFConfig) -> RLHFConfig:
                                                                   "rlhf config")
 
 
-def _group(name: str) -> collectives.Communicator | None:
-    return collectives.get_group(name) if name in collectives.list_groups() else None
-
-
 class PolicyActor:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg, self.role = _config(config), None
 
     def setup(self) -> None:
-        self.role = Policy(self.cfg, _group("policy"), get_context().rank)
+        self.role = Policy(self.cfg, collectives.find_group("policy"), get_context().rank)
 
     def start_sft(self, total_steps: int) -> None:
         self.role.train.use_optimizer(self.cfg.sft.optimizer, total_steps)
@@ -73,7 +69,7 @@ class RewardActor:
         self.cfg, self.role = _config(config), None
 
     def setup(self) -> None:
-        self.role = Reward(self.cfg, _group("reward"), get_context().rank)
+        self.role = Reward(self.cfg, collectives.find_group("reward"), get_context().rank)
 
     def start_training(self, total_steps: int, init_path: str | None = None) -> None:
         if init_path is not None:
@@ -101,7 +97,7 @@ class CriticActor:
         self.cfg, self.role = _config(config), None
 
     def setup(self) -> None:
-        self.role = Critic(self.cfg, _group("critic"), get_context().rank)
+        self.role = Critic(self.cfg, collectives.find_group("critic"), get_context().rank)
 
     def begin_ppo(self, reward_path: str) -> None:
         self.role.begin_ppo(reward_path)

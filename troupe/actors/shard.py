@@ -26,9 +26,8 @@ class ParameterShardRank:
         self.owner: ShardOwner | None = None
 
     def setup(self) -> dict:
-        groups = collectives.list_groups()
-        owners = collectives.get_group("owners") if "owners" in groups else None
-        self.owner = ShardOwner(self.cfg, collectives.get_group("offload"), owners)
+        self.owner = ShardOwner(self.cfg, collectives.get_group("offload"),
+                                collectives.find_group("owners"))
         return {"pid": os.getpid(), **self.owner.memory()}
 
     def train_step(self, step: int) -> None:

@@ -14,6 +14,7 @@ from troupe.collectives.compressed import OneBitState, compressed_allreduce, pad
 from troupe.collectives.groups import (
     BACKENDS,
     destroy_group,
+    find_group,
     get_group,
     init_group,
     list_groups,
@@ -25,6 +26,6 @@ from troupe.errors import CollectiveError, CollectiveTimeoutError
 __all__ = [
     "BACKENDS", "REDUCE_OPS", "CollectiveError", "CollectiveTimeoutError", "Communicator",
     "OneBitState", "ReduceOp", "StoreAddress", "all_to_all", "compressed_allreduce",
-    "create_store", "destroy_group", "get_group", "init_group", "list_groups", "padded_numel",
-    "release_store", "resolve_backend",
+    "create_store", "destroy_group", "find_group", "get_group", "init_group", "list_groups",
+    "padded_numel", "release_store", "resolve_backend",
 ]

@@ -69,6 +69,12 @@ def get_group(name: str) -> Communicator:
         raise KeyError(f"no collective group {name!r} in this process; it has {sorted(_groups)}")
 
 
+def find_group(name: str) -> Communicator | None:
+    """The group ``name`` if this process joined it, else None (for optional groups, such as
+    an expert-parallel group that a layout without expert parallelism does not wire)."""
+    return _groups.get(name)
+
+
 def list_groups() -> list[str]:
     return sorted(_groups)
 
