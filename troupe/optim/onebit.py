@@ -103,10 +103,6 @@ class OneBitAdam(_Compressed):
         _adam_update(self.flat.data[:self.flat.numel], self.m, self.v, self.eps, self.wd, lr,
                      bc1, bc2)
 
-    @property
-    def frozen(self) -> bool:
-        return self.t >= self.freeze_step
-
 
 class ZeroOneAdam(_Compressed):
     """0/1 Adam. Until var_freeze_step the variance is updated only at steps t with
