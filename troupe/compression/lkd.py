@@ -9,14 +9,14 @@ random tokens (``random_batches``)."""
 from __future__ import annotations
 
 import copy
-import fnmatch
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.compression.quantize import MODES, QuantizedLinear, quantize_for
+from troupe.compression.quantize import (QuantizedLinear, quantize_for, replace_linears,
+                                         replace_modules)
 from troupe.kernels.quant import dequantize_weight, quantize_tokens
 from troupe.models import GPT
 
@@ -48,17 +48,6 @@ class FakeQuantLinear(nn.Module):
         return QuantizedLinear(lin, self.mode, self.group_size)
 
 
-def _swap(module: nn.Module, rules: dict[str, str], prefix: str, make) -> None:
-    for name, child in list(module.named_children()):
-        full = f"{prefix}.{name}" if prefix else name
-        if isinstance(child, nn.Linear):
-            mode = next((m for p, m in rules.items() if fnmatch.fnmatch(full, p)), "fp32")
-            if mode != "fp32":
-                setattr(module, name, make(child, mode))
-        else:
-            _swap(child, rules, full, make)
-
-
 def random_batches(vocab: int, n: int, batch: int, seq_len: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq_len), generator=g) for _ in range(n)]
@@ -69,12 +58,9 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
                       group_size: int = 64) -> tuple[GPT, list[tuple[float, float]]]:
     """A quantized copy of ``teacher`` (linear layers by ``rules``, as quantize_model), with
     each block distilled in order. Returns (student, [(mse before, mse after) per block])."""
-    for pattern, mode in rules.items():
-        if mode not in MODES:
-            raise ValueError(f"rule {pattern!r}: mode must be one of {MODES}, got {mode!r}")
     teacher = teacher.eval()
     student = copy.deepcopy(teacher)
-    _swap(student, rules, "", lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
+    replace_linears(student, rules, lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
     student.requires_grad_(False)
     batches = list(batches)
     with torch.no_grad():  # the full-precision inputs of block 0
@@ -101,10 +87,7 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
                 p.requires_grad_(False)
         report.append((before, _mse(s_block, inputs, targets)))
         inputs = targets  # the next block learns on the full-precision activations
-    for m in list(student.modules()):
-        for child_name, child in list(m.named_children()):
-            if isinstance(child, FakeQuantLinear):
-                setattr(m, child_name, child.freeze())
+    replace_modules(student, lambda _, m: m.freeze() if isinstance(m, FakeQuantLinear) else None)
     return student, report
 
 

@@ -7,6 +7,7 @@ fp32 product), "fp32" (leave the layer alone)."""
 from __future__ import annotations
 
 import fnmatch
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,17 +71,37 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     """Replace each nn.Linear whose qualified name matches a rule's glob pattern (first match
     wins) by a QuantizedLinear of that rule's mode; returns {module name: mode} for the
     replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8)."""
+    return replace_linears(model, rules, lambda lin, mode: QuantizedLinear(lin, mode, group_size))
+
+
+def replace_linears(model: nn.Module, rules: dict[str, str],
+                    make: Callable[[nn.Linear, str], nn.Module]) -> dict[str, str]:
+    """Replace each nn.Linear matched by ``rules`` (glob pattern -> mode, first match wins,
+    "fp32" leaves a layer alone) with ``make(linear, mode)``; returns {name: mode} replaced."""
     for pattern, mode in rules.items():
         if mode not in MODES:
             raise ValueError(f"rule {pattern!r}: mode must be one of {MODES}, got {mode!r}")
     done: dict[str, str] = {}
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
+
+    def pick(name: str, module: nn.Module) -> nn.Module | None:
+        if not isinstance(module, nn.Linear):
+            return None
         mode = next((md for pat, md in rules.items() if fnmatch.fnmatch(name, pat)), "fp32")
         if mode == "fp32":
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantizedLinear(linear, mode, group_size))
+            return None
         done[name] = mode
+        return make(module, mode)
+
+    replace_modules(model, pick)
     return done
+
+
+def replace_modules(model: nn.Module,
+                    pick: Callable[[str, nn.Module], nn.Module | None]) -> None:
+    """Swap every submodule for which ``pick(qualified name, module)`` returns a module."""
+    for name, module in list(model.named_modules()):
+        new = pick(name, module) if name else None
+        if new is not None:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, new)
