@@ -44,13 +44,13 @@ def parse_size(text: str) -> int:
 
 # ----------------------------------------------------------------------------- worker side
 
-def tcp_bytes_sent(pid: int) -> int:
-    """Bytes this process's TCP sockets have sent, as the kernel counts them (ss -ti)."""
+def tcp_bytes_sent(*pids: int) -> int:
+    """Bytes these processes' TCP sockets have sent, as the kernel counts them (ss -ti)."""
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
     total, mine = 0, False
     for line in out.splitlines():
         if "users:" in line:
-            mine = f"pid={pid}," in line
+            mine = any(f"pid={pid}," in line for pid in pids)
         m = re.search(r"bytes_sent:(\d+)", line)
         if m and mine:
             total += int(m.group(1))

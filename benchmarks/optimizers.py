@@ -16,26 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
-import subprocess
 import time
 
 import troupe
+from allreduce import tcp_bytes_sent  # benchmarks/ is the script's directory
 from troupe.runtime.pretrain import build_graph
 from troupe.training import PretrainConfig
-
-
-def tcp_bytes_sent(pids: list[int]) -> int:
-    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
-    total, mine = 0, False
-    for line in out.splitlines():
-        if "users:" in line:
-            mine = any(f"pid={p}," in line for p in pids)
-        m = re.search(r"bytes_sent:(\d+)", line)
-        if m and mine:
-            total += int(m.group(1))
-            mine = False
-    return total
 
 
 def config(args, optimizer: dict, workers: int) -> PretrainConfig:
@@ -53,10 +39,10 @@ def train(args, name: str, optimizer: dict) -> dict:
     graph = build_graph(cfg, name=f"bench-{name}")
     try:
         trainer, pids = graph["trainer"], [i["pid"] for i in graph.info]
-        b0, t0 = tcp_bytes_sent(pids), time.perf_counter()
+        b0, t0 = tcp_bytes_sent(*pids), time.perf_counter()
         for step in range(1, args.steps + 1):
             metrics = trainer.call("train_step", step)
-        seconds, tcp = time.perf_counter() - t0, tcp_bytes_sent(pids) - b0
+        seconds, tcp = time.perf_counter() - t0, tcp_bytes_sent(*pids) - b0
         val = sum(trainer.call("evaluate")) / args.workers
         return {"optimizer": name, "val_loss": round(val, 4),
                 "train_loss": round(sum(m["loss"] for m in metrics) / len(metrics), 4),
