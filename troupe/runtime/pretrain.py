@@ -57,9 +57,13 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1
 def together(graph: Graph, method: str, *args) -> list[list]:
     """Call ``method`` on the trainers and, when there are any, the shard owners at once (their
     calls exchange tensors with each other); returns [trainer results, owner results]."""
-    roles = [graph[r] for r in ("trainer", "shard") if r in graph.roles]
-    refs = [(role, role.call_async(method, *args)) for role in roles]
+    refs = [(role, role.call_async(method, *args)) for role in _roles(graph)]
     return [role.get(r, method) for role, r in refs]
+
+
+def _roles(graph: Graph) -> list:
+    """The trainers, then the shard owners when the graph has them."""
+    return [graph[r] for r in ("trainer", "shard") if r in graph.roles]
 
 
 def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None = None,
@@ -75,8 +79,7 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     ckpt_root, metrics = out / "checkpoints", MetricsLog(out / "metrics.jsonl")
     graph = build_graph(cfg)
     try:
-        trainer, start = graph["trainer"], 0
-        roles = [graph[r] for r in ("trainer", "shard") if r in graph.roles]
+        trainer, start, roles = graph["trainer"], 0, _roles(graph)
         source = checkpoint.latest(ckpt_root) if resume == "auto" else resume
         if source is not None:
             start = checkpoint.restore(roles, source)

@@ -203,13 +203,11 @@ def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
             sft_path: Path, reward_path: Path, on_iteration: Callable | None = None) -> dict:
     p = cfg.ppo
     policy, critic = graph["policy"], graph["critic"]
-    for role, method, path in (("policy", "begin_ppo", sft_path),
-                               ("reference", "load", sft_path),
-                               ("reward", "load", reward_path),
-                               ("critic", "begin_ppo", reward_path)):
+    start = {"policy": ("begin_ppo", sft_path), "reference": ("load", sft_path),
+             "reward": ("load", reward_path), "critic": ("begin_ppo", reward_path)}
+    for role, (method, path) in start.items():
         graph[role].call(method, str(path))
-    restore = {"reference": ("load", sft_path), "reward": ("load", reward_path),
-               "critic": ("begin_ppo", reward_path)}
+    restore = {role: start[role] for role in RESTARTABLE}  # the critic's moves with checkpoints
     before = evaluate_policy(graph, data, cfg.seed + 99)
     log.write({"kind": "ppo_eval", "step": 0, **before})
     rng, restarts = random.Random(cfg.seed + 30), 0
