@@ -40,7 +40,9 @@ class PlacementTimeoutError(TroupeError):
         if missing:
             msg += f"; no node offers enough of: {', '.join(sorted(missing))}"
         if autoscaler:
-            msg += " (an autoscaler was asked for these resources and did not provide them in time)"
+            msg += ("; they were requested from the Ray autoscaler: a cluster without one "
+                    "needs the nodes added, one with one may need a longer timeout while nodes "
+                    "start")
         super().__init__(msg)
 
 
@@ -89,11 +91,18 @@ class CollectiveError(TroupeError):
 
 
 class CollectiveTimeoutError(CollectiveError):
-    """Members of a group did not arrive in time; ``missing`` lists their ranks."""
+    """Members of a group did not arrive in time; ``missing`` lists their ranks and
+    ``stacks`` what each was doing (when the runtime could ask them)."""
 
     def __init__(self, group: str, missing: list[int], world_size: int, timeout_s: float,
-                 what: str = "join"):
+                 what: str = "join", stacks: dict[int, str] | None = None, cause: str = ""):
         self.group, self.missing, self.world_size, self.timeout_s = (
             group, missing, world_size, timeout_s)
-        super().__init__(f"group {group!r}: rank(s) {missing} of {world_size} did not {what} "
-                         f"within {timeout_s:g}s")
+        self.stacks, self.cause = stacks or {}, cause
+        msg = (f"group {group!r}: rank(s) {missing} of {world_size} did not {what} "
+               f"within {timeout_s:g}s")
+        if cause:
+            msg += f" [{cause}]"
+        for r, report in sorted(self.stacks.items()):
+            msg += f"\n--- group rank {r} ---\n{report}"
+        super().__init__(msg)

@@ -7,6 +7,8 @@ import ray
 import torch
 from ray.util.state import list_actors
 
+from troupe import collectives
+from troupe.errors import CollectiveTimeoutError
 from troupe.runtime import (
     ActorGraph,
     CallTimeoutError,
@@ -38,6 +40,20 @@ class Policy:
 
     def sleep(self, s):
         time.sleep(s)
+
+
+class Summer:
+    """All ranks but ``sleeper`` enter an allreduce; ``sleeper`` dozes in a helper first."""
+
+    def reduce(self, sleeper, seconds):
+        if get_context().rank == sleeper:
+            self.doze(seconds)
+        t = torch.ones(4)
+        collectives.get_group("dp").all_reduce(t)
+        return t[0].item()
+
+    def doze(self, seconds):
+        time.sleep(seconds)
 
 
 class Reference:
@@ -122,6 +138,28 @@ def test_call_timeout_names_ranks_and_shows_stacks(rlhf_like):
     assert e.value.ranks == [1]
     assert "time.sleep(s)" in e.value.stacks[1] and "in flight: sleep" in e.value.stacks[1]
     ray.get(refs[1])
+
+
+def test_collective_timeout_names_the_sleeping_rank_and_its_stack(cluster):
+    g = ActorGraph("hang").role("trainer", Summer, 3, num_cpus=0.5)
+    g.collective("dp", ["trainer"], backend="gloo")
+    graph = g.build(timeout_s=60, collective_timeout_s=3)
+    try:
+        assert graph["trainer"].call("reduce", -1, 0) == [3.0, 3.0, 3.0]
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCallError) as e:
+            graph["trainer"].call("reduce", 1, 12)
+        waited = time.monotonic() - t0
+        assert waited < 10, waited  # the waiting ranks raised, not the sleeper's return
+        err = e.value.cause
+        assert e.value.rank in (0, 2) and isinstance(err, CollectiveTimeoutError)
+        assert err.group == "dp" and err.missing == [1]
+        assert "reach all_reduce (operation #2" in str(err)
+        assert "rank 1 on node" in err.stacks[1] and "in doze" in err.stacks[1]
+        assert "time.sleep(seconds)" in err.stacks[1] and "in flight: reduce" in err.stacks[1]
+        assert "in doze" in str(e.value)  # the driver's error shows the stack too
+    finally:
+        graph.shutdown()
 
 
 def test_gpu_request_on_cpu_cluster_times_out_with_typed_error(cluster):

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from troupe.collectives import straggler
 from troupe.collectives.base import (
     ReduceOp,
     check_op,
@@ -58,16 +59,32 @@ class TorchCommunicator:
                  world_size: int, timeout_s: float):
         self.name, self.backend, self.pg = name, backend, pg
         self.rank, self.world_size = rank, world_size
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
+        self.seq = 0  # operations started on this group; equal on ranks at the same operation
+        self.in_op: str | None = None
 
-    def _wait(self, work) -> None:
-        work.wait(self.timeout)
+    def _run(self, op: str, launch, peer: int | None = None) -> None:
+        """Start one operation (``launch()`` returns its Work) and wait for it. A timeout
+        becomes CollectiveTimeoutError naming the ranks that never reached this operation.
+        Point-to-point operations (with ``peer``) are not counted: only two ranks take part."""
+        if peer is None:
+            self.seq += 1
+        self.in_op = op
+        try:
+            launch().wait(self.timeout)
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            raise straggler.timeout_error(self, op, e, peer) from e
+        finally:
+            self.in_op = None
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS.get(op, dist.ReduceOp.SUM)
-        return reduce_in_place(x, op, self.world_size,
-                               lambda buf: self._wait(self.pg.allreduce([buf], opts)))
+        return reduce_in_place(x, op, self.world_size, lambda buf: self._run(
+            "all_reduce", lambda: self.pg.allreduce([buf], opts)))
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         check_op(op)
@@ -76,7 +93,7 @@ class TorchCommunicator:
         out = torch.empty_like(chunks[self.rank])
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        self._wait(self.pg.reduce_scatter([out], [chunks], opts))
+        self._run("reduce_scatter", lambda: self.pg.reduce_scatter([out], [chunks], opts))
         if op == "mean":
             out.div_(self.world_size)
         return out
@@ -84,14 +101,14 @@ class TorchCommunicator:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = x.new_empty((self.world_size, *x.shape))
-        self._wait(self.pg.allgather([list(out.unbind(0))], [x]))
+        self._run("all_gather", lambda: self.pg.allgather([list(out.unbind(0))], [x]))
         return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         buf = x if x.is_contiguous() else x.contiguous()
-        self._wait(self.pg.broadcast([buf], opts))
+        self._run("broadcast", lambda: self.pg.broadcast([buf], opts))
         if buf is not x:
             x.copy_(buf)
         return x
@@ -101,30 +118,30 @@ class TorchCommunicator:
         x = x.contiguous()
         output_splits, input_splits = resolve_splits(self, x, output_splits, input_splits)
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        self._wait(self.pg.alltoall_base(out, x, output_splits, input_splits,
-                                         dist.AllToAllOptions()))
+        self._run("all_to_all", lambda: self.pg.alltoall_base(
+            out, x, output_splits, input_splits, dist.AllToAllOptions()))
         return out
 
     def exchange_splits(self, input_splits: Sequence[int]) -> list[int]:
         """Tell every rank how many rows it gets from this one; returns rows to receive."""
         counts = torch.tensor(list(input_splits), dtype=torch.int64)
         out = torch.empty_like(counts)
-        self._wait(self.pg.alltoall_base(out, counts, [1] * self.world_size,
-                                         [1] * self.world_size, dist.AllToAllOptions()))
+        self._run("exchange_splits", lambda: self.pg.alltoall_base(
+            out, counts, [1] * self.world_size, [1] * self.world_size, dist.AllToAllOptions()))
         return out.tolist()
 
     def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self._wait(self.pg.send([x.contiguous()], dst, tag))
+        self._run(f"send to {dst}", lambda: self.pg.send([x.contiguous()], dst, tag), dst)
 
     def recv(self, x: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         buf = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-        self._wait(self.pg.recv([buf], src, tag))
+        self._run(f"recv from {src}", lambda: self.pg.recv([buf], src, tag), src)
         if buf is not x:
             x.copy_(buf)
         return x
 
     def barrier(self) -> None:
-        self._wait(self.pg.barrier(dist.BarrierOptions()))
+        self._run("barrier", lambda: self.pg.barrier(dist.BarrierOptions()))
 
     def destroy(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import ray
 from pydantic import ConfigDict, Field, field_validator, model_validator
+from ray.autoscaler.sdk import request_resources
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from troupe.collectives.groups import BACKENDS, resolve_backend
@@ -214,19 +215,36 @@ class ActorGraph:
 
     def _wait_placed(self, pgs: dict, placed: dict[str, list[str]], timeout_s: float,
                      deadline: float) -> None:
+        """Wait until every placement group is placed. Groups that do not fit at once are
+        asked of the autoscaler (``request_resources``, besides the pending groups themselves)
+        and waited for until ``deadline``, saying what is missing every few seconds."""
         waiting = {pgs[root].ready(): root for root in pgs}
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                root = next(iter(waiting.values()))
-                raise PlacementTimeoutError(root, pgs[root].bundle_specs[0], len(
-                    pgs[root].bundle_specs), timeout_s, ray.cluster_resources(), autoscaler=False)
-            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=min(left, 10))
-            for ref in ready:
-                waiting.pop(ref)
-            if waiting:
-                log.info("graph %r waiting for resources of roles %s (%.0fs left)", self.name,
-                         [placed[r] for r in waiting.values()], deadline - time.monotonic())
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=1.0)
+        for ref in ready:
+            waiting.pop(ref)
+        if not waiting:
+            return
+        bundles = [b for root in waiting.values() for b in pgs[root].bundle_specs]
+        request_resources(bundles=bundles)
+        try:
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    root = next(iter(waiting.values()))
+                    raise PlacementTimeoutError(
+                        root, pgs[root].bundle_specs[0], len(pgs[root].bundle_specs),
+                        timeout_s, ray.cluster_resources(), autoscaler=True)
+                log.info("graph %r waiting for %s (roles %s); the cluster has %s; %.0fs left",
+                         self.name, _describe([pgs[r].bundle_specs for r in waiting.values()]),
+                         [placed[r] for r in waiting.values()], _describe_total(), left)
+                ready, _ = ray.wait(list(waiting), num_returns=len(waiting),
+                                    timeout=min(left, 10))
+                for ref in ready:
+                    waiting.pop(ref)
+        finally:
+            # Placed groups hold their nodes from here on; a standing request would keep idle
+            # nodes alive after the graph is gone.
+            request_resources(bundles=[])
 
     def _start_role(self, spec: RoleSpec, pg, call_timeout_s: float | None) -> RoleGroup:
         actors = []
@@ -253,6 +271,18 @@ class ActorGraph:
                                         for i in part]
 
 
+def _describe(bundle_lists: list[list[dict[str, float]]]) -> str:
+    """'2 x {CPU: 1, GPU: 1}, 1 x {CPU: 4}' for lists of identical bundles."""
+    return ", ".join(f"{len(b)} x {{{', '.join(f'{k}: {v:g}' for k, v in b[0].items())}}}"
+                     for b in bundle_lists)
+
+
+def _describe_total() -> str:
+    total = ray.cluster_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return (f"{nodes} node(s), CPU {total.get('CPU', 0):g}, GPU {total.get('GPU', 0):g}")
+
+
 def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backend: str,
                   timeout_s: float, generation: int = 0) -> None:
     """Create collective group ``name`` among ``members`` (role, rank) of a built graph;
@@ -261,8 +291,8 @@ def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backe
     first_role, first_rank = members[0]
     store = graph[first_role].gather([actors[0].create_store.remote()], [first_rank],
                                      "create_store", timeout_s)[0]
-    refs = [a.join_group.remote(name, backend, i, len(members), store, timeout_s, generation)
-            for i, a in enumerate(actors)]
+    refs = [a.join_group.remote(name, backend, i, len(members), store, timeout_s, generation,
+                                actors) for i, a in enumerate(actors)]
     for i, ((role, rank), ref) in enumerate(zip(members, refs)):
         try:
             graph[role].gather([ref], [rank], f"join_group({name!r})", timeout_s + 30)

@@ -2,7 +2,9 @@
 
 It sets the worker's context, builds the role object as ``cls(config)``, serves the graph's
 calls, and joins collective groups during build. A second concurrency group ("control") answers
-stack dumps while a call is stuck, which is how timeouts name what a rank was doing.
+stack dumps while a call is stuck, which is how timeouts name what a rank was doing: the
+driver's call timeouts, and a collective that timed out inside a worker, which asks its peers
+(their actor handles come with ``join_group``) where they are.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import ray
 
 from troupe import collectives
+from troupe.collectives import straggler
 from troupe.runtime.context import WorkerContext, _set_context
 
 
@@ -32,6 +35,8 @@ class RoleWorker:
         _set_context(self.context)
         self.impl = cls(config) if config is not None else cls()
         self.in_flight: str | None = None
+        self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
+        straggler.set_probe(self._probe)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.impl, method, None) if not method.startswith("_") else None
@@ -54,8 +59,10 @@ class RoleWorker:
         return collectives.create_store(self.context.node_ip)
 
     def join_group(self, name: str, backend: str, rank: int, world_size: int,
-                   store: collectives.StoreAddress, timeout_s: float, generation: int) -> None:
+                   store: collectives.StoreAddress, timeout_s: float, generation: int,
+                   peers: list[ray.actor.ActorHandle] | None = None) -> None:
         self.in_flight = f"join_group({name!r})"
+        self.peers[name] = peers or []
         try:
             collectives.init_group(name, backend, rank, world_size, store, timeout_s, generation)
         finally:
@@ -64,8 +71,32 @@ class RoleWorker:
     def leave_group(self, name: str) -> None:
         collectives.destroy_group(name)
 
+    def _probe(self, group: str, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """Where ranks of ``group`` are (see troupe.collectives.straggler)."""
+        peers = self.peers.get(group, [])
+        refs = {r: peers[r].collective_state.remote(group) for r in ranks if r < len(peers)}
+        out = {}
+        for r in ranks:
+            try:
+                out[r] = ray.get(refs[r], timeout=10)
+            except Exception as e:  # a dead or unreachable peer is a missing one
+                out[r] = {"seq": -1, "in_op": None, "report": f"<no answer: {type(e).__name__}>"}
+        return out
+
+    @ray.method(concurrency_group="control")
+    def collective_state(self, group: str) -> dict[str, Any]:
+        """This worker's position in ``group`` and what it is doing."""
+        comm = collectives.find_group(group)
+        c = self.context
+        return {"seq": getattr(comm, "seq", -1), "in_op": getattr(comm, "in_op", None),
+                "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
+                          f"{self._stacks()}"}
+
     @ray.method(concurrency_group="control")
     def stacks(self) -> str:
+        return self._stacks()
+
+    def _stacks(self) -> str:
         """Python stacks of every thread, and the call in flight."""
         names = {t.ident: t.name for t in threading.enumerate()}
         out = [f"in flight: {self.in_flight or 'nothing'}"]
