@@ -74,6 +74,33 @@ class WorkerCallError(WorkerError):
             role, rank, node_id)
 
 
+class RunFailedError(TroupeError):
+    """A run gave up after its failure policy's restarts; ``failures`` lists each failure
+    (role, rank, node, cause) in order, the last one being why it stopped."""
+
+    def __init__(self, run: str, restarts: int, failures: list[dict[str, Any]]):
+        self.run, self.restarts, self.failures = run, restarts, failures
+        last = failures[-1]
+        lines = [f"{run} failed after {restarts} restart(s): role {last['role']!r} rank "
+                 f"{last['rank']} on node {last['node_id']}: {last['cause']}"]
+        for i, f in enumerate(failures[:-1], 1):
+            lines.append(f"  earlier failure {i} (step {f.get('step')}): role {f['role']!r} rank "
+                         f"{f['rank']} on node {f['node_id']}: {f['cause']}")
+        super().__init__("\n".join(lines))
+
+
+def failure_record(e: "WorkerError", **extra: Any) -> dict[str, Any]:
+    """A JSON-ready account of a worker failure: role, rank, node, kind and first line."""
+    if isinstance(e, WorkerDiedError):
+        kind, text = "died", e.cause
+    else:  # the exception line closes the remote traceback
+        kind, text = f"raised in {e.method}()", e.remote_traceback
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    cause = lines[0] if kind == "died" and lines else (lines[-1] if lines else type(e).__name__)
+    return {"role": e.role, "rank": e.rank, "node_id": e.node_id, "kind": kind,
+            "cause": f"{kind}: {cause}"[:2000], **extra}
+
+
 class CallTimeoutError(TroupeError):
     """A call did not return in time; ``stacks`` maps each pending rank to its Python stacks."""
 

@@ -47,7 +47,7 @@ def cluster_config(gcs_address: str) -> dict:
 
 
 DRIVER = textwrap.dedent("""
-    import json, time
+    import json, logging, time
     import ray, torch
     import troupe
     from troupe import collectives
@@ -62,6 +62,7 @@ DRIVER = textwrap.dedent("""
             collectives.get_group("dp").all_reduce(t)
             return t.item(), ray.get_runtime_context().get_node_id()
 
+    logging.basicConfig(level=logging.INFO)
     troupe.init()
     print(json.dumps({"t": time.time(), "nodes": alive()}), flush=True)
     g = ActorGraph("scale").role("trainer", Summer, 2, num_cpus=1, num_gpus=1)
@@ -110,6 +111,7 @@ def test_graph_grows_the_cluster_and_idle_nodes_go(tmp_path):
         assert [r[0] for r in during["results"]] == [6.0, 6.0]
         assert during["results"][0][1] != during["results"][1][1]  # two different nodes
         assert after["nodes"] == 1
+        assert "waiting for 2 x {CPU: 1, GPU: 1} (roles [['trainer']])" in out.stderr
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)

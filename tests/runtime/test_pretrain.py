@@ -4,8 +4,11 @@ sharded checkpoint reproduces an uninterrupted run exactly."""
 import json
 
 import pytest
+import ray
 
+from troupe.errors import RunFailedError
 from troupe.runtime import checkpoint, pretrain
+from troupe.runtime.metrics import MetricsLog
 from troupe.training import PretrainConfig
 
 MOE = dict(num_experts=4, expert_interval=1, ep_size=2, capacity_factor=1.0, min_capacity=2)
@@ -110,3 +113,48 @@ def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
         losses = [model(x, y)[1].item() for x, y in data.val_batches(
             cfg.train.eval_batches, cfg.train.batch_size, cfg.model.seq_len)]
     assert sum(losses) / len(losses) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
+
+
+def _train_key(records):
+    return [(r["kind"], r["step"], r.get("loss"), r.get("val_loss")) for r in records
+            if r["kind"] in ("train", "eval")]
+
+
+def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(cluster, tmp_path):
+    """Rank 1 is killed before step 6: Ray restarts it, the groups (dp, and the expert
+    groups) are rebuilt, every rank reloads step 4's checkpoint, and the logged losses are
+    the uninterrupted run's, 1-bit error feedback included."""
+    case = CASES["moe-onebit-adam"]
+    full = pretrain.run(_cfg(tmp_path, "full", **case), resume=None, progress=False)
+    pids = {}
+
+    def kill_rank_1(step, graph):
+        pids.setdefault(step, [i["pid"] for i in graph.info])
+        if step == 6 and "killed" not in pids:
+            pids["killed"] = True
+            ray.kill(graph["trainer"].actors[1], no_restart=False)
+
+    cfg = _cfg(tmp_path, "killed", train__max_restarts=1, **case)
+    records = pretrain.run(cfg, resume=None, progress=False, on_step=kill_rank_1)
+    logged = MetricsLog(tmp_path / "killed" / "metrics.jsonl").records()
+    assert _train_key(logged) == _train_key(full)
+    assert _train_key(records) == _train_key(full)
+    [rec] = [r for r in logged if r["kind"] == "recovery"]
+    assert (rec["role"], rec["rank"], rec["step"], rec["failed_step"]) == ("trainer", 1, 4, 6)
+    assert rec["kind"] == "recovery" and rec["node_id"]
+    assert pids[5][0] == pids[8][0] and pids[5][1] != pids[8][1]  # a new process for rank 1
+
+
+def test_failures_beyond_max_restarts_stop_with_a_report(cluster, tmp_path):
+    def kill(step, graph):
+        if step == 3:
+            ray.kill(graph["trainer"].actors[1], no_restart=False)
+
+    cfg = _cfg(tmp_path, "fails", model__moe=None, train__max_restarts=0)
+    with pytest.raises(RunFailedError) as e:
+        pretrain.run(cfg, resume=None, progress=False, on_step=kill)
+    [f] = e.value.failures
+    assert (f["role"], f["rank"], f["step"]) == ("trainer", 1, 3) and f["node_id"]
+    assert "died" in f["cause"] and "trainer" in str(e.value) and "rank 1" in str(e.value)
+    report = json.loads((tmp_path / "fails" / "failure.json").read_text())
+    assert report["failures"] == e.value.failures

@@ -12,12 +12,12 @@ from troupe.errors import (
 )
 from troupe.runtime.cluster import ClusterInfo, init, shutdown
 from troupe.runtime.context import WorkerContext, get_context
-from troupe.runtime.graph import ActorGraph, CollectiveSpec, RoleSpec, connect_group
+from troupe.runtime.graph import ActorGraph, CollectiveSpec, RoleSpec, connect_group, rewire
 from troupe.runtime.handle import Graph, RoleGroup, split_batch
 
 __all__ = [
     "ActorGraph", "CallTimeoutError", "ClusterConnectionError", "ClusterInfo",
     "CollectiveSpec", "CollectiveTimeoutError", "Graph", "PlacementTimeoutError", "RoleGroup",
     "RoleSpec", "TroupeError", "WorkerCallError", "WorkerContext", "WorkerDiedError",
-    "WorkerError", "connect_group", "get_context", "init", "shutdown", "split_batch",
+    "WorkerError", "connect_group", "get_context", "init", "rewire", "shutdown", "split_batch",
 ]

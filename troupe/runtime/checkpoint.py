@@ -1,8 +1,12 @@
 """Driver side of sharded checkpoints: every rank of the given roles writes its file in
-parallel, then the driver writes the manifest that makes the checkpoint complete."""
+parallel into a staging directory, the driver writes the manifest there, and only then is the
+directory renamed to root/step-NNNNNNNN. A save interrupted at any point (a rank killed mid-file,
+the driver lost) leaves no step-* directory with a manifest, so ``latest`` finds the previous
+checkpoint; the staging directory is cleared by the next save of that step."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,12 +20,21 @@ def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
     """Checkpoint ``roles`` (whose workers implement ``save(directory)``) as
     root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
     directory = Path(root) / f"step-{step:08d}"
-    if directory.exists():
-        shutil.rmtree(directory)
-    refs = [(role, role.call_async("save", str(directory))) for role in roles]
+    staging = Path(root) / f".step-{step:08d}.partial"
+    if staging.exists():
+        shutil.rmtree(staging)
+    refs = [(role, role.call_async("save", str(staging))) for role in roles]
     files = [entry for role, r in refs for entry in role.get(r, "save")]
-    ckpt.write_manifest(directory, files, step=step,
+    ckpt.write_manifest(staging, files, step=step,
                         roles={role.name: role.world_size for role in roles}, **meta)
+    if directory.exists():  # the same step saved before (a run that went back to redo it)
+        old = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+        os.replace(staging, directory)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, directory)
     done = sorted((d for d in Path(root).glob("step-*") if (d / ckpt.MANIFEST).is_file()),
                   key=lambda d: int(d.name.split("-")[1]))
     for old in done[:-keep] if keep > 0 else []:

@@ -26,7 +26,7 @@ from troupe.collectives.groups import BACKENDS, resolve_backend
 from troupe.config import Config, validate
 from troupe.errors import CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError
 from troupe.runtime.cluster import init
-from troupe.runtime.handle import Graph, RoleGroup
+from troupe.runtime.handle import Graph, RoleGroup, Wiring
 from troupe.runtime.worker import RemoteRoleWorker
 
 log = logging.getLogger(__name__)
@@ -265,10 +265,10 @@ class ActorGraph:
         members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]
         uses_gpu = any(self.roles[r].num_gpus > 0 for r in spec.roles)
         backend = resolve_backend(spec.backend, uses_gpu)
-        for part in spec.parts or [list(range(len(members)))]:
-            connect_group(graph, spec.name, [members[i] for i in part], backend, timeout_s)
-        graph.collectives[spec.name] = [members[i] for part in spec.parts or [range(len(members))]
-                                        for i in part]
+        parts = [[members[i] for i in part] for part in spec.parts or [range(len(members))]]
+        for part in parts:
+            connect_group(graph, spec.name, part, backend, timeout_s)
+        graph.collectives[spec.name] = Wiring(backend, parts)
 
 
 def _describe(bundle_lists: list[list[dict[str, float]]]) -> str:
@@ -300,5 +300,17 @@ def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backe
             if isinstance(e.cause, CollectiveTimeoutError):
                 raise e.cause from None
             raise
-    graph.collectives[name] = list(members)
+
+
+def rewire(graph: Graph, generation: int, timeout_s: float = 300.0,
+           roles: set[str] | None = None) -> list[str]:
+    """Rebuild the collective groups that have members in ``roles`` (all groups when None)
+    under a new ``generation``, after Ray restarted some of their workers; survivors drop
+    their old connections. Returns the names of the groups rebuilt."""
+    names = [n for n, w in graph.collectives.items() if roles is None or w.roles & roles]
+    for name in names:
+        wiring = graph.collectives[name]
+        for part in wiring.parts:
+            connect_group(graph, name, part, wiring.backend, timeout_s, generation)
+    return names
 

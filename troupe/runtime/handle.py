@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import ray
@@ -13,6 +14,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
 _POLL_S = 1.0  # how often a long call checks its finished ranks for errors
+_GRACE_S = 5.0  # after one rank fails, how long to look for a dead rank behind the failure
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -114,14 +116,27 @@ class RoleGroup:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = dict(zip(refs, ranks))
         results: dict[int, Any] = {}
+        errors: list[Exception] = []
         while pending:
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            if wait <= 0:
-                raise self._timeout(method, sorted(pending.values()), timeout_s)
+            if errors:  # a peer's error often follows a death: give the dead rank time to show
+                wait = min(_POLL_S, grace - time.monotonic())
+                if wait <= 0:
+                    break
+            else:
+                wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+                if wait <= 0:
+                    raise self._timeout(method, sorted(pending.values()), timeout_s)
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait)
             for ref in ready:
                 rank = pending.pop(ref)
-                results[rank] = self._result(ref, rank, method)
+                try:
+                    results[rank] = self._result(ref, rank, method)
+                except (WorkerCallError, WorkerDiedError) as e:
+                    if not errors:
+                        grace = time.monotonic() + _GRACE_S
+                    errors.append(e)
+        if errors:  # the death, rather than the errors it caused in its peers
+            raise next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
         return [results[r] for r in ranks]
 
     def _result(self, ref: ray.ObjectRef, rank: int, method: str) -> Any:
@@ -151,17 +166,28 @@ def _death_cause(e: RayActorError) -> str:
     return _ANSI.sub("", str(e)).strip() or type(e).__name__
 
 
+@dataclass
+class Wiring:
+    """How a collective group was wired: its backend and its parts, each a list of members
+    (role, rank) in group-rank order (one part unless the group was declared with parts)."""
+
+    backend: str
+    parts: list[list[tuple[str, int]]]
+
+    @property
+    def roles(self) -> set[str]:
+        return {role for part in self.parts for role, _ in part}
+
+
 class Graph:
     """A built ActorGraph: ``graph[role]`` is a RoleGroup; ``shutdown()`` frees everything."""
 
     def __init__(self, name: str, roles: dict[str, RoleGroup], placement_groups: list,
-                 collectives: dict[str, list[tuple[str, int]]]):
+                 collectives: dict[str, Wiring]):
         self.name = name
         self.roles = roles
         self.placement_groups = placement_groups
-        # group name -> members (role, rank) in group-rank order; for a group declared with
-        # parts, the parts one after another
-        self.collectives = collectives
+        self.collectives = collectives  # group name -> Wiring
 
     def __getitem__(self, role: str) -> RoleGroup:
         try:

@@ -20,7 +20,7 @@ from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.rlhf import ppo
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
-from troupe.runtime.graph import ActorGraph, connect_group
+from troupe.runtime.graph import ActorGraph, rewire
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 
@@ -193,8 +193,7 @@ def recover(graph: Graph, role: str, method: str, path: Path, generation: int,
     up) raises WorkerDiedError naming the role, rank and cause."""
     group = graph[role]
     group.wait_ready(timeout_s)
-    if role in graph.collectives:
-        connect_group(graph, role, graph.collectives[role], "gloo", timeout_s, generation)
+    rewire(graph, generation, timeout_s, roles={role})
     group.call("setup")
     group.call(method, str(path))
 

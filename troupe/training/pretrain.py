@@ -5,6 +5,7 @@ curriculum and random-LTD schedules, evaluation, and its share of a sharded chec
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -23,7 +24,12 @@ class TrainConfig(Config):
     data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never).
     offload: keep the dense parameters' fp32 master weights and optimizer state on
     ``num_workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
-    optimizers only); expert parameters stay sharded over their trainers."""
+    optimizers only); expert parameters stay sharded over their trainers.
+    max_restarts: the failure policy: how many times a lost or failed worker is restarted and
+    the run resumed from its last checkpoint before it stops with a report (failure.json).
+    strategy: how the trainers are spread over nodes (SPREAD: one per node where it can).
+    placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
+    workers' resources."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -35,6 +41,9 @@ class TrainConfig(Config):
     out_dir: str = "runs/pretrain"
     offload: bool = False
     shard_cpus: float = Field(default=1.0, gt=0)
+    max_restarts: int = Field(default=0, ge=0)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class PretrainConfig(Config):

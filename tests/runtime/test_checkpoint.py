@@ -1,0 +1,70 @@
+"""A checkpoint whose write is interrupted midway is never loaded: the previous one is."""
+
+import os
+
+import pytest
+import ray
+import torch
+
+from troupe.errors import WorkerDiedError
+from troupe.runtime import ActorGraph, checkpoint, get_context
+from troupe.training import checkpoint as ckpt
+
+
+class Saver:
+    """Holds one tensor; ``crash_in_save`` makes rank 1 die halfway through writing its file."""
+
+    def __init__(self):
+        self.value = torch.zeros(1000)
+        self.crash_in_save = False
+
+    def set(self, v, crash_in_save=False):
+        self.value.fill_(v)
+        self.crash_in_save = crash_in_save
+
+    def get(self):
+        return self.value[0].item()
+
+    def save(self, directory):
+        rank = get_context().rank
+        if self.crash_in_save and rank == 1:
+            path = ckpt.rank_file(directory, rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".tmp"), "wb") as f:
+                f.write(b"\0" * 2000)  # half a file, then the process is gone
+                f.flush()
+                os._exit(1)
+        return ckpt.write_rank(directory, rank, {"value": self.value})
+
+    def load(self, directory):
+        rank = get_context().rank
+        self.value = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory))["value"]
+
+
+def test_interrupted_save_is_never_loaded(cluster, tmp_path):
+    graph = ActorGraph("ckpt").role("saver", Saver, 2, num_cpus=0.5, max_restarts=1).build(60)
+    try:
+        savers = graph["saver"]
+        savers.call("set", 1.0)
+        first = checkpoint.save([savers], tmp_path, step=1)
+        savers.call("set", 2.0, crash_in_save=True)
+        with pytest.raises(WorkerDiedError) as e:
+            checkpoint.save([savers], tmp_path, step=2)
+        assert e.value.rank == 1
+        assert checkpoint.latest(tmp_path) == first
+        assert not (tmp_path / "step-00000002").exists()
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+            checkpoint.restore([savers], tmp_path / ".step-00000002.partial")
+        savers.wait_ready(60)  # rank 1 restarted with a fresh state
+        savers.call("set", 7.0)
+        assert checkpoint.restore([savers], checkpoint.latest(tmp_path)) == 1
+        assert savers.call("get") == [1.0, 1.0]
+        savers.call("set", 3.0)  # the same step saved again after the restart
+        assert checkpoint.save([savers], tmp_path, step=2) == tmp_path / "step-00000002"
+        assert not (tmp_path / ".step-00000002.partial").exists()
+        savers.call("set", 0.0)
+        assert checkpoint.restore([savers], checkpoint.latest(tmp_path)) == 2
+        assert savers.call("get") == [3.0, 3.0]
+    finally:
+        graph.shutdown()
+    ray.util.placement_group_table()  # the cluster still answers
