@@ -8,7 +8,7 @@ import troupe
 ROOT = Path(troupe.__file__).parent
 LEAVES = {"troupe.errors", "troupe.wire", "troupe.config", "troupe.runtime.context"}
 LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression": 3,
-          "data": 3, "training": 3, "rlhf": 3, "actors": 4, "runtime": 5}
+          "data": 3, "training": 3, "rlhf": 3, "serving": 3, "actors": 4, "runtime": 5}
 
 
 def layer(module: str) -> int:

@@ -1,0 +1,131 @@
+"""The OpenAI-compatible app on Ray Serve, driven by the official `openai` client."""
+
+import concurrent.futures as cf
+import json
+import os
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from tests.runtime.test_job_submit import free_port
+from troupe.models import GPT, GPTConfig
+from troupe.runtime import serve
+from troupe.serving import ContinuousBatcher, SamplingParams
+from troupe.serving.model import load_served_model, save_model
+from troupe.serving.protocol import ServeConfig
+
+KEY_ENV, KEY = "TROUPE_TEST_API_KEY", "sk-test-4f9a"
+NAME = "tiny-w8a8"
+
+
+@pytest.fixture(scope="module")
+def app(cluster, tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "tiny.trp"
+    save_model(GPT(GPTConfig(seq_len=96, n_layer=2, n_head=2, d_model=64), seed=3), path)
+    cfg = ServeConfig(model={"file": str(path), "name": NAME}, quantize={"*": "w8a8"},
+                      group_size=16, port=free_port(), api_key_env=KEY_ENV,
+                      limits={"max_tokens": 40, "max_prompt_tokens": 48, "max_body_bytes": 4096,
+                              "max_concurrent": 16, "max_batch": 8})
+    os.environ[KEY_ENV] = KEY
+    try:
+        url = serve.deploy(cfg)
+    finally:
+        del os.environ[KEY_ENV]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    model, _ = load_served_model(cfg)
+    yield {"url": url, "client": client, "model": model}
+    serve.shutdown()
+
+
+def alone(model, prompt: str, n: int) -> str:
+    """The greedy text one sequence gets when decoded by itself."""
+    engine = ContinuousBatcher(model, 256, max_batch=1)
+    engine.add("x", list(prompt.encode()), SamplingParams(max_tokens=n))
+    text = ""
+    while engine.has_work():
+        text += "".join(e.delta for e in engine.step())
+    return text
+
+
+def post(url, body: bytes, key=KEY, path="/v1/completions"):
+    req = urllib.request.Request(url + path, data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {key}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_openai_client_gets_a_completion(app):
+    out = app["client"].completions.create(model=NAME, prompt="Hello, troupe",
+                                           max_tokens=12, temperature=0)
+    assert out.choices[0].text == alone(app["model"], "Hello, troupe", 12)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len(b"Hello, troupe") and out.usage.completion_tokens >= 1
+    assert [m.id for m in app["client"].models.list().data] == [NAME]
+
+
+def test_chat_streaming_matches_the_whole_reply(app):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    whole = app["client"].chat.completions.create(model=NAME, messages=messages,
+                                                  max_tokens=15, temperature=0)
+    reply = whole.choices[0].message
+    assert reply.role == "assistant"
+    assert reply.content == alone(app["model"], "system: Be brief.\nuser: Hi\nassistant:", 15)
+    parts = list(app["client"].chat.completions.create(model=NAME, messages=messages,
+                                                       max_tokens=15, temperature=0,
+                                                       stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == reply.content
+    assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    streamed = app["client"].completions.create(model=NAME, prompt="abc", max_tokens=9,
+                                                temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in streamed) == alone(app["model"], "abc", 9)
+
+
+def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
+    prompts = [f"request {i}: " + "xyz"[: i % 3] * (i + 1) for i in range(8)]
+    lengths = [8 + 3 * i for i in range(8)]
+
+    def ask(i):
+        out = app["client"].completions.create(model=NAME, prompt=prompts[i],
+                                               max_tokens=lengths[i], temperature=0)
+        return out.choices[0].text
+
+    one_by_one = [ask(i) for i in range(8)]
+    with cf.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert together == one_by_one
+    assert one_by_one[3] == alone(app["model"], prompts[3], lengths[3])
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b'{"model": "tiny-w8a8", "prompt": "hi", ', 400, "not valid JSON"),
+    (b'[1, 2]', 400, "the request body: Input should be an object"),
+    (b'{"prompt": "hi"}', 400, "model: Field required"),
+    (json.dumps({"model": NAME, "prompt": "x" * 5000}).encode(), 413, "exceeds the limit"),
+    (json.dumps({"model": NAME, "prompt": "x" * 60}).encode(), 400, "at most 48"),
+    (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 500}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
+    (json.dumps({"model": NAME, "prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": "gpt-5", "prompt": "hi"}).encode(), 404, "not served here"),
+])
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(app, body, status, words):
+    code, out = post(app["url"], body)
+    assert code == status and words in out["error"]["message"], out
+    code, out = post(app["url"], json.dumps({"model": NAME, "prompt": "ok", "max_tokens": 3,
+                                             "temperature": 0}).encode())
+    assert code == 200 and out["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_bearer_token_is_required(app):
+    code, out = post(app["url"], json.dumps({"model": NAME, "prompt": "hi"}).encode(),
+                     key="wrong")
+    assert code == 401 and out["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=app["url"] + "/v1", api_key="nope", max_retries=0).models.list()

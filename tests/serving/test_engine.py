@@ -1,0 +1,115 @@
+"""Continuous batching gives each sequence the tokens it would get alone."""
+
+import random
+
+import pytest
+import torch
+
+from troupe.compression import quantize_model
+from troupe.models import GPT, GPTConfig
+from troupe.serving import ContinuousBatcher, SamplingParams
+
+EOS = 256
+
+
+def tiny(seed=0, quant=None):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=257, seq_len=64, n_layer=2, n_head=2, d_model=32), seed=seed)
+    if quant:
+        quantize_model(model, {"*": quant}, group_size=16)
+    return model.eval()
+
+
+@torch.no_grad()
+def alone(model, prompt, n):
+    """Greedy decoding of one sequence without a cache: the reference."""
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        logits, _, _ = model(torch.tensor([ids]))
+        t = int(logits[0, -1].argmax())
+        out.append(t)
+        if t == EOS:
+            break
+        ids.append(t)
+    return out
+
+
+def run(engine, steps_between=None):
+    """Drive the engine until idle; returns seq_id -> tokens."""
+    out = {}
+    pending = dict(steps_between or {})
+    step = 0
+    while engine.has_work() or pending:
+        for sid, (at, prompt, params) in list(pending.items()):
+            if at <= step:
+                engine.add(sid, prompt, params)
+                del pending[sid]
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("quant", [None, "w8a8"])
+def test_sequences_joining_midway_match_decoding_alone(quant):
+    model = tiny(quant=quant)
+    rng = random.Random(0)
+    reqs = {}
+    for i in range(10):
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 20))]
+        reqs[f"r{i}"] = (rng.randrange(0, 12), prompt, SamplingParams(max_tokens=rng.randrange(1, 30)))
+    engine = ContinuousBatcher(model, EOS, max_batch=4)
+    got = run(engine, reqs)
+    for sid, (_, prompt, params) in reqs.items():
+        assert got[sid] == alone(model, prompt, params.max_tokens), sid
+
+
+def test_long_run_compacts_the_cache():
+    model = tiny()
+    engine = ContinuousBatcher(model, EOS, max_batch=2)
+    reqs = {f"r{i}": (i * 15, [1 + i, 2, 3], SamplingParams(max_tokens=40)) for i in range(5)}
+    got = run(engine, reqs)
+    for sid, (_, prompt, params) in reqs.items():
+        assert got[sid] == alone(model, prompt, params.max_tokens)
+
+
+def test_stop_strings_limits_and_text():
+    model = tiny()
+    engine = ContinuousBatcher(model, EOS)
+    ref = alone(model, [65, 66], 12)
+    text = bytes(t for t in ref if t < 256).decode("utf-8", "replace")
+    engine.add("a", [65, 66], SamplingParams(max_tokens=12))
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    assert "".join(e.delta for e in events) == text
+    assert events[-1].finish_reason == ("stop" if ref[-1] == EOS else "length")
+    with pytest.raises(ValueError, match="exceed the model's context of 64"):
+        engine.add("b", [1] * 60, SamplingParams(max_tokens=5))
+    if len(text) > 3 and "\ufffd" not in text:
+        stop = text[2:4]
+        engine.add("c", [65, 66], SamplingParams(max_tokens=12, stop=(stop,)))
+        events = []
+        while engine.has_work():
+            events += engine.step()
+        assert "".join(e.delta for e in events) == text[:text.find(stop)]
+        assert events[-1].finish_reason == "stop"
+
+
+def test_sampling_is_repeatable_with_a_seed_and_cancel_frees_the_slot():
+    model = tiny()
+    p = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    runs = []
+    for _ in range(2):
+        engine = ContinuousBatcher(model, EOS)
+        engine.add("s", [5, 6, 7], p)
+        runs.append(run(engine)["s"])
+    assert runs[0] == runs[1]
+    engine = ContinuousBatcher(model, EOS, max_batch=1)
+    engine.add("x", [1, 2], SamplingParams(max_tokens=30))
+    engine.add("y", [3, 4], SamplingParams(max_tokens=2))
+    engine.step()
+    engine.cancel("x")
+    got = run(engine)
+    assert got["y"] == alone(model, [3, 4], 2)

@@ -1,0 +1,160 @@
+"""ServeReplica: one replica of the OpenAI-compatible server. It holds the quantized model and
+its continuous batcher and answers /v1/completions, /v1/chat/completions (both streaming too),
+/v1/models and /health. Ray Serve hosts it as a deployment (troupe.runtime.serve); every request
+it refuses gets a 4xx with an OpenAI-style error body, and the replica goes on serving."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import time
+from typing import Any, AsyncIterator
+
+import torch
+
+from troupe.config import validate
+from troupe.data import ByteTokenizer
+from troupe.serving import ContinuousBatcher, SamplingParams
+from troupe.serving.model import load_served_model, weight_bytes
+from troupe.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    ServeConfig,
+    chunk,
+    completion,
+    completion_id,
+    models,
+    parse,
+)
+from troupe.serving.runner import AsyncBatcher
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+class ServeReplica:
+    """Built as ``ServeReplica(config)`` with a ServeConfig as a dict."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.cfg = validate(ServeConfig, config, "serve config")
+        torch.set_num_threads(self.cfg.threads)
+        self.model, self.modes = load_served_model(self.cfg)
+        self.tok = ByteTokenizer()
+        self.batcher = ContinuousBatcher(self.model, self.tok.eos_id, self.cfg.limits.max_batch)
+        self.engine = AsyncBatcher(self.batcher)
+        self.api_key = os.environ.get(self.cfg.api_key_env) or None
+        self.created = int(time.time())
+        self.in_flight = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.cfg.model.name, "weight_bytes": weight_bytes(self.model),
+                "quantized": self.modes, "seq_len": self.model.cfg.seq_len,
+                "in_flight": self.in_flight, "decode_steps": self.engine.steps}
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            path = request.url.path.rstrip("/") or "/"
+            if path == "/health":
+                return JSONResponse({"status": "ok", **self.info()})
+            self._authorize(request.headers.get("authorization"))
+            if path == "/v1/models":
+                self._method(request, "GET")
+                return JSONResponse(models(self.cfg.model.name, self.created))
+            if path in (COMPLETIONS, CHAT):
+                self._method(request, "POST")
+                return await self._complete(request, chat=path == CHAT)
+            raise RequestError(404, f"no route {path}; this server has /v1/completions, "
+                               "/v1/chat/completions, /v1/models and /health")
+        except RequestError as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    # ---- checks -----------------------------------------------------------------------------
+    def _authorize(self, header: str | None) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                  self.api_key.encode()):
+            raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer "
+                               "<key>'", type="authentication_error")
+
+    @staticmethod
+    def _method(request, allowed: str) -> None:
+        if request.method != allowed:
+            raise RequestError(405, f"{request.url.path} takes {allowed}, not {request.method}")
+
+    async def _body(self, request) -> bytes:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body of {declared} bytes exceeds the limit of "
+                               f"{limit} bytes")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise RequestError(413, f"request body exceeds the limit of {limit} bytes")
+        return bytes(body)
+
+    def _prompt(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
+        lim = self.cfg.limits
+        if req.model != self.cfg.model.name:
+            raise RequestError(404, f"model {req.model!r} is not served here; GET /v1/models "
+                               f"lists {self.cfg.model.name!r}", "model", "model_not_found")
+        field = "messages" if chat else "prompt"
+        ids = self.tok.encode(req.prompt() if chat else req.prompt).tolist()
+        if not ids:
+            raise RequestError(400, f"{field}: the prompt is empty", field)
+        if len(ids) > lim.max_prompt_tokens:
+            raise RequestError(400, f"{field}: {len(ids)} tokens; this server accepts at most "
+                               f"{lim.max_prompt_tokens}", field)
+        params = req.sampling(16, lim)
+        context = self.model.cfg.seq_len
+        if len(ids) + params.max_tokens > context:
+            raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
+                               f"({params.max_tokens}) exceed the model's context of {context} "
+                               "tokens", "max_tokens")
+        return ids, params
+
+    # ---- completions ------------------------------------------------------------------------
+    async def _complete(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        req = parse(ChatRequest if chat else CompletionRequest, await self._body(request))
+        ids, params = self._prompt(req, chat)
+        if self.in_flight >= self.cfg.limits.max_concurrent:
+            raise RequestError(429, f"{self.in_flight} requests in flight, the limit of this "
+                               "replica; retry later", type="rate_limit_error")
+        rid = completion_id(chat)
+        self.in_flight += 1
+        if req.stream:
+            return StreamingResponse(self._stream(rid, ids, params, chat),
+                                     media_type="text/event-stream")
+        try:
+            text, finish, n = "", None, 0
+            async for ev in self.engine.generate(rid, ids, params):
+                text, finish, n = text + ev.delta, ev.finish_reason, n + 1
+        finally:
+            self.in_flight -= 1
+        return JSONResponse(completion(rid, self.cfg.model.name, text, finish, len(ids), n, chat))
+
+    async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
+                      chat: bool) -> AsyncIterator[str]:
+        name = self.cfg.model.name
+        try:
+            if chat:
+                yield _sse(chunk(rid, name, "", None, chat, first=True))
+            async for ev in self.engine.generate(rid, ids, params):
+                if ev.delta or ev.finish_reason:
+                    yield _sse(chunk(rid, name, ev.delta, ev.finish_reason, chat))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,253 @@
+"""Continuous batching for a GPT with a KV cache: sequences join the batch between decode steps
+and leave it when they finish, so a long request does not hold back the ones behind it.
+
+All sequences of the batch share the cache's columns: a sequence's tokens end at the current
+column and start wherever its prompt began, with the columns before it marked invalid, exactly
+as a left-padded batch would be (positions count real tokens only, see GPT.hidden). A newcomer
+is prefilled on its own and its keys and values are right-aligned into the batch's columns;
+when the columns run out, the ones that no sequence uses any more are dropped.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from troupe.models import GPT, KVCache
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens: tokens to generate at most; temperature 0 is greedy decoding; top_p keeps
+    the smallest set of tokens whose probability adds up to it; seed makes sampling
+    repeatable; stop: strings that end the text (not included in it)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Event:
+    """What one step did for one sequence: the token it chose, the text that is now final
+    (``delta``), and why it finished (None while it goes on): "stop" or "length"."""
+
+    seq_id: str
+    token: int | None
+    delta: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Sequence:
+    seq_id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    text: str = ""      # decoded output so far
+    sent: int = 0       # characters of ``text`` already handed out
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+
+
+class ContinuousBatcher:
+    """Decodes up to ``max_batch`` sequences at once with ``model`` (fp32 or quantized).
+
+    ``add`` may be called from any thread; ``step`` (one thread at a time) admits waiting
+    sequences, runs one decode step for the batch and returns an Event per sequence.
+    Tokens are bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence.
+    """
+
+    def __init__(self, model: GPT, eos_id: int, max_batch: int = 16):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.eos_id = eos_id
+        self.max_batch = max_batch
+        self._waiting: deque[_Sequence] = deque()
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self.active: list[_Sequence] = []
+        self.cache: KVCache | None = None
+        self.valid: torch.Tensor | None = None  # (B, S): which columns hold real tokens
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queue a sequence; it joins the batch at the next step with room for it."""
+        if not prompt:
+            raise ValueError("prompt: at least one token is needed")
+        if len(prompt) + params.max_tokens > self.cfg.seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens "
+                             f"({params.max_tokens}) exceed the model's context of "
+                             f"{self.cfg.seq_len} tokens")
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                else torch.seed())
+        with self._lock:
+            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen))
+
+    def cancel(self, seq_id: str) -> None:
+        """Drop a sequence (its client went away); it frees its slot at the next step."""
+        with self._lock:
+            self._cancelled.add(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.active or self._waiting)
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """Admit waiting sequences (prefill), then one decode step for the rest of the batch."""
+        self._drop_cancelled()
+        events: list[Event] = []
+        running = list(self.active)
+        newcomers = self._admit()
+        if running:
+            events += self._decode(running)
+        if newcomers:
+            events += self._prefill(newcomers)
+        self._retire({e.seq_id for e in events if e.finish_reason is not None})
+        return events
+
+    def _admit(self) -> list[_Sequence]:
+        with self._lock:
+            room = self.max_batch - len(self.active)
+            taken = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        return taken
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            gone, self._cancelled = self._cancelled, set()
+            self._waiting = deque(s for s in self._waiting if s.seq_id not in gone)
+        if gone:
+            self._retire(gone)
+
+    def _prefill(self, seqs: list[_Sequence]) -> list[Event]:
+        """Run the newcomers' prompts (left-padded together), choose their first tokens, and
+        merge their keys and values into the batch's cache."""
+        P = max(len(s.prompt) for s in seqs)
+        idx = torch.full((len(seqs), P), self.eos_id, dtype=torch.long)
+        valid = torch.zeros(len(seqs), P, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            idx[i, P - len(s.prompt):] = torch.tensor(s.prompt)
+            valid[i, P - len(s.prompt):] = True
+        cache = KVCache.empty(self.cfg, len(seqs), self.cfg.seq_len, dtype=self._dtype())
+        h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
+        logits = F.linear(h[:, -1], self.model.tok_emb.weight)
+        self._merge(cache, valid, seqs)
+        return self._choose(seqs, logits)
+
+    def _decode(self, seqs: list[_Sequence]) -> list[Event]:
+        if self.cache.length + 1 > self.cfg.seq_len:
+            self._compact()
+        idx = torch.tensor([[s.out[-1]] for s in seqs])
+        self.valid = torch.cat([self.valid, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+        h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
+        return self._choose(seqs, F.linear(h[:, -1], self.model.tok_emb.weight))
+
+    def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
+        events = []
+        for s, logits in zip(seqs, logits_BV):
+            token = _sample(logits, s.params, s.generator)
+            s.out.append(token)
+            events.append(self._advance(s, token))
+        return events
+
+    def _advance(self, s: _Sequence, token: int) -> Event:
+        """Account for ``token``: extend the text, check stop strings and limits, and say how
+        much text is final (text that could still become a stop string is held back)."""
+        finish = None
+        if token == self.eos_id:
+            finish = "stop"
+        else:
+            s.text += s.decoder.decode(bytes([token]) if token < 256 else b"")
+        stops = s.params.stop
+        cut = min((i for i in (s.text.find(x) for x in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            s.text, finish = s.text[:cut], "stop"
+        elif finish is None and len(s.out) >= s.params.max_tokens:
+            finish = "length"
+        if finish is not None:
+            s.text += s.decoder.decode(b"", final=True) if cut < 0 else ""
+            ready = len(s.text)
+        else:
+            ready = len(s.text) - max((len(x) - 1 for x in stops), default=0)
+        delta = s.text[s.sent:max(ready, s.sent)]
+        s.sent += len(delta)
+        return Event(s.seq_id, token, delta, finish)
+
+    # ---- the shared cache -------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype:
+        return self.model.tok_emb.weight.dtype
+
+    def _merge(self, cache: KVCache, valid: torch.Tensor, seqs: list[_Sequence]) -> None:
+        if self.cache is None or not self.active:
+            self.cache, self.valid = cache, valid
+            self.active = list(seqs)
+            return
+        L = max(self.cache.length, cache.length)
+        old, old_valid = _shift_right(self.cache, self.valid, L)
+        new, new_valid = _shift_right(cache, valid, L)
+        self.cache = KVCache([torch.cat([a, b]) for a, b in zip(old.k, new.k)],
+                             [torch.cat([a, b]) for a, b in zip(old.v, new.v)], L)
+        self.valid = torch.cat([old_valid, new_valid])
+        self.active += seqs
+
+    def _compact(self) -> None:
+        """Drop leading columns that no sequence of the batch uses any more."""
+        first = int(self.valid.float().argmax(1).min())  # earliest real column of any row
+        if first == 0:
+            raise RuntimeError("KV cache is full: a sequence reached the model's context")
+        L = self.cache.length - first
+        for t in self.cache.k + self.cache.v:
+            t[:, :, :L] = t[:, :, first:first + L].clone()
+        self.cache.length = L
+        self.valid = self.valid[:, first:]
+
+    def _retire(self, seq_ids: set[str]) -> None:
+        keep = [i for i, s in enumerate(self.active) if s.seq_id not in seq_ids]
+        if len(keep) == len(self.active):
+            return
+        self.active = [self.active[i] for i in keep]
+        if not keep:
+            self.cache, self.valid = None, None
+            return
+        index = torch.tensor(keep)
+        self.cache = KVCache([t.index_select(0, index) for t in self.cache.k],
+                             [t.index_select(0, index) for t in self.cache.v], self.cache.length)
+        self.valid = self.valid.index_select(0, index)
+
+
+def _shift_right(cache: KVCache, valid: torch.Tensor, L: int) -> tuple[KVCache, torch.Tensor]:
+    """The cache with its columns moved right so that it ends at column L; new columns are
+    invalid."""
+    d = L - cache.length
+    if d == 0:
+        return cache, valid
+    k, v = [], []
+    for src, dst in ((cache.k, k), (cache.v, v)):
+        for t in src:
+            moved = torch.zeros_like(t)  # masked columns still enter the product: no NaN
+            moved[:, :, d:L] = t[:, :, :cache.length]
+            dst.append(moved)
+    pad = torch.zeros(valid.shape[0], d, dtype=torch.bool)
+    return KVCache(k, v, L), torch.cat([pad, valid], 1)
+
+
+def _sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.temperature <= 0:
+        return int(logits_V.argmax())
+    probs = torch.softmax(logits_V.float() / p.temperature, -1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the first token is always kept
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))

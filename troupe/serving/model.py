@@ -1,0 +1,86 @@
+"""The model a server holds: loaded from a pretraining checkpoint or a model file, then
+quantized per ServeConfig.quantize (ZeroQuant post-training quantization)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from troupe import wire
+from troupe.compression import quantize_model
+from troupe.config import validate
+from troupe.models import GPT, GPTConfig
+from troupe.serving.protocol import ModelSource, ServeConfig
+from troupe.training import checkpoint as ckpt
+from troupe.training.export import load_full_model
+
+FORMAT = "troupe-model/1"
+
+
+def save_model(model: GPT, path: str | Path) -> Path:
+    """Write a GPT (fp32 weights and its config) as one wire-format file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    with open(path, "wb") as f:
+        wire.dump({"format": FORMAT, "config": model.cfg.model_dump_json(), "state": state}, f)
+    return path
+
+
+def load_model(path: str | Path) -> GPT:
+    """Read a file written by ``save_model``; errors name the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {path} does not exist")
+    with open(path, "rb") as f:
+        try:
+            obj = wire.load(f)
+        except wire.WireFormatError as e:
+            raise ValueError(f"model file {path}: {e}") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"model file {path}: not a {FORMAT} file")
+    cfg = validate(GPTConfig, json.loads(obj["config"]), f"{path}: config")
+    model = GPT(cfg)
+    missing, unexpected = model.load_state_dict(obj["state"], strict=False)
+    if missing or unexpected:
+        raise ValueError(f"model file {path}: weights do not match its config "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.eval()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory whose newest complete checkpoint is used."""
+    path = Path(path)
+    if (path / ckpt.MANIFEST).is_file():
+        return path
+    newest = ckpt.latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    if newest is None:
+        raise FileNotFoundError(f"model.checkpoint={str(path)!r}: neither a checkpoint "
+                                "directory (with manifest.json) nor a run directory with "
+                                "complete checkpoints; train one with apps/pretrain.py")
+    return newest
+
+
+def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
+    """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
+    each quantized Linear got."""
+    src: ModelSource = cfg.model
+    if (src.checkpoint is None) == (src.file is None):
+        raise ValueError("model: give exactly one of model.checkpoint and model.file")
+    if src.file is not None:
+        model = load_model(src.file)
+    else:
+        model = load_full_model(resolve_checkpoint(src.checkpoint))
+    modes = quantize_model(model, cfg.quantize, cfg.group_size) if cfg.quantize else {}
+    return model.eval().requires_grad_(False), modes
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights as held (integer weights and scales for quantized layers)."""
+    total = 0
+    for m in model.modules():
+        total += getattr(m, "weight_nbytes", 0)
+        total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total

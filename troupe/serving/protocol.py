@@ -1,0 +1,184 @@
+"""The OpenAI-compatible HTTP API's requests and responses, the server's configuration and its
+limits. Requests are validated here; every rejection says which field is at fault and maps to
+an HTTP status in the 4xx range."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from troupe.config import Config
+from troupe.serving.engine import SamplingParams
+
+
+class ModelSource(Config):
+    """Where the served model comes from: a pretraining checkpoint directory (sharded, as
+    apps/pretrain.py writes it; "latest" picks the newest under ``<out_dir>/checkpoints``) or
+    a single model file written by ``troupe.serving.save_model``."""
+
+    checkpoint: str | None = None
+    file: str | None = None
+    name: str = "troupe-gpt"
+
+
+class Limits(Config):
+    """What one replica accepts: prompt and completion lengths in tokens, requests in flight
+    (beyond them: 429), the request body in bytes (413), and the decode batch."""
+
+    max_prompt_tokens: int = Field(default=1024, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    max_concurrent: int = Field(default=64, ge=1)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_batch: int = Field(default=16, ge=1)
+
+
+class ServeConfig(Config):
+    """apps/serve.py's configuration. quantize: module-name patterns to modes (w8a8, w8a16,
+    w4a16; see troupe.compression), {} to serve fp32. api_key_env: the environment variable
+    holding the bearer token clients must send (unset or empty: no authentication)."""
+
+    model: ModelSource = ModelSource()
+    quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
+    group_size: int = Field(default=64, ge=2)
+    limits: Limits = Limits()
+    num_replicas: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=1.0, gt=0)
+    threads: int = Field(default=1, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key_env: str = "TROUPE_API_KEY"
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status``, OpenAI error ``type``, ``param``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": None}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: at most 4 non-empty strings")
+        return v
+
+    def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
+        n = self.max_tokens if self.max_tokens is not None else min(default_max, limits.max_tokens)
+        if n > limits.max_tokens:
+            raise RequestError(400, f"max_tokens={n} exceeds this server's limit of "
+                               f"{limits.max_tokens}", "max_tokens")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed, stop=stop)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, v):
+        if isinstance(v, list):
+            if len(v) != 1:
+                raise ValueError("give one prompt (a string, or a list of one string)")
+            return v[0]
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def prompt(self) -> str:
+        """The conversation as the byte-level model sees it: one "role: content" line per
+        message, then "assistant:" for the reply."""
+        lines = [f"{m.role}: {m.content}" for m in self.messages]
+        return "\n".join(lines) + "\nassistant:"
+
+    def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
+        if self.max_completion_tokens is not None and self.max_tokens is None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling(default_max, limits)
+
+
+def parse(kind: type[_Request], body: bytes) -> _Request:
+    """Validate a JSON body; malformed JSON or fields raise RequestError(400) naming them."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"].startswith("json"):
+            raise RequestError(400, f"the request body is not valid JSON: {first['msg']}")
+        where = ".".join(str(x) for x in first["loc"]) or None
+        raise RequestError(400, f"{where or 'the request body'}: {first['msg']}", where) from None
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def completion(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
+               completion_tokens: int, chat: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
+          first: bool = False) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["delta"] = ({"role": "assistant"} if first else {}) | (
+            {"content": text} if text or first else {})
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def models(name: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                        "owned_by": "troupe"}]}
