@@ -104,11 +104,13 @@ def int8_gemm(xq_TI: torch.Tensor, wq_OI: torch.Tensor) -> torch.Tensor:
     T, I = xq_TI.shape
     if I * 127 * 127 > _INT32_MAX:
         raise ValueError(f"inner dimension {I} can overflow int32 accumulation")
+    # w.t() is a view: the GEMM reads the row-major (O, I) weight as a column-major (I, O)
+    # matrix; copying it to row-major on every call cost 4-9x the GEMM itself (RESULTS.md)
     if xq_TI.device.type == "cpu" or T > 16:
-        return torch._int_mm(xq_TI.contiguous(), wq_OI.t().contiguous())
+        return torch._int_mm(xq_TI.contiguous(), wq_OI.t())
     # torch._int_mm needs more than 16 rows on CUDA: pad
     pad = torch.zeros(17 - T, I, dtype=torch.int8, device=xq_TI.device)
-    return torch._int_mm(torch.cat([xq_TI, pad]), wq_OI.t().contiguous())[:T]
+    return torch._int_mm(torch.cat([xq_TI, pad]), wq_OI.t())[:T]
 
 
 def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None):

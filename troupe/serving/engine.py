@@ -63,10 +63,11 @@ class ContinuousBatcher:
 
     ``add`` may be called from any thread; ``step`` (one thread at a time) admits waiting
     sequences, runs one decode step for the batch and returns an Event per sequence.
-    Tokens are bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence.
+    Tokens are bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence (None: only
+    max_tokens and stop strings do, as benchmarks want).
     """
 
-    def __init__(self, model: GPT, eos_id: int, max_batch: int = 16):
+    def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16):
         self.model = model.eval()
         self.cfg = model.cfg
         self.eos_id = eos_id
@@ -134,7 +135,7 @@ class ContinuousBatcher:
         """Run the newcomers' prompts (left-padded together), choose their first tokens, and
         merge their keys and values into the batch's cache."""
         P = max(len(s.prompt) for s in seqs)
-        idx = torch.full((len(seqs), P), self.eos_id, dtype=torch.long)
+        idx = torch.full((len(seqs), P), self.eos_id or 0, dtype=torch.long)  # padding
         valid = torch.zeros(len(seqs), P, dtype=torch.bool)
         for i, s in enumerate(seqs):
             idx[i, P - len(s.prompt):] = torch.tensor(s.prompt)
