@@ -19,6 +19,30 @@ def test_quantized_linear_close_to_fp32(mode, tol):
     assert q.weight_nbytes < lin.weight.numel() * 4 * (0.3 if "8" in mode else 0.17)
 
 
+def test_lorc_compensates_the_weight_error():
+    """Rank r removes the r largest singular values of the weight error; full rank restores
+    the fp32 weight exactly (weight-only modes)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 64)
+    x = torch.randn(20, 96)
+    want = lin(x)
+    errors = []
+    for r in (0, 4, 16):
+        q = QuantizedLinear(lin, "w4a16", group_size=32, lorc_rank=r)
+        errors.append(((q(x) - want).norm() / want.norm()).item())
+        E = lin.weight - q.dequantized_weight()
+        s = torch.linalg.svdvals(E)
+        if r:
+            left = E - q.lorc_up @ q.lorc_down
+            assert torch.allclose(torch.linalg.matrix_norm(left), s[r:].norm(), rtol=1e-4)
+            assert q.weight_nbytes == q.qw.nbytes + 4 * r * (96 + 64)
+    assert errors[0] > errors[1] > errors[2]
+    full = QuantizedLinear(lin, "w4a16", group_size=32, lorc_rank=64)
+    assert torch.allclose(full(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="lorc_rank must be in 0..64"):
+        QuantizedLinear(lin, "w8a8", lorc_rank=65)
+
+
 def test_quantize_model_by_patterns():
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)).eval()

@@ -54,10 +54,14 @@ def random_batches(vocab: int, n: int, batch: int, seq_len: int, seed: int = 0):
 
 
 def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[torch.Tensor],
-                      steps_per_layer: int = 80, lr: float = 3e-5,
-                      group_size: int = 64) -> tuple[GPT, list[tuple[float, float]]]:
+                      steps_per_layer: int = 80, lr: float = 3e-5, group_size: int = 64,
+                      check_every: int = 10) -> tuple[GPT, list[tuple[float, float]]]:
     """A quantized copy of ``teacher`` (linear layers by ``rules``, as quantize_model), with
-    each block distilled in order. Returns (student, [(mse before, mse after) per block])."""
+    each block distilled in order. With two or more batches the last one is held out: every
+    ``check_every`` steps the block's held-out MSE is measured, and the block keeps the weights
+    that scored best (the undistilled ones included), so distillation never makes a block
+    worse on data it did not train on. Returns (student, [(held-out mse before, after) per
+    block])."""
     teacher = teacher.eval()
     student = copy.deepcopy(teacher)
     replace_linears(student, rules, lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
@@ -66,26 +70,36 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
     with torch.no_grad():  # the full-precision inputs of block 0
         inputs = [teacher.drop(teacher.tok_emb(b) + teacher.pos_emb(torch.arange(b.shape[1])))
                   for b in batches]
+    held = 1 if len(inputs) > 1 else 0
     report = []
     for t_block, s_block in zip(teacher.blocks, student.blocks):
         with torch.no_grad():
             targets = [t_block(x)[0] for x in inputs]
+        train_x, train_y = inputs[:len(inputs) - held], targets[:len(inputs) - held]
+        val_x, val_y = (inputs[-held:], targets[-held:]) if held else (train_x, train_y)
         params = [p for m in s_block.modules() if isinstance(m, FakeQuantLinear)
                   for p in m.parameters()]
-        before = _mse(s_block, inputs, targets)
+        before = best = _mse(s_block, val_x, val_y)
         if params:
+            kept = [p.detach().clone() for p in params]
             for p in params:
                 p.requires_grad_(True)
             opt = torch.optim.Adam(params, lr=lr)
-            for step in range(steps_per_layer):
-                i = step % len(inputs)
-                loss = F.mse_loss(s_block(inputs[i])[0], targets[i])
+            for step in range(1, steps_per_layer + 1):
+                i = step % len(train_x)
+                loss = F.mse_loss(s_block(train_x[i])[0], train_y[i])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            for p in params:
-                p.requires_grad_(False)
-        report.append((before, _mse(s_block, inputs, targets)))
+                if step % check_every == 0 or step == steps_per_layer:
+                    now = _mse(s_block, val_x, val_y)
+                    if now < best:
+                        best, kept = now, [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for p, k in zip(params, kept):
+                    p.copy_(k)
+                    p.requires_grad_(False)
+        report.append((before, best))
         inputs = targets  # the next block learns on the full-precision activations
     replace_modules(student, lambda _, m: m.freeze() if isinstance(m, FakeQuantLinear) else None)
     return student, report

@@ -2,7 +2,12 @@
 
 Modes: "w8a8" (INT8 weights per output channel, token-wise INT8 activations, INT8 GEMM),
 "w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights, dequantized for an
-fp32 product), "fp32" (leave the layer alone)."""
+fp32 product), "fp32" (leave the layer alone).
+
+LoRC (ZeroQuant-V2's low-rank compensation, ``lorc_rank`` > 0): the quantization error
+E = W - dq(q(W)) is approximated by its best rank-r factors U_r S_r V_r^T (truncated SVD), kept
+in fp32 beside the integer weight, and y = quantized(x) + (x V_r) (U_r S_r)^T. It costs
+r * (I + O) fp32 values per layer."""
 
 from __future__ import annotations
 
@@ -21,19 +26,30 @@ MODES = ("fp32", "w8a8", "w8a16", "w4a16")
 class QuantizedLinear(nn.Module):
     """An nn.Linear held as integer weights plus scales (bias kept in fp32)."""
 
-    def __init__(self, linear: nn.Linear, mode: str, group_size: int = 64):
+    def __init__(self, linear: nn.Linear, mode: str, group_size: int = 64, lorc_rank: int = 0):
         super().__init__()
         if mode not in MODES[1:]:
             raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
         O, I = linear.weight.shape
+        if not 0 <= lorc_rank <= min(O, I):
+            raise ValueError(f"lorc_rank must be in 0..{min(O, I)} for a {O}x{I} layer, "
+                             f"got {lorc_rank}")
         self.mode, self.in_features, self.out_features = mode, I, O
-        self.qw = quantize_for(linear.weight.detach(), mode, group_size)
+        w = linear.weight.detach().float()
+        self.qw = quantize_for(w, mode, group_size)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
                                                                   requires_grad=False)
+        self.lorc_down: torch.Tensor | None = None  # (r, I): V_r^T
+        self.lorc_up: torch.Tensor | None = None    # (O, r): U_r S_r
+        if lorc_rank:
+            U, S, Vh = torch.linalg.svd(w - dequantize_weight(self.qw), full_matrices=False)
+            self.lorc_down = Vh[:lorc_rank].contiguous()
+            self.lorc_up = (U[:, :lorc_rank] * S[:lorc_rank]).contiguous()
 
     @property
     def weight_nbytes(self) -> int:
-        return self.qw.nbytes
+        extra = 0 if self.lorc_down is None else 4 * (self.lorc_down.numel() + self.lorc_up.numel())
+        return self.qw.nbytes + extra
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.qw)
@@ -45,6 +61,8 @@ class QuantizedLinear(nn.Module):
             y = int8_linear(x2, self.qw, self.bias)
         else:
             y = F.linear(x2, self.dequantized_weight(), self.bias)
+        if self.lorc_down is not None:
+            y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -67,11 +85,14 @@ def _divisor(n: int, want: int) -> int:
     return 1
 
 
-def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64) -> dict[str, str]:
+def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64,
+                   lorc_rank: int = 0) -> dict[str, str]:
     """Replace each nn.Linear whose qualified name matches a rule's glob pattern (first match
-    wins) by a QuantizedLinear of that rule's mode; returns {module name: mode} for the
-    replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8)."""
-    return replace_linears(model, rules, lambda lin, mode: QuantizedLinear(lin, mode, group_size))
+    wins) by a QuantizedLinear of that rule's mode (with LoRC factors of ``lorc_rank``);
+    returns {module name: mode} for the replaced ones. Example: {"*.attn.*": "w8a8",
+    "*.ffn.*": "w4a16"} (ZeroQuant's W4/8)."""
+    return replace_linears(model, rules,
+                           lambda lin, mode: QuantizedLinear(lin, mode, group_size, lorc_rank))
 
 
 def replace_linears(model: nn.Module, rules: dict[str, str],
