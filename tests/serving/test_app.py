@@ -10,7 +10,6 @@ import openai
 import pytest
 import torch
 
-from tests.runtime.test_job_submit import free_port
 from troupe.models import GPT, GPTConfig
 from troupe.runtime import serve
 from troupe.serving import ContinuousBatcher, SamplingParams
@@ -22,11 +21,11 @@ NAME = "tiny-w8a8"
 
 
 @pytest.fixture(scope="module")
-def app(cluster, tmp_path_factory):
+def app(cluster, serve_port, tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "tiny.trp"
     save_model(GPT(GPTConfig(seq_len=96, n_layer=2, n_head=2, d_model=64), seed=3), path)
     cfg = ServeConfig(model={"file": str(path), "name": NAME}, quantize={"*": "w8a8"},
-                      group_size=16, port=free_port(), api_key_env=KEY_ENV,
+                      group_size=16, port=serve_port, api_key_env=KEY_ENV,
                       limits={"max_tokens": 40, "max_prompt_tokens": 48, "max_body_bytes": 4096,
                               "max_concurrent": 16, "max_batch": 8})
     os.environ[KEY_ENV] = KEY

@@ -1,7 +1,10 @@
 """ServeReplica: one replica of the OpenAI-compatible server. It holds the quantized model and
 its continuous batcher and answers /v1/completions, /v1/chat/completions (both streaming too),
 /v1/models and /health. Ray Serve hosts it as a deployment (troupe.runtime.serve); every request
-it refuses gets a 4xx with an OpenAI-style error body, and the replica goes on serving."""
+it refuses gets a 4xx with an OpenAI-style error body, and the replica goes on serving.
+
+ServeRank: one expert-parallel rank of a served MoE model (the replica's experts spread over
+several actors; troupe.runtime.serve wires them)."""
 
 from __future__ import annotations
 
@@ -13,10 +16,13 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from troupe import collectives
+from troupe.compression import quantize_model
 from troupe.config import validate
 from troupe.data import ByteTokenizer
 from troupe.serving import ContinuousBatcher, SamplingParams
-from troupe.serving.model import load_served_model, weight_bytes
+from troupe.serving.model import load_served_model, load_source, weight_bytes
+from troupe.training.export import expert_parallel_copy
 from troupe.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -39,18 +45,24 @@ class ServeReplica:
     def __init__(self, config: dict[str, Any]):
         self.cfg = validate(ServeConfig, config, "serve config")
         torch.set_num_threads(self.cfg.threads)
-        self.model, self.modes = load_served_model(self.cfg)
         self.tok = ByteTokenizer()
-        self.batcher = ContinuousBatcher(self.model, self.tok.eos_id, self.cfg.limits.max_batch)
+        self.batcher, self.details = self._make_batcher()
+        self.seq_len = self.details["seq_len"]
         self.engine = AsyncBatcher(self.batcher)
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
         self.created = int(time.time())
         self.in_flight = 0
 
+    def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
+        """The batcher this replica decodes with, and what /health reports of its model."""
+        model, modes = load_served_model(self.cfg)
+        batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch)
+        return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
+                         "quantized": modes, "expert_parallel": 1}
+
     def info(self) -> dict[str, Any]:
-        return {"model": self.cfg.model.name, "weight_bytes": weight_bytes(self.model),
-                "quantized": self.modes, "seq_len": self.model.cfg.seq_len,
-                "in_flight": self.in_flight, "decode_steps": self.engine.steps}
+        return {"model": self.cfg.model.name, **self.details, "in_flight": self.in_flight,
+                "decode_steps": self.engine.steps}
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse
@@ -113,7 +125,7 @@ class ServeReplica:
             raise RequestError(400, f"{field}: {len(ids)} tokens; this server accepts at most "
                                f"{lim.max_prompt_tokens}", field)
         params = req.sampling(16, lim)
-        context = self.model.cfg.seq_len
+        context = self.seq_len
         if len(ids) + params.max_tokens > context:
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
                                f"({params.max_tokens}) exceed the model's context of {context} "
@@ -158,3 +170,35 @@ class ServeReplica:
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+class ServeRank:
+    """Expert-parallel rank r of a served MoE model: every dense weight (quantized as the
+    config says), experts r*n .. (r+1)*n - 1 of each MoE layer, and a continuous batcher over
+    the sequences given to this rank. All ranks step together (lockstep), since each forward
+    pass exchanges tokens with the other ranks' experts through all_to_all over "ep"."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.cfg = validate(ServeConfig, config, "serve config")
+        torch.set_num_threads(self.cfg.threads)
+        self.batcher: ContinuousBatcher | None = None
+
+    def setup(self) -> dict[str, Any]:
+        full = load_source(self.cfg.model)
+        model = expert_parallel_copy(full, collectives.get_group("ep"))
+        modes = quantize_model(model, self.cfg.quantize, self.cfg.group_size) \
+            if self.cfg.quantize else {}
+        self.batcher = ContinuousBatcher(model, ByteTokenizer.eos_id, self.cfg.limits.max_batch,
+                                         lockstep=True)
+        return {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
+                "quantized": modes}
+
+    def step(self, work: tuple[list, list]) -> list[dict[str, Any]]:
+        """Take new sequences (seq_id, prompt, SamplingParams) and cancellations, then one
+        lockstep step; returns its events as dicts."""
+        adds, cancels = work
+        for seq_id, prompt, params in adds:
+            self.batcher.add(seq_id, prompt, params)
+        for seq_id in cancels:
+            self.batcher.cancel(seq_id)
+        return [vars(e) for e in self.batcher.step()]

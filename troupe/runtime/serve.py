@@ -1,20 +1,93 @@
 """Driver side of serving: the OpenAI-compatible app on Ray Serve, one ServeReplica per
-replica, behind Serve's HTTP proxy."""
+replica, behind Serve's HTTP proxy. With ``expert_parallel`` > 1 each replica of a MoE model
+builds a graph of ServeRank actors that hold its experts between them and decode its
+sequences in lockstep, exchanging tokens through all_to_all."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import urllib.request
+import uuid
+from typing import Any
 
-from troupe.actors.serve import ServeReplica
+from troupe.actors.serve import ServeRank, ServeReplica
 from troupe.runtime.cluster import init
+from troupe.runtime.graph import ActorGraph
+from troupe.runtime.handle import Graph
+from troupe.serving import Event, SamplingParams
 from troupe.serving.protocol import ServeConfig
 
 log = logging.getLogger(__name__)
 
 APP = "troupe-openai"
+
+
+class ExpertParallelBatcher:
+    """The ContinuousBatcher interface over a graph of ServeRank actors: new sequences go to
+    the rank with the fewest, and every step runs on all ranks at once (one Ray call each,
+    carrying that rank's new sequences and cancellations)."""
+
+    def __init__(self, graph: Graph):
+        self.graph, self.ranks = graph, graph["expert"]
+        self.load = [0] * self.ranks.world_size
+        self.where: dict[str, int] = {}  # sequence -> rank
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._cancels: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
+        with self._lock:
+            self._adds.append((seq_id, list(prompt), params))
+
+    def cancel(self, seq_id: str) -> None:
+        with self._lock:
+            self._cancels.append(seq_id)
+
+    def has_work(self) -> bool:
+        return bool(self.where or self._adds)
+
+    def active_ids(self) -> list[str]:
+        return list(self.where)
+
+    def step(self) -> list[Event]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            cancels, self._cancels = self._cancels, []
+        work: list[tuple[list, list]] = [([], []) for _ in self.load]
+        for seq in adds:
+            r = min(range(len(self.load)), key=self.load.__getitem__)
+            self.where[seq[0]] = r
+            self.load[r] += 1
+            work[r][0].append(seq)
+        for seq_id in cancels:
+            r = self.where.pop(seq_id, None)
+            if r is not None:
+                self.load[r] -= 1
+                work[r][1].append(seq_id)
+        events = [Event(**e) for rank_events in self.ranks.scatter("step", work)
+                  for e in rank_events]
+        for e in events:
+            if e.finish_reason is not None and e.seq_id in self.where:
+                self.load[self.where.pop(e.seq_id)] -= 1
+        return events
+
+
+class ExpertParallelReplica(ServeReplica):
+    """A ServeReplica whose MoE model lives in ``expert_parallel`` ServeRank actors."""
+
+    def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
+        P = self.cfg.expert_parallel
+        g = ActorGraph(f"serve-{uuid.uuid4().hex[:8]}")
+        g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, config=self.cfg.model_dump())
+        g.collective("ep", ["expert"], backend="gloo")
+        graph = g.build(timeout_s=300, call_timeout_s=300)
+        infos = graph["expert"].call("setup")
+        return ExpertParallelBatcher(graph), {
+            "seq_len": infos[0]["seq_len"], "expert_parallel": P,
+            "weight_bytes": [i["weight_bytes"] for i in infos], "quantized": infos[0]["quantized"]}
 
 
 def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
@@ -29,7 +102,8 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     key = os.environ.get(cfg.api_key_env)
     if key:
         options["runtime_env"] = {"env_vars": {cfg.api_key_env: key}}
-    deployment = serve.deployment(ServeReplica, name="ServeReplica").options(
+    cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
+    deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas,
         # above the replica's own limit, so that it answers 429 rather than Serve queueing
         max_ongoing_requests=cfg.limits.max_concurrent * 2,

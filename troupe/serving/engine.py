@@ -65,9 +65,15 @@ class ContinuousBatcher:
     sequences, runs one decode step for the batch and returns an Event per sequence.
     Tokens are bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence (None: only
     max_tokens and stop strings do, as benchmarks want).
+
+    With ``lockstep`` every step runs exactly two forward passes (the decode and the prefill,
+    a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
+    whose MoE layers exchange tokens with all_to_all, must all run the same passes.
     """
 
-    def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16):
+    def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
+                 lockstep: bool = False):
+        self.lockstep = lockstep
         self.model = model.eval()
         self.cfg = model.cfg
         self.eos_id = eos_id
@@ -103,6 +109,9 @@ class ContinuousBatcher:
     def has_work(self) -> bool:
         return bool(self.active or self._waiting)
 
+    def active_ids(self) -> list[str]:
+        return [s.seq_id for s in self.active]
+
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
@@ -113,10 +122,18 @@ class ContinuousBatcher:
         newcomers = self._admit()
         if running:
             events += self._decode(running)
+        elif self.lockstep:
+            self._stand_in()
         if newcomers:
             events += self._prefill(newcomers)
+        elif self.lockstep:
+            self._stand_in()
         self._retire({e.seq_id for e in events if e.finish_reason is not None})
         return events
+
+    def _stand_in(self) -> None:
+        """A one-token forward pass whose result is thrown away (see ``lockstep``)."""
+        self.model.hidden(torch.zeros(1, 1, dtype=torch.long))
 
     def _admit(self) -> list[_Sequence]:
         with self._lock:

@@ -63,18 +63,31 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
-    """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
-    each quantized Linear got."""
-    src: ModelSource = cfg.model
+def load_source(src: ModelSource) -> GPT:
+    """The fp32 model ``src`` names. MoE layers are rebuilt dropless: a served token's
+    output must not depend on which other requests share its batch."""
     if (src.checkpoint is None) == (src.file is None):
         raise ValueError("model: give exactly one of model.checkpoint and model.file")
     if src.file is not None:
         model = load_model(src.file)
     else:
         model = load_full_model(resolve_checkpoint(src.checkpoint))
+    if model.cfg.moe is not None and not model.cfg.moe.dropless:
+        cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(
+            update={"dropless": True})})
+        dropless = GPT(cfg)
+        dropless.load_state_dict(model.state_dict())
+        model = dropless
+    return model.eval().requires_grad_(False)
+
+
+def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
+    """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
+    each quantized Linear got. (MoE experts are stacked weights, not nn.Linear: they stay
+    fp32.)"""
+    model = load_source(cfg.model)
     modes = quantize_model(model, cfg.quantize, cfg.group_size) if cfg.quantize else {}
-    return model.eval().requires_grad_(False), modes
+    return model, modes
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

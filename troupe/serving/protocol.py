@@ -38,7 +38,9 @@ class Limits(Config):
 class ServeConfig(Config):
     """apps/serve.py's configuration. quantize: module-name patterns to modes (w8a8, w8a16,
     w4a16; see troupe.compression), {} to serve fp32. api_key_env: the environment variable
-    holding the bearer token clients must send (unset or empty: no authentication)."""
+    holding the bearer token clients must send (unset or empty: no authentication).
+    expert_parallel: for MoE models, spread each replica's experts over this many expert
+    actors, which exchange tokens with all_to_all (1: the replica holds every expert)."""
 
     model: ModelSource = ModelSource()
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -50,6 +52,7 @@ class ServeConfig(Config):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
+    expert_parallel: int = Field(default=1, ge=1)
 
 
 class RequestError(Exception):

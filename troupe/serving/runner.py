@@ -57,7 +57,7 @@ class AsyncBatcher:
             try:
                 events = await loop.run_in_executor(self._pool, self.batcher.step)
             except Exception as e:  # a failed step fails the sequences in it, not the server
-                for seq_id in [s.seq_id for s in self.batcher.active]:
+                for seq_id in self.batcher.active_ids():
                     self.batcher.cancel(seq_id)
                     if seq_id in self._queues:
                         self._queues[seq_id].put_nowait(RuntimeError(f"decode step failed: {e!r}"))

@@ -47,6 +47,28 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     return full.eval()
 
 
+def expert_parallel_copy(full: GPT, group) -> GPT:
+    """The expert-parallel rank of ``full`` (a single-process MoE GPT) for ``group``: the same
+    dense weights, and the contiguous slice of each MoE layer's experts that group rank r
+    holds (experts r*n .. (r+1)*n - 1). Its MoE layers exchange tokens over ``group``."""
+    moe = full.cfg.moe
+    if moe is None:
+        raise ValueError("expert_parallel_copy: the model has no MoE layers")
+    P = group.world_size
+    cfg = full.cfg.model_copy(update={"moe": moe.model_copy(update={"ep_size": P})})
+    part = GPT(cfg, group)
+    dense_full, _ = expert_parameters(full)
+    dense_part, _ = expert_parameters(part)
+    with torch.no_grad():
+        for a, b in zip(dense_part, dense_full):
+            a.copy_(b)
+        for (_, mine), (_, whole) in zip(_experts(part), _experts(full)):
+            n = mine.num_local
+            for p_part, p_full in zip(mine.parameters(), whole.parameters()):
+                p_part.copy_(p_full[group.rank * n:(group.rank + 1) * n])
+    return part.eval()
+
+
 def _bucket(states: list[dict], name: str, ranks: range, sharded: bool) -> torch.Tensor:
     """The flat buffer of a bucket: shards concatenated in group order, or rank 0's copy
     (after 0/1 Adam's local steps the copies differ by at most one sync; rank 0's is taken)."""
