@@ -3,15 +3,12 @@ parameters, and saving / loading weights in troupe's wire format."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from troupe import wire
 from troupe.collectives import Communicator
-from troupe.models.lora import merged_state_dict
+from troupe.models.io import load_module, save_module  # noqa: F401 (the roles' import)
 from troupe.optim import FlatParams, Optimizer, OptimizerConfig, build_optimizer
 from troupe.rlhf.config import ModelConfig
 from troupe.rlhf.lm import GPTLM, HFLM, ByteTokens, CausalLM, HFTokens, Tokenizer
@@ -55,39 +52,3 @@ class Trainable:
         return lr
 
 
-def save_module(path: str | Path, module: nn.Module, **meta) -> Path:
-    """Weights of ``module`` (LoRA adapters folded in) to ``path``, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    state = {k: v.contiguous() for k, v in merged_state_dict(module).items()}
-    with open(tmp, "wb") as f:
-        wire.dump({"meta": meta, "state": state}, f)
-    os.replace(tmp, path)
-    return path
-
-
-def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dict:
-    """Load weights saved by save_module; errors name the file and the keys at fault."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model file {path} does not exist (run the earlier step?)")
-    with open(path, "rb") as f:
-        try:
-            blob = wire.load(f)
-        except wire.WireFormatError as e:
-            raise ValueError(f"{path}: {e}") from None
-    state = blob["state"]
-    mine = module.state_dict()
-    missing = [k for k in mine if k not in state]
-    if strict and (missing or set(state) - set(mine)):
-        raise ValueError(f"{path}: keys missing {missing[:5]}, unexpected "
-                         f"{sorted(set(state) - set(mine))[:5]}")
-    with torch.no_grad():
-        for k, v in state.items():
-            if k in mine:
-                if mine[k].shape != v.shape:
-                    raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model "
-                                     f"{tuple(mine[k].shape)}")
-                mine[k].copy_(v)
-    return blob["meta"]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from troupe import wire
 from troupe.compression import quantize_model
 from troupe.config import validate
 from troupe.models import GPT, GPTConfig
+from troupe.models.io import load_module, read_module_file, save_module
 from troupe.serving.protocol import ModelSource, ServeConfig
 from troupe.training import checkpoint as ckpt
 from troupe.training.export import load_full_model
@@ -21,32 +21,16 @@ FORMAT = "troupe-model/1"
 
 def save_model(model: GPT, path: str | Path) -> Path:
     """Write a GPT (fp32 weights and its config) as one wire-format file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    with open(path, "wb") as f:
-        wire.dump({"format": FORMAT, "config": model.cfg.model_dump_json(), "state": state}, f)
-    return path
+    return save_module(path, model, format=FORMAT, config=model.cfg.model_dump_json())
 
 
 def load_model(path: str | Path) -> GPT:
     """Read a file written by ``save_model``; errors name the file and what is wrong."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model file {path} does not exist")
-    with open(path, "rb") as f:
-        try:
-            obj = wire.load(f)
-        except wire.WireFormatError as e:
-            raise ValueError(f"model file {path}: {e}") from None
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+    meta, _ = read_module_file(path)
+    if meta.get("format") != FORMAT:
         raise ValueError(f"model file {path}: not a {FORMAT} file")
-    cfg = validate(GPTConfig, json.loads(obj["config"]), f"{path}: config")
-    model = GPT(cfg)
-    missing, unexpected = model.load_state_dict(obj["state"], strict=False)
-    if missing or unexpected:
-        raise ValueError(f"model file {path}: weights do not match its config "
-                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model = GPT(validate(GPTConfig, json.loads(meta["config"]), f"{path}: config"))
+    load_module(path, model)
     return model.eval()
 
 
