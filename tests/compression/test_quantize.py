@@ -43,6 +43,14 @@ def test_lorc_compensates_the_weight_error():
         QuantizedLinear(lin, "w8a8", lorc_rank=65)
 
 
+def test_to_moves_the_integer_weights_and_lorc_factors():
+    lin = torch.nn.Linear(32, 16)
+    q = QuantizedLinear(lin, "w4a16", group_size=16, lorc_rank=2)
+    q.to(torch.device("meta"))
+    assert q.qw.q.is_meta and q.qw.scales.is_meta and q.bias.is_meta
+    assert q.lorc_down.is_meta and q.lorc_up.is_meta and q.qw.q.dtype == torch.uint8
+
+
 def test_quantize_model_by_patterns():
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)).eval()

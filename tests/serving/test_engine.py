@@ -113,3 +113,13 @@ def test_sampling_is_repeatable_with_a_seed_and_cancel_frees_the_slot():
     engine.cancel("x")
     got = run(engine)
     assert got["y"] == alone(model, [3, 4], 2)
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_matches_cpu():
+    model = tiny(quant="w8a8")
+    engine = ContinuousBatcher(model, EOS, max_batch=4)
+    reqs = {f"r{i}": (i, [3 + i, 4, 5], SamplingParams(max_tokens=12)) for i in range(4)}
+    want = run(engine, reqs)
+    gpu = ContinuousBatcher(model.cuda(), EOS, max_batch=4)
+    assert run(gpu, reqs) == want

@@ -11,6 +11,7 @@ r * (I + O) fp32 values per layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Callable
 
@@ -53,6 +54,15 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_weight(self.qw)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(device)``, ``.cuda()`` and the like move the integer weights, their scales
+        and the LoRC factors too (they are not parameters)."""
+        super()._apply(fn, recurse)
+        self.qw = dataclasses.replace(self.qw, q=fn(self.qw.q), scales=fn(self.qw.scales))
+        if self.lorc_down is not None:
+            self.lorc_down, self.lorc_up = fn(self.lorc_down), fn(self.lorc_up)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

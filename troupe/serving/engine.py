@@ -76,6 +76,7 @@ class ContinuousBatcher:
         self.lockstep = lockstep
         self.model = model.eval()
         self.cfg = model.cfg
+        self.device = model.tok_emb.weight.device
         self.eos_id = eos_id
         self.max_batch = max_batch
         self._waiting: deque[_Sequence] = deque()
@@ -133,7 +134,7 @@ class ContinuousBatcher:
 
     def _stand_in(self) -> None:
         """A one-token forward pass whose result is thrown away (see ``lockstep``)."""
-        self.model.hidden(torch.zeros(1, 1, dtype=torch.long))
+        self.model.hidden(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     def _admit(self) -> list[_Sequence]:
         with self._lock:
@@ -157,7 +158,9 @@ class ContinuousBatcher:
         for i, s in enumerate(seqs):
             idx[i, P - len(s.prompt):] = torch.tensor(s.prompt)
             valid[i, P - len(s.prompt):] = True
-        cache = KVCache.empty(self.cfg, len(seqs), self.cfg.seq_len, dtype=self._dtype())
+        idx, valid = idx.to(self.device), valid.to(self.device)
+        cache = KVCache.empty(self.cfg, len(seqs), self.cfg.seq_len, device=self.device,
+                              dtype=self._dtype())
         h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         logits = F.linear(h[:, -1], self.model.tok_emb.weight)
         self._merge(cache, valid, seqs)
@@ -166,8 +169,8 @@ class ContinuousBatcher:
     def _decode(self, seqs: list[_Sequence]) -> list[Event]:
         if self.cache.length + 1 > self.cfg.seq_len:
             self._compact()
-        idx = torch.tensor([[s.out[-1]] for s in seqs])
-        self.valid = torch.cat([self.valid, torch.ones(len(seqs), 1, dtype=torch.bool)], 1)
+        idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
+        self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
         h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, F.linear(h[:, -1], self.model.tok_emb.weight))
 
@@ -238,7 +241,7 @@ class ContinuousBatcher:
         if not keep:
             self.cache, self.valid = None, None
             return
-        index = torch.tensor(keep)
+        index = torch.tensor(keep, device=self.device)
         self.cache = KVCache([t.index_select(0, index) for t in self.cache.k],
                              [t.index_select(0, index) for t in self.cache.v], self.cache.length)
         self.valid = self.valid.index_select(0, index)
@@ -256,14 +259,14 @@ def _shift_right(cache: KVCache, valid: torch.Tensor, L: int) -> tuple[KVCache, 
             moved = torch.zeros_like(t)  # masked columns still enter the product: no NaN
             moved[:, :, d:L] = t[:, :, :cache.length]
             dst.append(moved)
-    pad = torch.zeros(valid.shape[0], d, dtype=torch.bool)
+    pad = valid.new_zeros(valid.shape[0], d)
     return KVCache(k, v, L), torch.cat([pad, valid], 1)
 
 
 def _sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.temperature <= 0:
         return int(logits_V.argmax())
-    probs = torch.softmax(logits_V.float() / p.temperature, -1)
+    probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one
     if p.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the first token is always kept
