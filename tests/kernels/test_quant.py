@@ -88,3 +88,23 @@ def test_quantized_linear_on_cuda_matches_cpu(mode):
     q.cuda()
     assert q.qw.q.is_cuda and q.qw.scales.is_cuda
     assert torch.allclose(q(x.cuda()).cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("T", [1, 3, 4, 8, 16, 17])
+def test_weight_only_linear_matches_the_dequantized_product(bits, T):
+    """The native row-at-a-time loop (T <= 16) and the whole-weight path (T > 16) both equal
+    x @ dq(W)^T + b."""
+    import shutil
+
+    import torch.nn.functional as F
+
+    from troupe.kernels.quant import _quant_lib, weight_only_linear
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert _quant_lib() is not None  # the native path is really the one tested
+    g = torch.Generator().manual_seed(bits * 100 + T)
+    w, x, b = torch.randn(40, 96, generator=g), torch.randn(T, 96, generator=g), torch.randn(40)
+    qw = quantize_weight(w, bits, 32, axis=1)
+    want = F.linear(x.double(), dequantize_weight(qw).double(), b.double())
+    torch.testing.assert_close(weight_only_linear(x, qw, b).double(), want, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.kernels.quant import QuantizedWeight, dequantize_weight, int8_linear, quantize_weight
+from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
+                                  quantize_weight, weight_only_linear)
 
 MODES = ("fp32", "w8a8", "w8a16", "w4a16")
 
@@ -70,7 +71,7 @@ class QuantizedLinear(nn.Module):
         if self.mode == "w8a8":
             y = int8_linear(x2, self.qw, self.bias)
         else:
-            y = F.linear(x2, self.dequantized_weight(), self.bias)
+            y = weight_only_linear(x2, self.qw, self.bias)
         if self.lorc_down is not None:
             y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)

@@ -7,9 +7,13 @@ Shapes: weights are (O, I) as in nn.Linear; activations (T, I) for T tokens.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from troupe.kernels import _native
 
 QMAX = {8: 127, 4: 7}
 _INT32_MAX = 2**31 - 1
@@ -66,6 +70,41 @@ def dequantize_weight(qw: QuantizedWeight) -> torch.Tensor:
     if qw.axis == 0:
         return (q.reshape(O // qw.group_size, -1) * qw.scales[:, None]).reshape(O, I)
     return (q.reshape(O, I // qw.group_size, -1) * qw.scales[..., None]).reshape(O, I)
+
+
+NATIVE_MAX_TOKENS = 16  # above this the fp32 GEMM of the dequantized weight is faster
+
+
+def weight_only_linear(x_TI: torch.Tensor, qw: QuantizedWeight,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dq(W)^T + b for group-wise (axis 1) INT8/INT4 weights with fp activations. For a
+    few tokens on the CPU (decoding) a native loop dequantizes one weight row at a time
+    (csrc/quant.c); otherwise, or without a C compiler, the weight is dequantized whole."""
+    T = x_TI.shape[0]
+    O, I = qw.shape
+    native = (T <= NATIVE_MAX_TOKENS and qw.axis == 1 and not x_TI.is_cuda and I % 8 == 0
+              and qw.group_size % 2 == 0)
+    lib = _quant_lib() if native else None
+    if lib is None:
+        return F.linear(x_TI, dequantize_weight(qw), bias)
+    x = x_TI.float().contiguous()
+    y = torch.empty(T, O, dtype=torch.float32)
+    b = None if bias is None else bias.detach().float().contiguous()
+    rc = lib.wq_linear(x.data_ptr(), T, I, qw.q.data_ptr(), qw.bits, qw.scales.data_ptr(),
+                       qw.group_size, O, None if b is None else b.data_ptr(), y.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"weight_only_linear: no memory for a row of {I} floats")
+    return y
+
+
+def _quant_lib():
+    lib = _native.load("quant")
+    if lib is not None and not getattr(lib, "_typed", False):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.wq_linear.argtypes = [p, i64, i64, p, ctypes.c_int, p, i64, i64, p, p]
+        lib.wq_linear.restype = ctypes.c_int
+        lib._typed = True
+    return lib
 
 
 def channel_scales(qw: QuantizedWeight) -> torch.Tensor:
