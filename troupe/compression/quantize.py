@@ -1,8 +1,9 @@
 """Quantized replacements for nn.Linear and a function that swaps them into a model.
 
 Modes: "w8a8" (INT8 weights per output channel, token-wise INT8 activations, INT8 GEMM),
-"w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights, dequantized for an
-fp32 product), "fp32" (leave the layer alone).
+"w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights with fp32 activations;
+a native row-at-a-time loop for a few tokens, the dequantized weight's fp32 GEMM for more),
+"fp32" (leave the layer alone).
 
 LoRC (ZeroQuant-V2's low-rank compensation, ``lorc_rank`` > 0): the quantization error
 E = W - dq(q(W)) is approximated by its best rank-r factors U_r S_r V_r^T (truncated SVD), kept
