@@ -58,7 +58,8 @@ def test_sequences_joining_midway_match_decoding_alone(quant):
     reqs = {}
     for i in range(10):
         prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 20))]
-        reqs[f"r{i}"] = (rng.randrange(0, 12), prompt, SamplingParams(max_tokens=rng.randrange(1, 30)))
+        params = SamplingParams(max_tokens=rng.randrange(1, 30))
+        reqs[f"r{i}"] = (rng.randrange(0, 12), prompt, params)
     engine = ContinuousBatcher(model, EOS, max_batch=4)
     got = run(engine, reqs)
     for sid, (_, prompt, params) in reqs.items():
