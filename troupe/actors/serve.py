@@ -17,12 +17,10 @@ from typing import Any, AsyncIterator
 import torch
 
 from troupe import collectives
-from troupe.compression import quantize_model
 from troupe.config import validate
 from troupe.data import ByteTokenizer
 from troupe.serving import ContinuousBatcher, SamplingParams
-from troupe.serving.model import load_served_model, load_source, weight_bytes
-from troupe.training.export import expert_parallel_copy
+from troupe.serving.model import load_served_model, load_source, quantize_served, weight_bytes
 from troupe.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -35,6 +33,7 @@ from troupe.serving.protocol import (
     parse,
 )
 from troupe.serving.runner import AsyncBatcher
+from troupe.training.export import expert_parallel_copy
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -186,8 +185,7 @@ class ServeRank:
     def setup(self) -> dict[str, Any]:
         full = load_source(self.cfg.model)
         model = expert_parallel_copy(full, collectives.get_group("ep"))
-        modes = quantize_model(model, self.cfg.quantize, self.cfg.group_size) \
-            if self.cfg.quantize else {}
+        modes = quantize_served(model, self.cfg)
         self.batcher = ContinuousBatcher(model, ByteTokenizer.eos_id, self.cfg.limits.max_batch,
                                          lockstep=True)
         return {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),

@@ -82,8 +82,9 @@ def weight_only_linear(x_TI: torch.Tensor, qw: QuantizedWeight,
     (csrc/quant.c); otherwise, or without a C compiler, the weight is dequantized whole."""
     T = x_TI.shape[0]
     O, I = qw.shape
-    native = (T <= NATIVE_MAX_TOKENS and qw.axis == 1 and not x_TI.is_cuda and I % 8 == 0
-              and qw.group_size % 2 == 0)
+    native = (T <= NATIVE_MAX_TOKENS and qw.axis == 1 and I % 8 == 0 and qw.group_size % 2 == 0
+              and x_TI.device.type == qw.q.device.type == "cpu" and qw.q.is_contiguous()
+              and qw.scales.dtype == torch.float32 and qw.scales.is_contiguous())
     lib = _quant_lib() if native else None
     if lib is None:
         return F.linear(x_TI, dequantize_weight(qw), bias)

@@ -44,6 +44,13 @@ def read_module_file(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dict[str, Any]:
     """Load weights saved by save_module into ``module``; returns the file's meta."""
     meta, state = read_module_file(path)
+    load_state(module, state, path, strict)
+    return meta
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor], path: str | Path,
+               strict: bool = True) -> None:
+    """Copy ``state`` (read from ``path``, which errors name) into ``module``'s weights."""
     mine = module.state_dict()
     missing = [k for k in mine if k not in state]
     if strict and (missing or set(state) - set(mine)):
@@ -56,4 +63,3 @@ def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dic
                     raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model "
                                      f"{tuple(mine[k].shape)}")
                 mine[k].copy_(v)
-    return meta

@@ -1,14 +1,12 @@
-"""What every RLHF role shares: building its model, a data-parallel optimizer over its flat
-parameters, and saving / loading weights in troupe's wire format."""
+"""What every RLHF role shares: building its model and a data-parallel optimizer over its flat
+parameters (weights are saved and loaded with troupe.models.io)."""
 
 from __future__ import annotations
-
 
 import torch
 from torch import nn
 
 from troupe.collectives import Communicator
-from troupe.models.io import load_module, save_module  # noqa: F401 (the roles' import)
 from troupe.optim import FlatParams, Optimizer, OptimizerConfig, build_optimizer
 from troupe.rlhf.config import ModelConfig
 from troupe.rlhf.lm import GPTLM, HFLM, ByteTokens, CausalLM, HFTokens, Tokenizer
@@ -50,5 +48,3 @@ class Trainable:
         self.opt.step(lr)
         self.flat.zero_grad()
         return lr
-
-

@@ -15,12 +15,13 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model
+from troupe.models.io import load_module, save_module
+from troupe.models.lora import fuse_lora, inject_lora, unfuse_lora
 from troupe.rlhf import ppo
 from troupe.rlhf.batch import completions, prompts, response_mask
-from troupe.rlhf.common import Trainable, build_lm, load_module, save_module
+from troupe.rlhf.common import Trainable, build_lm
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.lm import ValueModel, token_logprobs
-from troupe.models.lora import fuse_lora, inject_lora, unfuse_lora
 
 
 class Policy:

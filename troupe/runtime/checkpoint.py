@@ -28,11 +28,11 @@ def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
     ckpt.write_manifest(staging, files, step=step,
                         roles={role.name: role.world_size for role in roles}, **meta)
     if directory.exists():  # the same step saved before (a run that went back to redo it)
-        old = directory.with_name(f".{directory.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
+        replaced = directory.with_name(f".{directory.name}.old")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(directory, replaced)
         os.replace(staging, directory)
-        shutil.rmtree(old)
+        shutil.rmtree(replaced)
     else:
         os.replace(staging, directory)
     done = sorted((d for d in Path(root).glob("step-*") if (d / ckpt.MANIFEST).is_file()),

@@ -280,7 +280,7 @@ def _describe(bundle_lists: list[list[dict[str, float]]]) -> str:
 def _describe_total() -> str:
     total = ray.cluster_resources()
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-    return (f"{nodes} node(s), CPU {total.get('CPU', 0):g}, GPU {total.get('GPU', 0):g}")
+    return f"{nodes} node(s), CPU {total.get('CPU', 0):g}, GPU {total.get('GPU', 0):g}"
 
 
 def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backend: str,

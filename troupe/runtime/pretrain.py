@@ -151,7 +151,7 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int, ckpt_root: Pa
 
 
 def _recover(graph: Graph, cfg: PretrainConfig, failures: list[dict], out: Path) -> int:
-    """Apply the failure policy to the newest of ``failures``: give up with a report, or bring
+    """For the run writing to ``out``: apply the failure policy to the newest of ``failures``: give up with a report, or bring
     every worker back (Ray restarts the lost ones), rebuild the groups, set the workers up and
     load the last complete checkpoint (none: the initial state). Returns the step to go on
     after."""
@@ -168,7 +168,7 @@ def _recover(graph: Graph, cfg: PretrainConfig, failures: list[dict], out: Path)
             role.wait_ready(T.placement_timeout_s)
         rewire(graph, generation=len(failures), timeout_s=T.placement_timeout_s)
         _setup(graph)
-        source = checkpoint.latest(Path(T.out_dir) / "checkpoints")
+        source = checkpoint.latest(out / "checkpoints")
         return checkpoint.restore(roles, source) if source is not None else 0
     except (WorkerDiedError, WorkerCallError) as e:  # a worker that cannot come back
         failures.append(failure_record(e, step=f["step"], during="recovery"))

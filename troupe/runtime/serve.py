@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections import Counter
 from typing import Any
 
 from troupe.actors.serve import ServeRank, ServeReplica
@@ -32,7 +33,6 @@ class ExpertParallelBatcher:
 
     def __init__(self, graph: Graph):
         self.graph, self.ranks = graph, graph["expert"]
-        self.load = [0] * self.ranks.world_size
         self.where: dict[str, int] = {}  # sequence -> rank
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._cancels: list[str] = []
@@ -56,22 +56,23 @@ class ExpertParallelBatcher:
         with self._lock:
             adds, self._adds = self._adds, []
             cancels, self._cancels = self._cancels, []
-        work: list[tuple[list, list]] = [([], []) for _ in self.load]
+        P = self.ranks.world_size
+        work: list[tuple[list, list]] = [([], []) for _ in range(P)]
+        load = Counter(self.where.values())
         for seq in adds:
-            r = min(range(len(self.load)), key=self.load.__getitem__)
+            r = min(range(P), key=load.__getitem__)
             self.where[seq[0]] = r
-            self.load[r] += 1
+            load[r] += 1
             work[r][0].append(seq)
         for seq_id in cancels:
             r = self.where.pop(seq_id, None)
             if r is not None:
-                self.load[r] -= 1
                 work[r][1].append(seq_id)
         events = [Event(**e) for rank_events in self.ranks.scatter("step", work)
                   for e in rank_events]
         for e in events:
-            if e.finish_reason is not None and e.seq_id in self.where:
-                self.load[self.where.pop(e.seq_id)] -= 1
+            if e.finish_reason is not None:
+                self.where.pop(e.seq_id, None)
         return events
 
 

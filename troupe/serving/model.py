@@ -11,7 +11,7 @@ import torch
 from troupe.compression import quantize_model
 from troupe.config import validate
 from troupe.models import GPT, GPTConfig
-from troupe.models.io import load_module, read_module_file, save_module
+from troupe.models.io import load_state, read_module_file, save_module
 from troupe.serving.protocol import ModelSource, ServeConfig
 from troupe.training import checkpoint as ckpt
 from troupe.training.export import load_full_model
@@ -26,11 +26,11 @@ def save_model(model: GPT, path: str | Path) -> Path:
 
 def load_model(path: str | Path) -> GPT:
     """Read a file written by ``save_model``; errors name the file and what is wrong."""
-    meta, _ = read_module_file(path)
+    meta, state = read_module_file(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"model file {path}: not a {FORMAT} file")
     model = GPT(validate(GPTConfig, json.loads(meta["config"]), f"{path}: config"))
-    load_module(path, model)
+    load_state(model, state, path)
     return model.eval()
 
 
@@ -70,8 +70,12 @@ def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
     each quantized Linear got. (MoE experts are stacked weights, not nn.Linear: they stay
     fp32.)"""
     model = load_source(cfg.model)
-    modes = quantize_model(model, cfg.quantize, cfg.group_size) if cfg.quantize else {}
-    return model, modes
+    return model, quantize_served(model, cfg)
+
+
+def quantize_served(model: GPT, cfg: ServeConfig) -> dict[str, str]:
+    """Quantize ``model`` in place per ``cfg.quantize`` ({}: fp32); returns the modes."""
+    return quantize_model(model, cfg.quantize, cfg.group_size) if cfg.quantize else {}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
