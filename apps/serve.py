@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import troupe  # noqa: E402
 from troupe.config import ConfigError, load_config  # noqa: E402
 from troupe.runtime import serve  # noqa: E402
+from troupe.serving.model import locate  # noqa: E402
 from troupe.serving.protocol import ServeConfig  # noqa: E402
 
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(ServeConfig, args.config, args.overrides)
+        locate(cfg.model)
     except (ConfigError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 2

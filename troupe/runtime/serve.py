@@ -19,6 +19,7 @@ from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.serving import Event, SamplingParams
+from troupe.serving.model import locate
 from troupe.serving.protocol import ServeConfig
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     their runtime environment."""
     from ray import serve
 
+    locate(cfg.model)  # a missing model fails here, not in a replica's traceback
     init()
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     options: dict = {"num_cpus": cfg.num_cpus}

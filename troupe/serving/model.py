@@ -47,15 +47,22 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
+def locate(src: ModelSource) -> Path:
+    """The model file or checkpoint directory ``src`` names; FileNotFoundError naming the
+    config key when there is none (checked on the driver before any replica starts)."""
+    if src.file is not None:
+        if not Path(src.file).is_file():
+            raise FileNotFoundError(f"model.file={src.file!r} does not exist; write one with "
+                                    "troupe.serving.model.save_model")
+        return Path(src.file)
+    return resolve_checkpoint(src.checkpoint)
+
+
 def load_source(src: ModelSource) -> GPT:
     """The fp32 model ``src`` names. MoE layers are rebuilt dropless: a served token's
     output must not depend on which other requests share its batch."""
-    if (src.checkpoint is None) == (src.file is None):
-        raise ValueError("model: give exactly one of model.checkpoint and model.file")
-    if src.file is not None:
-        model = load_model(src.file)
-    else:
-        model = load_full_model(resolve_checkpoint(src.checkpoint))
+    path = locate(src)
+    model = load_model(path) if src.file is not None else load_full_model(path)
     if model.cfg.moe is not None and not model.cfg.moe.dropless:
         cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(
             update={"dropless": True})})

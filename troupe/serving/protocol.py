@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from troupe.config import Config
 from troupe.serving.engine import SamplingParams
@@ -22,6 +23,12 @@ class ModelSource(Config):
     checkpoint: str | None = None
     file: str | None = None
     name: str = "troupe-gpt"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.checkpoint is None) == (self.file is None):
+            raise ValueError("give exactly one of checkpoint and file")
+        return self
 
 
 class Limits(Config):
@@ -42,7 +49,7 @@ class ServeConfig(Config):
     expert_parallel: for MoE models, spread each replica's experts over this many expert
     actors, which exchange tokens with all_to_all (1: the replica holds every expert)."""
 
-    model: ModelSource = ModelSource()
+    model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
     group_size: int = Field(default=64, ge=2)
     limits: Limits = Limits()
