@@ -9,6 +9,7 @@ from ray.util.state import list_actors
 
 from troupe import collectives
 from troupe.errors import CollectiveTimeoutError
+from tests.runtime.helpers import kill_worker
 from troupe.runtime import (
     ActorGraph,
     CallTimeoutError,
@@ -178,7 +179,7 @@ def test_gpu_request_on_cpu_cluster_times_out_with_typed_error(cluster):
 def test_killed_worker_gives_typed_error(cluster):
     graph = ActorGraph("victim").role("critic", Reference, 2, num_cpus=0.5).build(timeout_s=60)
     try:
-        ray.kill(graph["critic"].actors[1])
+        kill_worker(graph["critic"].actors[1], restart=False)
         with pytest.raises(WorkerDiedError) as e:
             graph["critic"].call("whoami")
         assert e.value.role == "critic" and e.value.rank == 1

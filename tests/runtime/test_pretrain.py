@@ -2,12 +2,10 @@
 sharded checkpoint reproduces an uninterrupted run exactly."""
 
 import json
-import os
-import time
 
 import pytest
-import ray
 
+from tests.runtime.helpers import kill_worker
 from troupe.errors import RunFailedError
 from troupe.runtime import checkpoint, pretrain
 from troupe.runtime.metrics import MetricsLog
@@ -122,21 +120,6 @@ def _train_key(records):
             if r["kind"] in ("train", "eval")]
 
 
-def _kill(graph, rank):
-    """Kill a trainer's process and return once it is gone (ray.kill itself is asynchronous:
-    the next step could otherwise still run on it)."""
-    pid = graph.info[rank]["pid"]
-    ray.kill(graph["trainer"].actors[rank], no_restart=False)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"trainer {rank} (pid {pid}) still runs 30 s after ray.kill")
-
-
 def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(cluster, tmp_path):
     """Rank 1 is killed before step 6: Ray restarts it, the groups (dp, and the expert
     groups) are rebuilt, every rank reloads step 4's checkpoint, and the logged losses are
@@ -149,7 +132,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(clus
         pids.setdefault(step, [i["pid"] for i in graph.info])
         if step == 6 and "killed" not in pids:
             pids["killed"] = True
-            _kill(graph, 1)
+            kill_worker(graph["trainer"].actors[1], restart=True)
 
     cfg = _cfg(tmp_path, "killed", train__max_restarts=1, **case)
     records = pretrain.run(cfg, resume=None, progress=False, on_step=kill_rank_1)
@@ -165,7 +148,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(clus
 def test_failures_beyond_max_restarts_stop_with_a_report(cluster, tmp_path):
     def kill(step, graph):
         if step == 3:
-            _kill(graph, 1)
+            kill_worker(graph["trainer"].actors[1], restart=True)
 
     cfg = _cfg(tmp_path, "fails", model__moe=None, train__max_restarts=0)
     with pytest.raises(RunFailedError) as e:

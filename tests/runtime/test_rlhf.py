@@ -4,8 +4,8 @@ worker killed during PPO coming back from its checkpoint (or, without restarts, 
 import json
 
 import pytest
-import ray
 
+from tests.runtime.helpers import kill_worker
 from troupe.errors import WorkerDiedError
 from troupe.rlhf.config import RLHFConfig
 from troupe.runtime import rlhf
@@ -44,7 +44,7 @@ def test_three_steps_end_to_end(cluster, tmp_path):
 def _kill_critic_rank1(at: int):
     def hook(it, graph):
         if it == at:
-            ray.kill(graph["critic"].actors[1], no_restart=False)
+            kill_worker(graph["critic"].actors[1], restart=True)
     return hook
 
 

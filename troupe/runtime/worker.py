@@ -9,6 +9,7 @@ driver's call timeouts, and a collective that timed out inside a worker, which a
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import traceback
@@ -50,8 +51,10 @@ class RoleWorker:
             self.in_flight = None
 
     def ready(self) -> dict[str, Any]:
-        """The worker's context and the resources Ray assigned it (bundle names included)."""
+        """The worker's context, process and the resources Ray assigned it (bundle names
+        included)."""
         return {"node_id": self.context.node_id, "node_ip": self.context.node_ip,
+                "pid": os.getpid(),
                 "gpu_ids": list(self.context.gpu_ids),
                 "resources": ray.get_runtime_context().get_assigned_resources()}
 
