@@ -4,7 +4,6 @@ away after the graph is shut down and the idle timeout passes."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_job_submit import RAY, free_port
+from tests.runtime.helpers import RAY, free_port, stop_head
 
 pytestmark = [pytest.mark.own_cluster, pytest.mark.slow]
 
@@ -113,5 +112,4 @@ def test_graph_grows_the_cluster_and_idle_nodes_go(tmp_path):
         assert after["nodes"] == 1
         assert "waiting for 2 x {CPU: 1, GPU: 1} (roles [['trainer']])" in out.stderr
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=60)
+        stop_head(head)

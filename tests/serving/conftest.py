@@ -1,6 +1,6 @@
 import pytest
 
-from tests.runtime.test_job_submit import free_port
+from tests.runtime.helpers import free_port
 
 
 @pytest.fixture(scope="session")

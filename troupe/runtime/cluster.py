@@ -1,8 +1,9 @@
 """troupe.init: join the cluster named by an address or RAY_ADDRESS, or start an embedded one.
 
 The embedded cluster listens on 127.0.0.1 only (dashboard included) and runs with Ray's token
-authentication on. Joining a cluster started with ``ray start`` uses the token that Ray's client
-finds: ``RAY_AUTH_TOKEN``, the file named by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``.
+authentication on. Joining a cluster started with ``ray start`` first asks the cluster whether it
+wants a token, and then uses the token that Ray's client finds: ``RAY_AUTH_TOKEN``, the file named
+by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,72 @@ def _token_available() -> bool:
     return Path(path).is_file()
 
 
+def _cluster_auth_mode(address: str) -> str | None:
+    """"token" or "disabled": whether the cluster at ``address`` asks its callers for a token.
+
+    One unauthenticated call to the GCS tells. None when it cannot be told: a ``ray://`` client
+    address, a GCS that does not answer (or speaks TLS), a Ray without these modules.
+    """
+    if address.startswith("ray://"):
+        return None
+    try:
+        import grpc
+        from ray._private.services import canonicalize_bootstrap_address
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+        gcs = canonicalize_bootstrap_address(address)
+    except Exception:  # an address Ray resolves differently, or no cluster recorded for "auto"
+        return None
+    if gcs is None:
+        return None
+    with grpc.insecure_channel(gcs) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return "token" if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    return "disabled"
+
+
+def _match_cluster_auth(address: str) -> str:
+    """Set this driver's token authentication to the cluster's and return the mode.
+
+    Both sides must agree: a driver without a token is refused by a cluster that wants one, and a
+    driver in token mode on a cluster without it sees its actors die before they start (the
+    cluster's calls back to the driver carry no token). Ray turns token mode on by itself only
+    for ``address="auto"``; here it follows the cluster, and says clearly when the token is
+    missing or RAY_AUTH_MODE contradicts the cluster.
+    """
+    cluster = _cluster_auth_mode(address)
+    here = os.environ.get(AUTH_MODE_ENV)
+    if cluster is None:  # cannot tell: use the token if there is one
+        if here is None and _token_available():
+            _enable_token_auth()
+        return os.environ.get(AUTH_MODE_ENV, "disabled")
+    if cluster == "token":
+        if here is not None and here.lower() != "token":
+            raise ClusterConnectionError(
+                f"the Ray cluster at {address!r} requires a token, but {AUTH_MODE_ENV}={here} "
+                f"here: set {AUTH_MODE_ENV}=token (or unset it).")
+        if not _token_available():
+            raise ClusterConnectionError(
+                f"the Ray cluster at {address!r} requires a token and this machine has none: copy "
+                "the head node's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN_PATH to its copy "
+                "(or RAY_AUTH_TOKEN to its text).")
+        if here is None:
+            _enable_token_auth()
+        return "token"
+    if here is not None and here.lower() == "token":
+        raise ClusterConnectionError(
+            f"the Ray cluster at {address!r} runs without token authentication, but "
+            f"{AUTH_MODE_ENV}=token here: its actors would die before they start. Start the "
+            f"cluster with token authentication (`ray start` does so by default), or unset "
+            f"{AUTH_MODE_ENV} to join it as it is.")
+    log.warning("the Ray cluster at %r runs without token authentication: anyone who reaches "
+                "its ports can run code on it", address)
+    return "disabled"
+
+
 def _enable_token_auth() -> None:
     """Turn token auth on in this process; Ray reads RAY_AUTH_MODE once, so it must re-read it."""
     try:
@@ -64,12 +131,13 @@ def _info(embedded: bool) -> ClusterInfo:
         num_gpus=total.get("GPU", 0.0),
         resources=dict(total),
         dashboard_url=_dashboard_url,
-        auth_mode=os.environ.get(AUTH_MODE_ENV, "token"),
+        auth_mode=_auth_mode,
     )
 
 
 _embedded = False
 _dashboard_url: str | None = None
+_auth_mode = "token"
 
 
 def init(address: str | None = None, *, num_cpus: float | None = None,
@@ -84,13 +152,12 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
         namespace: Ray namespace for named actors.
         ray_kwargs: passed to ``ray.init`` as they are.
     """
-    global _embedded, _dashboard_url
+    global _embedded, _dashboard_url, _auth_mode
     if ray.is_initialized():
         return _info(_embedded)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        if AUTH_MODE_ENV not in os.environ and _token_available():
-            _enable_token_auth()  # Ray itself does so only for address "auto"
+        _auth_mode = _match_cluster_auth(address)
         try:
             ctx = ray.init(address=address, namespace=namespace, **ray_kwargs)
         except Exception as e:
@@ -111,6 +178,7 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
                     AUTH_MODE_ENV, os.environ[AUTH_MODE_ENV])
     # With RAY_AUTH_MODE unset, Ray (>= 2.5x) turns token auth on for a new local cluster and
     # creates ~/.ray/auth_token if needed; the setting is inherited by every worker it starts.
+    _auth_mode = os.environ.get(AUTH_MODE_ENV, "token").lower()
     ctx = ray.init(
         address="local",  # a new cluster, never one that `ray start` left on this machine
         num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
