@@ -2,11 +2,12 @@
 
     python apps/rlhf.py                                  # steps 1-3 on the bundled sorting task
     python apps/rlhf.py --step ppo                       # one step, using earlier outputs
+    python apps/rlhf.py --step ppo --resume              # PPO from its latest checkpoint
     python apps/rlhf.py --config apps/configs/rlhf-sort.yaml data.path=my_pairs.jsonl
 
 Step 1 fine-tunes the policy on demonstrations, step 2 trains a pairwise reward model, step 3
 runs PPO against it with a KL penalty to the SFT policy. Outputs in <out_dir>: metrics.jsonl,
-rlhf.png, summary.json, sft/, reward/, ppo/iter-N/ weights.
+rlhf.png, summary.json, sft/, reward/, ppo/iter-N/ weights, ppo/checkpoints/ (full PPO state).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="apps/configs/rlhf-sort.yaml", help="YAML recipe")
     p.add_argument("--step", choices=rlhf.STEPS, action="append",
                    help="run only this step (repeatable); default: all three in order")
+    p.add_argument("--resume", action="store_true",
+                   help="continue PPO from the latest checkpoint in <out_dir>/ppo/checkpoints")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.iterations=50")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     troupe.init()
     steps = tuple(s for s in rlhf.STEPS if s in (args.step or rlhf.STEPS))
-    summary = rlhf.run(cfg, steps)
+    summary = rlhf.run(cfg, steps, resume=args.resume)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -92,6 +92,6 @@ def eventually(condition: Callable[[], bool], what: str, timeout_s: float = 15) 
 
 
 def live_placement_groups(name: str) -> list[dict]:
-    """Placement groups called ``name`` that Ray has not removed."""
+    """Placement groups of ``name`` (graph/role) that Ray has not removed."""
     return [pg for pg in ray.util.placement_group_table().values()
-            if pg["name"] == name and pg["state"] != "REMOVED"]
+            if pg["name"].split("@")[0] == name and pg["state"] != "REMOVED"]

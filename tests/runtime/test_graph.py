@@ -174,6 +174,20 @@ def test_gpu_request_on_cpu_cluster_times_out_with_typed_error(cluster):
     eventually(lambda: not live_placement_groups("wants-gpu/trainer"), "placement group wants-gpu/trainer removed")
 
 
+def test_two_graphs_of_one_name_coexist(cluster):
+    # as two jobs running the same app on one cluster do (placement-group names must differ)
+    first = ActorGraph("twin").role("critic", Reference, 1, num_cpus=0.5).build(timeout_s=60)
+    try:
+        second = ActorGraph("twin").role("critic", Reference, 1, num_cpus=0.5).build(timeout_s=60)
+        try:
+            pids = [g["critic"].call("whoami")[0]["pid"] for g in (first, second)]
+            assert pids[0] != pids[1] and len(live_placement_groups("twin/critic")) == 2
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+
+
 def test_killed_worker_gives_typed_error(cluster):
     graph = ActorGraph("victim").role("critic", Reference, 2, num_cpus=0.5).build(timeout_s=60)
     try:

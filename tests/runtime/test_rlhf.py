@@ -1,12 +1,17 @@
-"""The RLHF pipeline on the graph: all three steps with two workers per role, and a critic
-worker killed during PPO coming back from its checkpoint (or, without restarts, failing by name)."""
+"""The RLHF pipeline on the graph: all three steps with two workers per role; a policy worker
+killed during PPO, or the driver interrupted, going on from the last PPO checkpoint exactly as the
+uninterrupted run (or, without restarts, failing by name)."""
 
 import json
+from pathlib import Path
 
 import pytest
+import ray
+import torch
 
 from tests.runtime.helpers import kill_worker
 from troupe.errors import WorkerDiedError
+from troupe.models.io import read_module_file
 from troupe.rlhf.config import RLHFConfig
 from troupe.runtime import rlhf
 
@@ -41,28 +46,101 @@ def test_three_steps_end_to_end(cluster, tmp_path):
     assert "after" in again["ppo"]
 
 
-def _kill_critic_rank1(at: int):
+def _once(at: int, action):
+    """An on_iteration hook doing ``action(graph)`` before iteration ``at``, the first time only
+    (a recovered run calls the hook again for the iterations it redoes)."""
+    fired = []
+
     def hook(it, graph):
-        if it == at:
-            kill_worker(graph["critic"].actors[1], restart=True)
+        if it == at and not fired:
+            fired.append(it)
+            action(graph)
     return hook
 
 
-def test_killed_critic_restarts_from_checkpoint(cluster, tmp_path):
-    cfg = _cfg(tmp_path, "restart")
+def _kill_rank1(role: str):
+    return lambda graph: kill_worker(graph[role].actors[1], restart=True)
+
+
+class Interrupted(Exception):
+    """The driver stopping (Ctrl-C, a lost head node) in the middle of PPO."""
+
+
+def _interrupt(graph):
+    raise Interrupted
+
+
+@pytest.fixture(scope="module")
+def trained(cluster, tmp_path_factory):
+    """Steps 1 and 2 done once; a graph with restarts allowed; the uninterrupted PPO run."""
+    cfg = _cfg(tmp_path_factory.mktemp("ppo"), "base")
     rlhf.run(cfg, ("sft", "reward"))
     graph = rlhf.build_graph(cfg)
     try:
-        data = rlhf.prepare_data(cfg)
-        log = rlhf.MetricsLog(tmp_path / "restart" / "m.jsonl")
-        out = tmp_path / "restart"
-        res = rlhf.run_ppo(graph, cfg, data, log, out, out / "sft" / "policy.trp",
-                           out / "reward" / "reward.trp", on_iteration=_kill_critic_rank1(2))
+        _, full = _ppo(graph, cfg, Path(cfg.out_dir) / "full")
+        yield cfg, graph, full
     finally:
         graph.shutdown()
+
+
+def _ppo(graph, cfg, out, hook=None, resume=False):
+    """PPO from step 1's and 2's weights into ``out``, with every role built afresh first (as
+    in a new graph); returns the run's result and its records, one per (kind, step): the last,
+    which for a redone iteration is the redo, without the timings."""
+    for role in rlhf.ROLES:
+        graph[role].call("setup")
+    base, log = Path(cfg.out_dir), rlhf.MetricsLog(out / "metrics.jsonl")
+    try:
+        res = rlhf.run_ppo(graph, cfg, rlhf.prepare_data(cfg), log, out,
+                           base / "sft" / "policy.trp", base / "reward" / "reward.trp",
+                           on_iteration=hook, resume=resume)
+    except Interrupted:
+        res = None
+    final = {}
+    for r in log.records():
+        if r["kind"] in ("ppo", "ppo_eval"):
+            final[(r["kind"], r["step"])] = {k: v for k, v in r.items() if not k.endswith("_s")}
+    return res, final
+
+
+def _pids(group):
+    return [ray.get(a.ready.remote())["pid"] for a in group.actors]
+
+
+def test_killed_policy_rank_recovers_and_repeats_the_uninterrupted_run(trained):
+    cfg, graph, full = trained
+    out = Path(cfg.out_dir) / "killed"
+    before = _pids(graph["policy"])
+    res, got = _ppo(graph, cfg, out, _once(3, _kill_rank1("policy")))
     assert res["restarts"] == 1
-    rec = [r for r in log.records() if r["kind"] == "recovery"]
-    assert rec and rec[0]["role"] == "critic"
+    after = _pids(graph["policy"])
+    assert after[0] == before[0] and after[1] != before[1]  # rank 1 is a new process
+    [rec] = [r for r in rlhf.MetricsLog(out / "metrics.jsonl").records()
+             if r["kind"] == "recovery"]
+    assert (rec["role"], rec["rank"], rec["step"], rec["failed_step"]) == ("policy", 1, 2, 3)
+    assert got == full  # every PPO and evaluation record, exactly
+    assert sorted(k[1] for k in got if k[0] == "ppo") == [1, 2, 3]
+    _assert_same_weights(out, Path(cfg.out_dir) / "full")
+
+
+def test_interrupted_ppo_resumes_from_its_checkpoint(trained):
+    cfg, graph, full = trained
+    out = Path(cfg.out_dir) / "interrupted"
+    res, _ = _ppo(graph, cfg, out, _once(3, _interrupt))
+    assert res is None and rlhf.checkpoint.latest(out / "ppo" / "checkpoints").name == \
+        "step-00000002"
+    res, got = _ppo(graph, cfg, out, resume=True)
+    assert got == full and res["restarts"] == 0
+    _assert_same_weights(out, Path(cfg.out_dir) / "full")
+
+
+def _assert_same_weights(out, reference):
+    """The final policy and critic weights of two runs are bit for bit the same."""
+    for name in ("policy", "critic"):
+        _, mine = read_module_file(out / "ppo" / "iter-00003" / f"{name}.trp")
+        _, theirs = read_module_file(reference / "ppo" / "iter-00003" / f"{name}.trp")
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), name
 
 
 def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
@@ -74,7 +152,8 @@ def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
         with pytest.raises(WorkerDiedError, match="critic") as err:
             rlhf.run_ppo(graph, cfg, rlhf.prepare_data(cfg),
                          rlhf.MetricsLog(out / "m.jsonl"), out, out / "sft" / "policy.trp",
-                         out / "reward" / "reward.trp", on_iteration=_kill_critic_rank1(2))
+                         out / "reward" / "reward.trp",
+                         on_iteration=_once(2, _kill_rank1("critic")))
     finally:
         graph.shutdown()
     assert err.value.role == "critic"

@@ -10,11 +10,23 @@ from troupe.config import validate
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
 from troupe.runtime.context import get_context
+from troupe.training import checkpoint as ckpt
 
 
 def _config(config: dict | RLHFConfig) -> RLHFConfig:
     return config if isinstance(config, RLHFConfig) else validate(RLHFConfig, config,
                                                                   "rlhf config")
+
+
+def _save_state(role: Policy | Critic, name: str, directory: str) -> dict:
+    """Write this rank's PPO state as <directory>/<name>-RRRRR.trp; its manifest entry."""
+    return ckpt.write_rank(directory, get_context().rank, role.state_dict(), prefix=name)
+
+
+def _load_state(role: Policy | Critic, name: str, directory: str) -> None:
+    rank = get_context().rank
+    state = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory), prefix=name)
+    role.load_state_dict(state, str(ckpt.rank_file(directory, rank, name)))
 
 
 class PolicyActor:
@@ -48,6 +60,12 @@ class PolicyActor:
 
     def load(self, path: str) -> None:
         self.role.load(path)
+
+    def save_state(self, directory: str) -> dict:
+        return _save_state(self.role, "policy", directory)
+
+    def load_state(self, directory: str) -> None:
+        _load_state(self.role, "policy", directory)
 
 
 class ReferenceActor:
@@ -113,3 +131,9 @@ class CriticActor:
 
     def load(self, path: str) -> None:
         self.role.load(path)
+
+    def save_state(self, directory: str) -> dict:
+        return _save_state(self.role, "critic", directory)
+
+    def load_state(self, directory: str) -> None:
+        _load_state(self.role, "critic", directory)

@@ -41,6 +41,23 @@ class Trainable:
         self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
         self.opt = build_optimizer(cfg, self.flat, self.group)
 
+    def state_dict(self) -> dict:
+        """The trainable weights (every data-parallel rank holds them all) and this rank's
+        optimizer state."""
+        assert self.opt is not None, "use_optimizer() first"
+        return {"params": self.flat.data.clone(), "optimizer": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        assert self.opt is not None, "use_optimizer() first"
+        if state["params"].shape != self.flat.data.shape:
+            raise ValueError(f"{where}: {state['params'].numel()} trainable parameters saved, "
+                             f"this model has {self.flat.data.numel()}: another model or layout")
+        try:
+            self.opt.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        self.flat.data.copy_(state["params"])
+
     def step(self, loss: torch.Tensor, step: int) -> float:
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
         loss.backward()

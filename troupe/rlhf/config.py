@@ -93,8 +93,8 @@ class PPOConfig(Config):
 class RLHFConfig(Config):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). workers: data-parallel workers per role;
     colocate: the four roles share the policy's bundles (else each role is placed on its own);
-    max_restarts: how often the reference, reward and critic roles may be restarted during PPO
-    (from their last checkpoint) before the run fails."""
+    max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
+    every role goes back to the last PPO checkpoint) before the run fails."""
 
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()

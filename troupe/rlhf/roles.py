@@ -113,6 +113,21 @@ class Policy:
         save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
         return path
 
+    def state_dict(self) -> dict:
+        """What PPO needs to go on exactly from here (after ``begin_ppo``): trainable weights,
+        this rank's optimizer state, the EMA weights and the torch RNG."""
+        ema = None if self.ema is None else {k: v.clone() for k, v in self.ema.state_dict().items()}
+        return {"train": self.train.state_dict(), "ema": ema, "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.train.load_state_dict(state["train"], where)
+        if (self.ema is None) != (state["ema"] is None):
+            raise ValueError(f"{where}: saved {'with' if state['ema'] is not None else 'without'}"
+                             f" EMA weights, but ppo.ema={self.ema is not None}")
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        torch.set_rng_state(state["torch_rng"])
+
     def load(self, path: str) -> None:
         load_module(path, self.lm)
 
@@ -216,6 +231,14 @@ class Critic:
     def save(self, path: str) -> str:
         save_module(path, self.model, kind="critic")
         return path
+
+    def state_dict(self) -> dict:
+        """Weights, this rank's optimizer state and the torch RNG (after ``begin_ppo``)."""
+        return {"train": self.train.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        self.train.load_state_dict(state["train"], where)
+        torch.set_rng_state(state["torch_rng"])
 
     def load(self, path: str) -> None:
         load_module(path, self.model)

@@ -16,15 +16,15 @@ from troupe.training import checkpoint as ckpt
 
 
 def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
-         **meta: Any) -> Path:
-    """Checkpoint ``roles`` (whose workers implement ``save(directory)``) as
-    root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
+         method: str = "save", **meta: Any) -> Path:
+    """Checkpoint ``roles`` (whose workers implement ``method(directory)``, returning their
+    manifest entry) as root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
     directory = Path(root) / f"step-{step:08d}"
     staging = Path(root) / f".step-{step:08d}.partial"
     if staging.exists():
         shutil.rmtree(staging)
-    refs = [(role, role.call_async("save", str(staging))) for role in roles]
-    files = [entry for role, r in refs for entry in role.get(r, "save")]
+    refs = [(role, role.call_async(method, str(staging))) for role in roles]
+    files = [entry for role, r in refs for entry in role.get(r, method)]
     ckpt.write_manifest(staging, files, step=step,
                         roles={role.name: role.world_size for role in roles}, **meta)
     if directory.exists():  # the same step saved before (a run that went back to redo it)
@@ -42,8 +42,8 @@ def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
     return directory
 
 
-def restore(roles: list[RoleGroup], directory: str | Path) -> int:
-    """Load a checkpoint into ``roles`` (workers implement ``load(directory)``, all called at
+def restore(roles: list[RoleGroup], directory: str | Path, method: str = "load") -> int:
+    """Load a checkpoint into ``roles`` (workers implement ``method(directory)``, all called at
     once, since loading may exchange tensors between roles); returns the step."""
     manifest = ckpt.read_manifest(directory)
     saved = manifest.get("roles", {})
@@ -51,9 +51,9 @@ def restore(roles: list[RoleGroup], directory: str | Path) -> int:
         if saved.get(role.name) != role.world_size:
             raise ValueError(f"checkpoint {directory} holds {saved.get(role.name, 0)} ranks of "
                              f"role {role.name!r}; the graph has {role.world_size}")
-    refs = [(role, role.call_async("load", str(directory))) for role in roles]
+    refs = [(role, role.call_async(method, str(directory))) for role in roles]
     for role, r in refs:
-        role.get(r, "load")
+        role.get(r, method)
     return manifest["step"]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any, Literal
 
 import ray
@@ -210,8 +211,10 @@ class ActorGraph:
                 bundle[k] = bundle.get(k, 0.0) + v
         bundle = {k: v for k, v in bundle.items() if v > 0}
         spec = self.roles[root]
+        # names are unique in a namespace: two graphs of one name (two jobs running the same
+        # app on one cluster) each get their own
         return ray.util.placement_group([dict(bundle)] * spec.num_workers, strategy=spec.strategy,
-                                        name=f"{self.name}/{root}")
+                                        name=f"{self.name}/{root}@{uuid.uuid4().hex[:8]}")
 
     def _wait_placed(self, pgs: dict, placed: dict[str, list[str]], timeout_s: float,
                      deadline: float) -> None:

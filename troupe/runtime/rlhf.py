@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.rlhf import ppo
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
+from troupe.training.checkpoint import read_manifest
+from troupe.runtime import checkpoint
 from troupe.runtime.graph import ActorGraph, rewire
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -60,12 +63,13 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
     """The four roles, ``cfg.workers`` each; colocated on the policy's bundles unless
     ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
     g, W, conf = ActorGraph("rlhf"), cfg.workers, cfg.model_dump()
-    g.role("policy", PolicyActor, W, num_cpus=cfg.num_cpus, config=conf)
+    g.role("policy", PolicyActor, W, num_cpus=cfg.num_cpus, config=conf,
+           max_restarts=cfg.max_restarts)
     for name, cls in (("reference", ReferenceActor), ("reward", RewardActor),
                       ("critic", CriticActor)):
         g.role(name, cls, W, num_cpus=cfg.num_cpus, config=conf,
                colocate_with="policy" if cfg.colocate else None,
-               max_restarts=cfg.max_restarts if name in RESTARTABLE else 0)
+               max_restarts=cfg.max_restarts)
     if W > 1:
         for name in ("policy", "reward", "critic"):
             g.collective(name, [name])
@@ -182,60 +186,103 @@ def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int,
     return rec
 
 
-RESTARTABLE = ("reference", "reward", "critic")
+ROLES = ("policy", "reference", "reward", "critic")
+TRAINED = ("policy", "critic")  # the roles whose PPO state checkpoints hold
 
 
-def recover(graph: Graph, role: str, method: str, path: Path, generation: int,
-            timeout_s: float = 300.0) -> None:
-    """Bring ``role`` back after one of its workers died and Ray restarted it: wait until every
-    worker answers, rebuild the role's group (a new generation), set the workers up again and
-    reload their weights with ``method(path)``. A worker that cannot come back (restarts used
-    up) raises WorkerDiedError naming the role, rank and cause."""
-    group = graph[role]
-    group.wait_ready(timeout_s)
-    rewire(graph, generation, timeout_s, roles={role})
-    group.call("setup")
-    group.call(method, str(path))
+def recover(graph: Graph, generation: int, timeout_s: float = 300.0) -> None:
+    """Bring the graph back after a worker died and Ray restarted it: wait until every worker
+    answers, rebuild every group under a new generation and build each role afresh (``setup``).
+    The caller then puts the roles back at a checkpoint. A worker that cannot come back
+    (restarts used up) raises WorkerDiedError naming the role, rank and cause."""
+    for role in ROLES:
+        graph[role].wait_ready(timeout_s)
+    rewire(graph, generation, timeout_s)
+    for role in ROLES:
+        graph[role].call("setup")
 
 
 def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
-            sft_path: Path, reward_path: Path, on_iteration: Callable | None = None) -> dict:
+            sft_path: Path, reward_path: Path, on_iteration: Callable | None = None,
+            resume: bool = False) -> dict:
+    """PPO for ``cfg.ppo.iterations`` iterations. Every ``checkpoint_every`` iterations the
+    policy's and critic's full state (weights, optimizer shards, EMA, RNGs; the driver's
+    sampling RNG in the manifest) goes to out/ppo/checkpoints/step-N, and the weights to
+    out/ppo/iter-N/. When a worker of any role dies (or a call fails), Ray restarts it, the
+    graph is rewired and every role goes back to the last checkpoint, up to ``cfg.max_restarts``
+    times; the iterations after it are redone exactly. ``resume`` starts from the latest
+    checkpoint that an earlier run left in ``out``. ``on_iteration(it, graph)`` is called
+    before each iteration (again when one is redone)."""
     p = cfg.ppo
-    policy, critic = graph["policy"], graph["critic"]
+    root = out / "ppo" / "checkpoints"
+    if not resume and root.exists():  # a fresh run must never go back to an older run's state
+        shutil.rmtree(root)
     start = {"policy": ("begin_ppo", sft_path), "reference": ("load", sft_path),
              "reward": ("load", reward_path), "critic": ("begin_ppo", reward_path)}
-    for role, (method, path) in start.items():
-        graph[role].call(method, str(path))
-    restore = {role: start[role] for role in RESTARTABLE}  # the critic's moves with checkpoints
-    before = evaluate_policy(graph, data, cfg.seed + 99)
-    log.write({"kind": "ppo_eval", "step": 0, **before})
-    rng, restarts = random.Random(cfg.seed + 30), 0
-    for it in tqdm(range(1, p.iterations + 1), desc="step 3: PPO"):
-        if on_iteration is not None:
-            on_iteration(it, graph)
-        while True:
-            try:
-                rec = ppo_iteration(graph, cfg, data, it, rng)
-                break
-            except (WorkerDiedError, WorkerCallError) as e:
-                if e.role not in RESTARTABLE or restarts >= cfg.max_restarts:
-                    _raise_death(graph, e.role)  # the dead worker, rather than its peer's error
-                    raise
-                restarts += 1
-                log.write({"kind": "recovery", "step": it, "role": e.role, "rank": e.rank,
-                           "error": str(e).splitlines()[0]})
-                recover(graph, e.role, *restore[e.role], generation=restarts)
-        log.write(rec)
-        if it % p.eval_every == 0 or it == p.iterations:
-            log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99)})
-        if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
-            d = out / "ppo" / f"iter-{it:05d}"
-            policy.call_rank(0, "save", str(d / "policy.trp"))
-            critic.call_rank(0, "save", str(d / "critic.trp"))
-            (d / "state.json").write_text(json.dumps({"iteration": it}))
-            restore["critic"] = ("begin_ppo", d / "critic.trp")
+
+    def restore() -> tuple[int, random.Random, dict | None]:
+        """Every role at the start of PPO, then the trained ones at the latest checkpoint (if
+        any); returns the iteration it was taken after, the driver's RNG and the evaluation
+        before PPO."""
+        refs = [(graph[r], graph[r].call_async(m, str(path))) for r, (m, path) in start.items()]
+        for group, r in refs:
+            group.get(r, "begin")
+        rng = random.Random(cfg.seed + 30)
+        source = checkpoint.latest(root)
+        if source is None:
+            return 0, rng, None
+        done = checkpoint.restore([graph[r] for r in TRAINED], source, method="load_state")
+        meta = read_manifest(source)
+        version, state, gauss = meta["rng"]
+        rng.setstate((version, tuple(state), gauss))
+        return done, rng, meta["before"]
+
+    it, rng, before = restore()
+    if before is None:
+        before = evaluate_policy(graph, data, cfg.seed + 99)
+        log.write({"kind": "ppo_eval", "step": 0, **before})
+    restarts = 0
+    bar = tqdm(total=p.iterations, initial=it, desc="step 3: PPO")
+    while it < p.iterations:
+        try:
+            if on_iteration is not None:
+                on_iteration(it + 1, graph)
+            rec = ppo_iteration(graph, cfg, data, it + 1, rng)
+            log.write(rec)
+            it += 1
+            if it % p.eval_every == 0 or it == p.iterations:
+                log.write({"kind": "ppo_eval", "step": it,
+                           **evaluate_policy(graph, data, cfg.seed + 99)})
+            if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
+                _checkpoint(graph, root, out, it, rng, before)
+            bar.update(1)
+        except (WorkerDiedError, WorkerCallError) as e:
+            if restarts >= cfg.max_restarts:
+                _raise_death(graph, e.role)  # the dead worker, rather than its peer's error
+                raise
+            restarts += 1
+            failed = it + 1
+            recover(graph, generation=restarts)
+            it, rng, _ = restore()
+            log.write({"kind": "recovery", "step": it, "failed_step": failed, "role": e.role,
+                       "rank": e.rank, "node_id": e.node_id, "error": str(e).splitlines()[0]})
+            bar.reset(total=p.iterations)
+            bar.update(it)
+    bar.close()
     after = evaluate_policy(graph, data, cfg.seed + 99)
     return {"before": before, "after": after, "restarts": restarts}
+
+
+def _checkpoint(graph: Graph, root: Path, out: Path, it: int, rng: random.Random,
+                before: dict) -> None:
+    """The policy's and critic's full state (atomically, the newest two kept), and their
+    weights as out/ppo/iter-N/{policy,critic}.trp."""
+    checkpoint.save([graph[r] for r in TRAINED], root, it, method="save_state",
+                    rng=list(rng.getstate()), before=before)
+    d = out / "ppo" / f"iter-{it:05d}"
+    graph["policy"].call_rank(0, "save", str(d / "policy.trp"))
+    graph["critic"].call_rank(0, "save", str(d / "critic.trp"))
+    (d / "state.json").write_text(json.dumps({"iteration": it}))
 
 
 def _raise_death(graph: Graph, role: str) -> None:
@@ -247,9 +294,10 @@ def _mean(stats: list[dict], key: str) -> float:
     return sum(s[key] for s in stats) / len(stats)
 
 
-def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> dict:
+def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -> dict:
     """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order) and return a summary;
-    a later step alone uses the weights an earlier run left in ``out_dir``."""
+    a later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
+    continues PPO from its latest checkpoint there."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
@@ -266,7 +314,8 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> dict:
             run_reward(graph, cfg, data, log, out)
             summary["reward_accuracy"] = log.records()[-1]["accuracy"]
         if "ppo" in steps:
-            summary["ppo"] = run_ppo(graph, cfg, data, log, out, sft_path, reward_path)
+            summary["ppo"] = run_ppo(graph, cfg, data, log, out, sft_path, reward_path,
+                                     resume=resume)
     finally:
         graph.shutdown()
     plot(log.records(), out / "rlhf.png")
