@@ -24,7 +24,8 @@ def moe_app(cluster, serve_port, tmp_path_factory):
                       group_size=16, port=serve_port, expert_parallel=2, num_cpus=0.5,
                       api_key_env="TROUPE_TEST_NO_KEY")
     url = serve.deploy(cfg)
-    model, _ = load_served_model(cfg)
+    model, modes = load_served_model(cfg)
+    assert sum(name.endswith(".experts") for name in modes) == 2  # experts quantized too
     yield {"client": openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
                                    timeout=120), "model": model, "url": url}
     serve.shutdown()

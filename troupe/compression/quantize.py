@@ -3,7 +3,8 @@
 Modes: "w8a8" (INT8 weights per output channel, token-wise INT8 activations, INT8 GEMM),
 "w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights with fp32 activations;
 a native row-at-a-time loop for a few tokens, the dequantized weight's fp32 GEMM for more),
-"fp32" (leave the layer alone).
+"fp32" (leave the layer alone). MoE experts (stacked weights) are quantized expert by expert,
+each expert's two matrices like Linears (QuantizedExperts).
 
 LoRC (ZeroQuant-V2's low-rank compensation, ``lorc_rank`` > 0): the quantization error
 E = W - dq(q(W)) is approximated by its best rank-r factors U_r S_r V_r^T (truncated SVD), kept
@@ -22,6 +23,8 @@ from torch import nn
 
 from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
                                   quantize_weight, weight_only_linear)
+from troupe.models.moe.experts import Experts
+from troupe.models.moe.gate import TopKGate
 
 MODES = ("fp32", "w8a8", "w8a16", "w4a16")
 
@@ -78,6 +81,30 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
+class QuantizedExperts(nn.Module):
+    """A layer's local MoE experts with integer weights: expert e's up and down projections
+    become QuantizedLinears (each quantized on its own, so any expert-parallel split of the
+    layer holds the same integer weights)."""
+
+    def __init__(self, experts: Experts, mode: str, group_size: int = 64, lorc_rank: int = 0):
+        super().__init__()
+        self.num_local, self.first, self.mode = experts.num_local, experts.first, mode
+
+        def linear(w_IO: torch.Tensor, b_O: torch.Tensor) -> QuantizedLinear:
+            lin = nn.Linear(*w_IO.shape, device="meta")  # the expert computes x @ w + b
+            lin.weight = nn.Parameter(w_IO.detach().t(), requires_grad=False)
+            lin.bias = nn.Parameter(b_O.detach(), requires_grad=False)
+            return QuantizedLinear(lin, mode, group_size, lorc_rank)
+
+        self.up = nn.ModuleList(linear(experts.w1[e], experts.b1[e]) for e in range(self.num_local))
+        self.down = nn.ModuleList(linear(experts.w2[e], experts.b2[e])
+                                  for e in range(self.num_local))
+
+    def forward(self, x_AM: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = [self.down[e](F.gelu(self.up[e](x))) for e, x in enumerate(x_AM.split(counts))]
+        return torch.cat(outs) if outs else x_AM
+
+
 def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> QuantizedWeight:
     """The weight quantization a mode uses: per-output-channel groups for w8a8 (so the INT8
     GEMM can be rescaled per column), groups along the input for the weight-only modes."""
@@ -100,11 +127,27 @@ def _divisor(n: int, want: int) -> int:
 def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64,
                    lorc_rank: int = 0) -> dict[str, str]:
     """Replace each nn.Linear whose qualified name matches a rule's glob pattern (first match
-    wins) by a QuantizedLinear of that rule's mode (with LoRC factors of ``lorc_rank``);
-    returns {module name: mode} for the replaced ones. Example: {"*.attn.*": "w8a8",
-    "*.ffn.*": "w4a16"} (ZeroQuant's W4/8)."""
-    return replace_linears(model, rules,
+    wins) by a QuantizedLinear of that rule's mode (with LoRC factors of ``lorc_rank``), and
+    each MoE Experts module likewise by QuantizedExperts; returns {module name: mode} for the
+    replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8).
+    MoE gates stay fp32 whatever the rules say: they are tiny, and routing is where a small
+    error changes a token's whole path."""
+    gates = {f"{name}.wg": "fp32" for name, m in model.named_modules() if isinstance(m, TopKGate)}
+    rules = {**gates, **rules}
+    done = replace_linears(model, rules,
                            lambda lin, mode: QuantizedLinear(lin, mode, group_size, lorc_rank))
+
+    def pick(name: str, module: nn.Module) -> nn.Module | None:
+        if not isinstance(module, Experts):
+            return None
+        mode = next((md for pat, md in rules.items() if fnmatch.fnmatch(name, pat)), "fp32")
+        if mode == "fp32":
+            return None
+        done[name] = mode
+        return QuantizedExperts(module, mode, group_size, lorc_rank)
+
+    replace_modules(model, pick)
+    return done
 
 
 def replace_linears(model: nn.Module, rules: dict[str, str],

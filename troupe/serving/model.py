@@ -74,8 +74,7 @@ def load_source(src: ModelSource) -> GPT:
 
 def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
-    each quantized Linear got. (MoE experts are stacked weights, not nn.Linear: they stay
-    fp32.)"""
+    each quantized Linear (or MoE experts module, quantized expert by expert) got."""
     model = load_source(cfg.model)
     return model, quantize_served(model, cfg)
 
