@@ -7,6 +7,10 @@ quantization beside them.
 in fp32, troupe's W8A8 QuantizedLinear (token-wise INT8 activations, INT8 GEMM, rescale), the
 INT8 GEMM alone, and torch.ao's dynamic INT8 Linear; weight bytes of each mode against fp32.
 
+"quant_breakdown" lines: where a W8A8 call spends its time at the decoding shapes of the
+--decode-width GPT (8 tokens; attention K = N, MLP up K -> 4K and down 4K -> K): the token
+quantization, the INT8 GEMM, the rescale, the whole call, and torch.ao's fused call beside them.
+
 "quant_decode" lines: end-to-end generation with the continuous batcher (troupe.serving) at
 batch 8 on a GPT of --decode-width (random weights: speed does not depend on them), in fp32,
 W8A8, W4/8A16 and under torch.ao dynamic quantization: generated tokens per second and the
@@ -25,7 +29,7 @@ import time
 import torch
 
 from troupe.compression import QuantizedLinear, quantize_model
-from troupe.kernels.quant import int8_gemm, quantize_tokens
+from troupe.kernels.quant import channel_scales, int8_gemm, quantize_tokens
 from troupe.models import GPT, GPTConfig
 from troupe.serving import ContinuousBatcher, SamplingParams
 from troupe.serving.model import weight_bytes
@@ -60,7 +64,33 @@ def main() -> None:
     torch.manual_seed(0)
     if not a.skip_linear:
         linears(a)
+        breakdown(a)
     decode(a)
+
+
+def breakdown(a) -> None:
+    d = a.decode_width
+    for K, N in ((d, d), (d, 4 * d), (4 * d, d)):
+        lin = torch.nn.Linear(K, N)
+        q = QuantizedLinear(lin, "w8a8")
+        dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear},
+                                                     dtype=torch.qint8)
+        x = torch.randn(a.batch, K)
+        xq, xs = quantize_tokens(x)
+        acc, cs = int8_gemm(xq, q.qw.q), channel_scales(q.qw)
+        with torch.inference_mode():
+            t = {"fp32": timed(lambda: lin(x), a.repeats),
+                 "quantize_tokens": timed(lambda: quantize_tokens(x), a.repeats),
+                 "int8_gemm": timed(lambda: int8_gemm(xq, q.qw.q), a.repeats),
+                 "rescale": timed(lambda: acc.float() * xs[:, None] * cs[None, :] + lin.bias,
+                                  a.repeats),
+                 "w8a8": timed(lambda: q(x), a.repeats),
+                 "torch_dynamic": timed(lambda: dyn(x), a.repeats)}
+        print(json.dumps({
+            "bench": "quant_breakdown", "machine": platform.node(), "threads": a.threads,
+            "tokens": a.batch, "in": K, "out": N, **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
+            "gemm_share_of_w8a8": round(t["int8_gemm"] / t["w8a8"], 2),
+            "gemm_vs_torch_dynamic": round(t["int8_gemm"] / t["torch_dynamic"], 2)}), flush=True)
 
 
 def decode(a) -> None:

@@ -1,13 +1,15 @@
 """Quantization invariants: the round-trip error is within half a step of each group, the INT8
 GEMM is exact, and the rescaled product equals the fp32 product of the dequantized operands."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from troupe.kernels.quant import (dequantize_weight, int8_gemm, int8_linear, pack_int4,
-                                  quantize_tokens, quantize_weight, unpack_int4)
+from troupe.kernels.quant import (dequantize_weight, gemm_layout, int8_gemm, int8_linear,
+                                  pack_int4, quantize_tokens, quantize_weight, unpack_int4)
 
 
 @settings(max_examples=40, deadline=None)
@@ -38,6 +40,20 @@ def test_int8_gemm_is_exact():
     x = torch.randint(-127, 128, (37, 300), generator=g, dtype=torch.int8)
     w = torch.randint(-127, 128, (50, 300), generator=g, dtype=torch.int8)
     assert torch.equal(int8_gemm(x, w).long(), x.long() @ w.long().t())
+
+
+@pytest.mark.parametrize("I, padded", [(1024, False), (2048, True), (4096, True)])
+def test_gemm_layout_pads_rows_and_keeps_the_product(I, padded):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-127, 128, (8, I), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (48, I), generator=g, dtype=torch.int8)
+    laid = gemm_layout(w)
+    assert torch.equal(laid, w) and laid.stride() == ((I + 16, 1) if padded else (I, 1))
+    assert torch.equal(int8_gemm(x, laid), int8_gemm(x, w))
+    qw = quantize_weight(w.float(), 8, 16)
+    padded_qw = dataclasses.replace(qw, q=gemm_layout(qw.q))
+    assert torch.equal(dequantize_weight(padded_qw), dequantize_weight(qw))
+    assert padded_qw.nbytes == qw.nbytes + (48 * 16 if padded else 0)  # the padding counts
 
 
 def test_int8_gemm_refuses_overflowing_inner_dimension():

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
+from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, gemm_layout, int8_linear,
                                   quantize_weight, weight_only_linear)
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import TopKGate
@@ -110,7 +110,8 @@ def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> Quantiz
     GEMM can be rescaled per column), groups along the input for the weight-only modes."""
     O, I = w_OI.shape
     if mode == "w8a8":
-        return quantize_weight(w_OI, 8, _divisor(O, group_size), axis=0)
+        qw = quantize_weight(w_OI, 8, _divisor(O, group_size), axis=0)
+        return dataclasses.replace(qw, q=gemm_layout(qw.q))
     if mode in ("w8a16", "w4a16"):
         return quantize_weight(w_OI, 8 if mode == "w8a16" else 4, _divisor(I, group_size), axis=1)
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
