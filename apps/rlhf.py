@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         return 2
-    troupe.init()
     steps = tuple(s for s in rlhf.STEPS if s in (args.step or rlhf.STEPS))
+    if args.resume and steps != ("ppo",):
+        print("--resume continues PPO from its checkpoint: use it with --step ppo alone",
+              file=sys.stderr)
+        return 2
+    troupe.init()
     summary = rlhf.run(cfg, steps, resume=args.resume)
     print(json.dumps(summary, indent=1))
     return 0

@@ -6,6 +6,7 @@ every ``ppo.checkpoint_every`` PPO iterations."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import time
@@ -21,13 +22,14 @@ from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.rlhf import ppo
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
-from troupe.training.checkpoint import read_manifest
 from troupe.runtime import checkpoint
 from troupe.runtime.graph import ActorGraph, rewire
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
+from troupe.training.checkpoint import read_manifest
 
 STEPS = ("sft", "reward", "ppo")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -230,6 +232,8 @@ def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
         rng = random.Random(cfg.seed + 30)
         source = checkpoint.latest(root)
         if source is None:
+            if resume:
+                logger.warning("no PPO checkpoint under %s: PPO starts from the beginning", root)
             return 0, rng, None
         done = checkpoint.restore([graph[r] for r in TRAINED], source, method="load_state")
         meta = read_manifest(source)
@@ -298,6 +302,9 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -
     """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order) and return a summary;
     a later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
     continues PPO from its latest checkpoint there."""
+    if resume and ("sft" in steps or "reward" in steps):
+        raise ValueError("resume continues PPO from its checkpoint; run it with steps ('ppo',) "
+                         "alone (steps 1 and 2 would change the weights PPO started from)")
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))

@@ -1,0 +1,29 @@
+"""apps/rlhf.py refuses a bad override or a misused --resume by name, before Ray starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from troupe.rlhf.config import RLHFConfig
+from troupe.runtime import rlhf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "apps" / "rlhf.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_bad_override_is_named():
+    out = _cli("ppo.iteratoins=3")
+    assert out.returncode == 2 and "ppo.iteratoins: unknown key" in out.stderr
+
+
+def test_resume_is_for_ppo_alone():
+    out = _cli("--resume")
+    assert out.returncode == 2 and "--step ppo alone" in out.stderr
+    with pytest.raises(ValueError, match="steps 1 and 2 would change"):
+        rlhf.run(RLHFConfig(), ("sft", "ppo"), resume=True)
