@@ -1,7 +1,10 @@
-"""A checkpoint whose write is interrupted midway is never loaded: the previous one is."""
+"""A checkpoint whose write is interrupted midway is never loaded: the previous one is (in a
+local directory and behind an fsspec URL)."""
 
 import os
+from pathlib import Path
 
+import fsspec
 import pytest
 import ray
 import torch
@@ -9,6 +12,7 @@ import torch
 from troupe.errors import WorkerDiedError
 from troupe.runtime import ActorGraph, checkpoint, get_context
 from troupe.training import checkpoint as ckpt
+from troupe.training import storage
 
 
 class Saver:
@@ -29,11 +33,14 @@ class Saver:
         rank = get_context().rank
         if self.crash_in_save and rank == 1:
             path = ckpt.rank_file(directory, rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_suffix(".tmp"), "wb") as f:
-                f.write(b"\0" * 2000)  # half a file, then the process is gone
-                f.flush()
-                os._exit(1)
+            if storage.is_url(path):  # an upload cut off: the worst case, half an object
+                f = fsspec.open(path, "wb").open()
+            else:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                f = open(f"{path}.tmp", "wb")
+            f.write(b"\0" * 2000)  # half a file, then the process is gone
+            f.flush()
+            os._exit(1)
         return ckpt.write_rank(directory, rank, {"value": self.value})
 
     def load(self, directory):
@@ -41,30 +48,38 @@ class Saver:
         self.value = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory))["value"]
 
 
-def test_interrupted_save_is_never_loaded(cluster, tmp_path):
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_interrupted_save_is_never_loaded(cluster, tmp_path, where):
+    # a local directory (staging renamed into place) or an fsspec URL (written in place)
+    root = tmp_path if where == "local" else f"file://{tmp_path}"
+    incomplete = (tmp_path / ".step-00000002.partial" if where == "local"
+                  else f"{root}/step-00000002")
     graph = ActorGraph("ckpt").role("saver", Saver, 2, num_cpus=0.5, max_restarts=1).build(60)
     try:
         savers = graph["saver"]
         savers.call("set", 1.0)
-        first = checkpoint.save([savers], tmp_path, step=1)
+        first = checkpoint.save([savers], root, step=1)
         savers.call("set", 2.0, crash_in_save=True)
         with pytest.raises(WorkerDiedError) as e:
-            checkpoint.save([savers], tmp_path, step=2)
+            checkpoint.save([savers], root, step=2)
         assert e.value.rank == 1
-        assert checkpoint.latest(tmp_path) == first
-        assert not (tmp_path / "step-00000002").exists()
+        assert checkpoint.latest(root) == first
+        assert where == "url" or not (tmp_path / "step-00000002").exists()
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-            checkpoint.restore([savers], tmp_path / ".step-00000002.partial")
+            checkpoint.restore([savers], incomplete)
         savers.wait_ready(60)  # rank 1 restarted with a fresh state
         savers.call("set", 7.0)
-        assert checkpoint.restore([savers], checkpoint.latest(tmp_path)) == 1
+        assert checkpoint.restore([savers], checkpoint.latest(root)) == 1
         assert savers.call("get") == [1.0, 1.0]
         savers.call("set", 3.0)  # the same step saved again after the restart
-        assert checkpoint.save([savers], tmp_path, step=2) == tmp_path / "step-00000002"
+        assert checkpoint.save([savers], root, step=2) == storage.join(root, "step-00000002")
         assert not (tmp_path / ".step-00000002.partial").exists()
         savers.call("set", 0.0)
-        assert checkpoint.restore([savers], checkpoint.latest(tmp_path)) == 2
+        assert checkpoint.restore([savers], checkpoint.latest(root)) == 2
         assert savers.call("get") == [3.0, 3.0]
+        for step in (3, 4):  # the newest two are kept
+            checkpoint.save([savers], root, step=step)
+        assert [storage.name(d) for d in ckpt.steps(root)] == ["step-00000003", "step-00000004"]
     finally:
         graph.shutdown()
     ray.util.placement_group_table()  # the cluster still answers

@@ -1,8 +1,12 @@
 """Driver side of sharded checkpoints: every rank of the given roles writes its file in
-parallel into a staging directory, the driver writes the manifest there, and only then is the
-directory renamed to root/step-NNNNNNNN. A save interrupted at any point (a rank killed mid-file,
-the driver lost) leaves no step-* directory with a manifest, so ``latest`` finds the previous
-checkpoint; the staging directory is cleared by the next save of that step."""
+parallel, the driver writes the manifest last, and only a directory with a manifest counts.
+
+In a local directory the ranks write into a staging directory that is renamed to
+root/step-NNNNNNNN once its manifest is there. A save interrupted at any point (a rank killed
+mid-file, the driver lost) leaves no step-* directory with a manifest, so ``latest`` finds the
+previous checkpoint; the staging directory is cleared by the next save of that step. Under an
+fsspec URL (s3://..., where nothing renames atomically) the ranks write into step-NNNNNNNN in
+place, and the manifest, written last, is what makes it complete."""
 
 from __future__ import annotations
 
@@ -13,20 +17,30 @@ from typing import Any
 
 from troupe.runtime.handle import RoleGroup
 from troupe.training import checkpoint as ckpt
+from troupe.training import storage
+from troupe.training.storage import StorePath
 
 
-def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
-         method: str = "save", **meta: Any) -> Path:
+def save(roles: list[RoleGroup], root: StorePath, step: int, keep: int = 2,
+         method: str = "save", **meta: Any) -> StorePath:
     """Checkpoint ``roles`` (whose workers implement ``method(directory)``, returning their
     manifest entry) as root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
-    directory = Path(root) / f"step-{step:08d}"
-    staging = Path(root) / f".step-{step:08d}.partial"
-    if staging.exists():
-        shutil.rmtree(staging)
+    directory = storage.join(root, f"step-{step:08d}")
+    in_place = storage.is_url(root)
+    staging = directory if in_place else storage.join(root, f".step-{step:08d}.partial")
+    storage.remove(staging)  # an earlier, interrupted save of this step (or, in place, a redo)
     refs = [(role, role.call_async(method, str(staging))) for role in roles]
     files = [entry for role, r in refs for entry in role.get(r, method)]
     ckpt.write_manifest(staging, files, step=step,
                         roles={role.name: role.world_size for role in roles}, **meta)
+    if not in_place:
+        _rename_into_place(Path(staging), Path(directory))
+    for old in ckpt.steps(root)[:-keep] if keep > 0 else []:
+        storage.remove(old)
+    return directory
+
+
+def _rename_into_place(staging: Path, directory: Path) -> None:
     if directory.exists():  # the same step saved before (a run that went back to redo it)
         replaced = directory.with_name(f".{directory.name}.old")
         shutil.rmtree(replaced, ignore_errors=True)
@@ -35,14 +49,9 @@ def save(roles: list[RoleGroup], root: str | Path, step: int, keep: int = 2,
         shutil.rmtree(replaced)
     else:
         os.replace(staging, directory)
-    done = sorted((d for d in Path(root).glob("step-*") if (d / ckpt.MANIFEST).is_file()),
-                  key=lambda d: int(d.name.split("-")[1]))
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
-    return directory
 
 
-def restore(roles: list[RoleGroup], directory: str | Path, method: str = "load") -> int:
+def restore(roles: list[RoleGroup], directory: StorePath, method: str = "load") -> int:
     """Load a checkpoint into ``roles`` (workers implement ``method(directory)``, all called at
     once, since loading may exchange tensors between roles); returns the step."""
     manifest = ckpt.read_manifest(directory)
@@ -57,6 +66,6 @@ def restore(roles: list[RoleGroup], directory: str | Path, method: str = "load")
     return manifest["step"]
 
 
-def latest(root: str | Path) -> Path | None:
+def latest(root: StorePath) -> StorePath | None:
     """The newest complete checkpoint under ``root``, or None."""
-    return ckpt.latest(root) if Path(root).is_dir() else None
+    return ckpt.latest(root)

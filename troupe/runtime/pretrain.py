@@ -26,6 +26,7 @@ from troupe.runtime.graph import ActorGraph, rewire
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog, plot_losses
 from troupe.training import PretrainConfig
+from troupe.training.storage import StorePath
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,15 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
         progress: bool = True, on_step: Callable[[int, Graph], None] | None = None) -> list[dict]:
     """Train per ``cfg``; returns the metric records of this run (also in out_dir/metrics.jsonl).
 
-    resume: "auto" (the newest complete checkpoint in out_dir/checkpoints, if any), a checkpoint
-    directory, or None. stop_after: stop (with a checkpoint) after this step, as an interruption.
+    resume: "auto" (the newest complete checkpoint in train.checkpoint_dir, by default
+    out_dir/checkpoints, if any), a checkpoint directory, or None. stop_after: stop (with a checkpoint) after this step, as an interruption.
     on_step(step, graph): called before each step (fault injection, custom logging).
     Raises RunFailedError once failures exceed train.max_restarts (see the module doc).
     """
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    ckpt_root, metrics = out / "checkpoints", MetricsLog(out / "metrics.jsonl")
+    ckpt_root, metrics = checkpoint_root(cfg), MetricsLog(out / "metrics.jsonl")
     graph = build_graph(cfg)
     try:
         source = checkpoint.latest(ckpt_root) if resume == "auto" else resume
@@ -134,7 +135,13 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
         graph.shutdown()
 
 
-def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int, ckpt_root: Path) -> list[dict]:
+def checkpoint_root(cfg: PretrainConfig) -> StorePath:
+    """Where the run's checkpoints go: train.checkpoint_dir, or out_dir/checkpoints."""
+    return cfg.train.checkpoint_dir or Path(cfg.train.out_dir) / "checkpoints"
+
+
+def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int,
+          ckpt_root: StorePath) -> list[dict]:
     """One optimizer step on every rank, then the evaluation and checkpoint it is due."""
     T = cfg.train
     ranks = together(graph, "train_step", step)[0]
@@ -146,15 +153,16 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int, ckpt_root: Pa
         val = sum(graph["trainer"].call("evaluate")) / T.num_workers
         out.append({"kind": "eval", "step": step, "val_loss": val})
     if (T.checkpoint_every and step % T.checkpoint_every == 0) or step in (last, T.steps):
-        checkpoint.save(_roles(graph), ckpt_root, step, optimizer=cfg.optimizer.name)
+        checkpoint.save(_roles(graph), ckpt_root, step, optimizer=cfg.optimizer.name,
+                        config=cfg.model_dump(mode="json"))
     return out
 
 
 def _recover(graph: Graph, cfg: PretrainConfig, failures: list[dict], out: Path) -> int:
-    """For the run writing to ``out``: apply the failure policy to the newest of ``failures``: give up with a report, or bring
-    every worker back (Ray restarts the lost ones), rebuild the groups, set the workers up and
-    load the last complete checkpoint (none: the initial state). Returns the step to go on
-    after."""
+    """Apply the failure policy to the newest of ``failures`` (a run writing to ``out``):
+    give up with a report, or bring every worker back (Ray restarts the lost ones), rebuild the
+    groups, set the workers up and load the last complete checkpoint (none: the initial state).
+    Returns the step to go on after."""
     T = cfg.train
     if len(failures) > T.max_restarts:
         _give_up(failures, out)
@@ -168,7 +176,7 @@ def _recover(graph: Graph, cfg: PretrainConfig, failures: list[dict], out: Path)
             role.wait_ready(T.placement_timeout_s)
         rewire(graph, generation=len(failures), timeout_s=T.placement_timeout_s)
         _setup(graph)
-        source = checkpoint.latest(out / "checkpoints")
+        source = checkpoint.latest(checkpoint_root(cfg))
         return checkpoint.restore(roles, source) if source is not None else 0
     except (WorkerDiedError, WorkerCallError) as e:  # a worker that cannot come back
         failures.append(failure_record(e, step=f["step"], during="recovery"))

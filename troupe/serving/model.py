@@ -14,7 +14,9 @@ from troupe.models import GPT, GPTConfig
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.serving.protocol import ModelSource, ServeConfig
 from troupe.training import checkpoint as ckpt
+from troupe.training import storage
 from troupe.training.export import load_full_model
+from troupe.training.storage import StorePath
 
 FORMAT = "troupe-model/1"
 
@@ -34,12 +36,13 @@ def load_model(path: str | Path) -> GPT:
     return model.eval()
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory whose newest complete checkpoint is used."""
-    path = Path(path)
-    if (path / ckpt.MANIFEST).is_file():
+def resolve_checkpoint(path: StorePath) -> StorePath:
+    """A checkpoint directory, or a directory of checkpoints (``train.checkpoint_dir``) or a run
+    directory (its ``checkpoints``) whose newest complete checkpoint is used; local paths or
+    fsspec URLs."""
+    if storage.is_file(storage.join(path, ckpt.MANIFEST)):
         return path
-    newest = ckpt.latest(path / "checkpoints") if (path / "checkpoints").is_dir() else None
+    newest = ckpt.latest(path) or ckpt.latest(storage.join(path, "checkpoints"))
     if newest is None:
         raise FileNotFoundError(f"model.checkpoint={str(path)!r}: neither a checkpoint "
                                 "directory (with manifest.json) nor a run directory with "
@@ -47,7 +50,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
-def locate(src: ModelSource) -> Path:
+def locate(src: ModelSource) -> StorePath:
     """The model file or checkpoint directory ``src`` names; FileNotFoundError naming the
     config key when there is none (checked on the driver before any replica starts)."""
     if src.file is not None:

@@ -16,9 +16,10 @@ from troupe.serving.engine import SamplingParams
 
 
 class ModelSource(Config):
-    """Where the served model comes from: a pretraining checkpoint directory (sharded, as
-    apps/pretrain.py writes it; "latest" picks the newest under ``<out_dir>/checkpoints``) or
-    a single model file written by ``troupe.serving.save_model``."""
+    """Where the served model comes from: a pretraining checkpoint (sharded, as
+    apps/pretrain.py writes it: a step directory, or a run or checkpoints directory whose
+    newest complete checkpoint is used; a local path or an fsspec URL such as s3://...) or a
+    single model file written by ``troupe.serving.save_model``."""
 
     checkpoint: str | None = None
     file: str | None = None

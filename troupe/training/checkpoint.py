@@ -1,90 +1,98 @@
 """Sharded checkpoints: one wire-format file per rank plus a JSON manifest with each file's
 size and SHA-256. A checkpoint directory is complete only once its manifest exists; the
-manifest is written last, by the driver, after every rank has written its file."""
+manifest is written last, by the driver, after every rank has written its file. Directories
+are local paths or fsspec URLs (see troupe.training.storage)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 from troupe import wire
+from troupe.training import storage
+from troupe.training.storage import StorePath
 
 MANIFEST = "manifest.json"
 FORMAT = "troupe-checkpoint/1"
 
 
-def rank_file(directory: str | Path, rank: int, prefix: str = "rank") -> Path:
-    return Path(directory) / f"{prefix}-{rank:05d}.trp"
+def rank_file(directory: StorePath, rank: int, prefix: str = "rank") -> StorePath:
+    return storage.join(directory, f"{prefix}-{rank:05d}.trp")
 
 
-def write_rank(directory: str | Path, rank: int, state: dict[str, Any],
+def write_rank(directory: StorePath, rank: int, state: dict[str, Any],
                prefix: str = "rank") -> dict[str, Any]:
-    """Write one rank's state; returns {"file", "bytes", "sha256"} for the manifest."""
+    """Write one rank's state; returns {"file", "bytes", "sha256"} for the manifest (read back
+    from what was written)."""
     path = rank_file(directory, rank, prefix)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        wire.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+    storage.write_file(path, lambda f: wire.dump(state, f))
+    return {"file": storage.name(path), "bytes": storage.size(path), "sha256": _sha256(path)}
 
 
-def read_rank(directory: str | Path, rank: int, manifest: dict[str, Any],
+def read_rank(directory: StorePath, rank: int, manifest: dict[str, Any],
               prefix: str = "rank") -> dict[str, Any]:
     """Read one rank's state, checked against the manifest's size and hash."""
     path = rank_file(directory, rank, prefix)
-    entry = next((e for e in manifest["files"] if e["file"] == path.name), None)
+    file = storage.name(path)
+    entry = next((e for e in manifest["files"] if e["file"] == file), None)
     if entry is None:
         raise ValueError(f"checkpoint {directory}: manifest lists no file for rank {rank} "
                          f"(it was written by {len(manifest['files'])} ranks)")
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {directory}: {path.name} is missing")
-    if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
-        raise ValueError(f"checkpoint {directory}: {path.name} does not match its manifest "
+    if not storage.is_file(path):
+        raise FileNotFoundError(f"checkpoint {directory}: {file} is missing")
+    if storage.size(path) != entry["bytes"] or _sha256(path) != entry["sha256"]:
+        raise ValueError(f"checkpoint {directory}: {file} does not match its manifest "
                          "(size or SHA-256 differs): the file is damaged or from another save")
-    with open(path, "rb") as f:
+    with storage.open_read(path) as f:
         try:
             return wire.load(f)
         except wire.WireFormatError as e:
             raise ValueError(f"checkpoint {path}: {e}") from None
 
 
-def write_manifest(directory: str | Path, files: list[dict[str, Any]], **meta: Any) -> Path:
-    path = Path(directory) / MANIFEST
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, **meta, "files": files}, indent=1))
-    os.replace(tmp, path)
+def write_manifest(directory: StorePath, files: list[dict[str, Any]], **meta: Any) -> StorePath:
+    path = storage.join(directory, MANIFEST)
+    text = json.dumps({"format": FORMAT, **meta, "files": files}, indent=1).encode()
+    storage.write_file(path, lambda f: f.write(text))
     return path
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
+def read_manifest(directory: StorePath) -> dict[str, Any]:
+    path = storage.join(directory, MANIFEST)
+    if not storage.is_file(path):
         raise FileNotFoundError(f"checkpoint {directory} has no {MANIFEST}: not a complete "
                                 "checkpoint (a save interrupted before the manifest?)")
+    with storage.open_read(path) as f:
+        text = f.read()
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        manifest = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r}")
     return manifest
 
 
-def latest(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (``step-*`` directories)."""
-    done = [d for d in Path(root).glob("step-*") if (d / MANIFEST).is_file()]
-    return max(done, key=lambda d: int(d.name.split("-")[1]), default=None)
+def steps(root: StorePath) -> list[StorePath]:
+    """The complete checkpoints (``step-N`` directories with a manifest) under ``root``,
+    oldest first."""
+    done = [storage.join(root, n) for n in storage.children(root)
+            if n.startswith("step-") and n[5:].isdigit()]
+    done = [d for d in done if storage.is_file(storage.join(d, MANIFEST))]
+    return sorted(done, key=lambda d: int(storage.name(d)[5:]))
 
 
-def _sha256(path: Path) -> str:
+def latest(root: StorePath) -> StorePath | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    done = steps(root)
+    return done[-1] if done else None
+
+
+def _sha256(path: StorePath) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_read(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()

@@ -18,13 +18,15 @@ from troupe.training.pretrain import PretrainConfig
 
 
 def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) -> GPT:
-    """The GPT a checkpoint directory holds (its config is read from the run's config.json
-    two levels up when ``cfg`` is not given). Only for checkpoints without offloaded shards."""
-    directory = Path(directory)
-    if cfg is None:
-        cfg = validate(PretrainConfig, json.loads(
-            (directory.parent.parent / "config.json").read_text()), "config.json")
+    """The GPT a checkpoint directory (a local path or an fsspec URL) holds. Its config: ``cfg``,
+    else the one the manifest carries, else the run's config.json two levels up (checkpoints
+    written before manifests carried it). Only for checkpoints without offloaded shards."""
     manifest = ckpt.read_manifest(directory)
+    if cfg is None and "config" in manifest:
+        cfg = validate(PretrainConfig, manifest["config"], f"{directory}: manifest config")
+    elif cfg is None:
+        path = Path(directory).parent.parent / "config.json"
+        cfg = validate(PretrainConfig, json.loads(path.read_text()), str(path))
     W = manifest["roles"].get("trainer")
     if "shard" in manifest["roles"]:
         raise ValueError(f"{directory}: offloaded checkpoints are not supported here")

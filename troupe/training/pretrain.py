@@ -29,7 +29,9 @@ class TrainConfig(Config):
     the run resumed from its last checkpoint before it stops with a report (failure.json).
     strategy: how the trainers are spread over nodes (SPREAD: one per node where it can).
     placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
-    workers' resources."""
+    workers' resources. checkpoint_dir: where checkpoints go (default out_dir/checkpoints): a
+    directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
+    filesystem's package, e.g. s3fs, installed on every node)."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -44,6 +46,7 @@ class TrainConfig(Config):
     max_restarts: int = Field(default=0, ge=0)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(default=600.0, gt=0)
+    checkpoint_dir: str | None = None
 
 
 class PretrainConfig(Config):
