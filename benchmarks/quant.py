@@ -1,7 +1,11 @@
 """INT8 linear layers and INT8 decoding against fp32 on this CPU, with torch's dynamic
-quantization beside them.
+quantization beside them; or, with --device cuda, against bf16 on a GPU.
 
     python benchmarks/quant.py [--sizes 512 1024] [--tokens 64 256 1024] [--threads 1]
+    python benchmarks/quant.py --device cuda --sizes 4096 --tokens 16 256 4096 --decode-width 2048
+
+The baseline (--baseline, default fp32 on the CPU and bf16 on CUDA) is what each "speedup" in
+the lines divides by; torch.ao's dynamic quantization is CPU-only and left out on CUDA.
 
 "quant_linear" lines, for each (tokens M, width K = N): seconds per call (median) of nn.Linear
 in fp32, troupe's W8A8 QuantizedLinear (token-wise INT8 activations, INT8 GEMM, rescale), the
@@ -38,12 +42,16 @@ DECODE_MODES = {"fp32": None, "w8a8": {"*": "w8a8"},
                 "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16"}, "torch_dynamic": "ao"}
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, cuda: bool = False) -> float:
+    """Median seconds per call (GPU work included: synchronized around each call)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
     runs = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs)
 
@@ -59,12 +67,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--skip-linear", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--baseline", default=None, choices=["fp32", "bf16"],
+                   help="the unquantized layers' dtype (default: fp32 on cpu, bf16 on cuda)")
     a = p.parse_args()
+    a.baseline = a.baseline or ("bf16" if a.device == "cuda" else "fp32")
+    a.dtype = torch.bfloat16 if a.baseline == "bf16" else torch.float32
+    a.cuda = a.device == "cuda"
+    if a.cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     if not a.skip_linear:
         linears(a)
-        breakdown(a)
+        if not a.cuda:
+            breakdown(a)
     decode(a)
 
 
@@ -94,38 +111,52 @@ def breakdown(a) -> None:
 
 
 def decode(a) -> None:
-    """Tokens per second of batch-``a.batch`` generation in each mode (the fp32 figure is the
-    baseline measured in the same run)."""
+    """Tokens per second of batch-``a.batch`` generation in each mode (the baseline figure is
+    measured in the same run)."""
     cfg = GPTConfig(seq_len=256, n_layer=a.decode_layers, n_head=a.decode_width // 64,
                     d_model=a.decode_width)
     base = GPT(cfg, seed=0).eval().requires_grad_(False)
     prompts = [[(7 * i + j) % 256 for j in range(24 + 4 * i)] for i in range(a.batch)]
+    modes = {a.baseline: None, **{m: r for m, r in DECODE_MODES.items() if m != "fp32"}}
+    if a.cuda:
+        modes.pop("torch_dynamic")
     rates = {}
-    for mode, rules in DECODE_MODES.items():
+    for mode, rules in modes.items():
         model = copy.deepcopy(base)
         if rules == "ao":
             model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear},
                                                            dtype=torch.qint8)
         elif rules:
             quantize_model(model, rules, group_size=64)
+        elif a.dtype != torch.float32:
+            model = model.to(a.dtype)
+        model = model.to(a.device)
         best = 0.0
         for _ in range(3):  # best of three: the machine is shared and noisy
             engine = ContinuousBatcher(model, eos_id=None, max_batch=a.batch)
             for i, prompt in enumerate(prompts):
                 engine.add(str(i), prompt, SamplingParams(max_tokens=a.new_tokens))
             engine.step()  # the prefill (and first token) of every sequence
+            if a.cuda:
+                torch.cuda.synchronize()
             t0, n = time.perf_counter(), 0
             while engine.has_work():
                 n += len(engine.step())
+            if a.cuda:
+                torch.cuda.synchronize()
             best = max(best, n / (time.perf_counter() - t0))
         rates[mode] = best
         print(json.dumps({
-            "bench": "quant_decode", "machine": platform.node(), "threads": a.threads,
-            "mode": mode, "batch": a.batch, "d_model": a.decode_width, "n_layer": a.decode_layers,
-            "decode_tokens_per_s": round(best, 1),
-            "speedup_vs_fp32": round(best / rates["fp32"], 2),
+            "bench": "quant_decode", "machine": platform.node(), "device": _device(a),
+            "threads": a.threads, "mode": mode, "batch": a.batch, "d_model": a.decode_width,
+            "n_layer": a.decode_layers, "decode_tokens_per_s": round(best, 1),
+            "baseline": a.baseline, "speedup_vs_baseline": round(best / rates[a.baseline], 2),
             "weight_bytes": _bytes(model),
             "weight_bytes_vs_fp32": round(_bytes(model) / _bytes(base), 4)}), flush=True)
+
+
+def _device(a) -> str:
+    return torch.cuda.get_device_name() if a.cuda else platform.processor() or "cpu"
 
 
 def _bytes(model) -> int:
@@ -142,27 +173,35 @@ def _bytes(model) -> int:
 def linears(a) -> None:
     for K in a.sizes:
         lin = torch.nn.Linear(K, K)
-        w8a8, w4 = QuantizedLinear(lin, "w8a8"), QuantizedLinear(lin, "w4a16")
-        dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear},
-                                                     dtype=torch.qint8)
+        w8a8 = QuantizedLinear(lin, "w8a8").to(a.device)
+        w4 = QuantizedLinear(lin, "w4a16")
+        dyn = None if a.cuda else torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+        ref = copy.deepcopy(lin).to(a.device, a.dtype)
         for M in a.tokens:
-            x = torch.randn(M, K)
+            x = torch.randn(M, K, device=a.device)
+            xb = x.to(a.dtype)
             xq, _ = quantize_tokens(x)
             with torch.inference_mode():
-                t = {"fp32": timed(lambda: lin(x), a.repeats),
-                     "w8a8": timed(lambda: w8a8(x), a.repeats),
-                     "int8_gemm": timed(lambda: int8_gemm(xq, w8a8.qw.q), a.repeats),
-                     "torch_dynamic": timed(lambda: dyn(x), a.repeats)}
-                rel = ((w8a8(x) - lin(x)).norm() / lin(x).norm()).item()
-                rel_dyn = ((dyn(x) - lin(x)).norm() / lin(x).norm()).item()
+                t = {a.baseline: timed(lambda: ref(xb), a.repeats, a.cuda),
+                     "w8a8": timed(lambda: w8a8(x), a.repeats, a.cuda),
+                     "int8_gemm": timed(lambda: int8_gemm(xq, w8a8.qw.q), a.repeats, a.cuda)}
+                exact = lin.to(a.device)(x)
+                rel = ((w8a8(x) - exact).norm() / exact.norm()).item()
+                rel_base = ((ref(xb).float() - exact).norm() / exact.norm()).item()
+                extra = {}
+                if dyn is not None:
+                    t["torch_dynamic"] = timed(lambda: dyn(x), a.repeats)
+                    extra = {"torch_dynamic_speedup": round(t[a.baseline] / t["torch_dynamic"], 2),
+                             "torch_dynamic_rel_error": round(
+                                 ((dyn(x) - exact).norm() / exact.norm()).item(), 5)}
             print(json.dumps({
-                "bench": "quant_linear", "machine": platform.node(), "threads": a.threads,
-                "tokens": M, "in": K, "out": K,
+                "bench": "quant_linear", "machine": platform.node(), "device": _device(a),
+                "threads": a.threads, "tokens": M, "in": K, "out": K, "baseline": a.baseline,
                 **{f"{k}_ms": round(v * 1e3, 4) for k, v in t.items()},
-                "w8a8_speedup": round(t["fp32"] / t["w8a8"], 2),
-                "gemm_speedup": round(t["fp32"] / t["int8_gemm"], 2),
-                "torch_dynamic_speedup": round(t["fp32"] / t["torch_dynamic"], 2),
-                "w8a8_rel_error": round(rel, 5), "torch_dynamic_rel_error": round(rel_dyn, 5),
+                "w8a8_speedup": round(t[a.baseline] / t["w8a8"], 2),
+                "gemm_speedup": round(t[a.baseline] / t["int8_gemm"], 2), **extra,
+                "w8a8_rel_error": round(rel, 5), "baseline_rel_error": round(rel_base, 5),
                 "int8_weight_bytes_ratio": round(w8a8.weight_nbytes / (K * K * 4), 4),
                 "int4_weight_bytes_ratio": round(w4.weight_nbytes / (K * K * 4), 4)}), flush=True)
 
