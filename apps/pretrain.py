@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
-from troupe.config import ConfigError, load_config  # noqa: E402
+from troupe.config import load_app_config  # noqa: E402
 from troupe.runtime import pretrain  # noqa: E402
 from troupe.training import PretrainConfig  # noqa: E402
 
@@ -34,11 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(PretrainConfig, args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(e, file=sys.stderr)
-        return 2
+    cfg = load_app_config(PretrainConfig, args.config, args.overrides)
     troupe.init()
     records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)
     evals = [r for r in records if r["kind"] == "eval"]

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
-from troupe.config import ConfigError, load_config  # noqa: E402
+from troupe.config import load_app_config  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
 from troupe.runtime import rlhf  # noqa: E402
 
@@ -38,11 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.iterations=50")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(RLHFConfig, args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(e, file=sys.stderr)
-        return 2
+    cfg = load_app_config(RLHFConfig, args.config, args.overrides)
     steps = tuple(s for s in rlhf.STEPS if s in (args.step or rlhf.STEPS))
     if args.resume and steps != ("ppo",):
         print("--resume continues PPO from its checkpoint: use it with --step ppo alone",

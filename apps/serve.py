@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
-from troupe.config import ConfigError, load_config  # noqa: E402
+from troupe.config import load_app_config  # noqa: E402
 from troupe.runtime import serve  # noqa: E402
 from troupe.serving.model import locate  # noqa: E402
 from troupe.serving.protocol import ServeConfig  # noqa: E402
@@ -51,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(ServeConfig, args.config, args.overrides)
-        locate(cfg.model)
-    except (ConfigError, FileNotFoundError) as e:
-        print(e, file=sys.stderr)
-        return 2
+    cfg = load_app_config(ServeConfig, args.config, args.overrides, lambda c: locate(c.model))
     troupe.init()
     url = serve.deploy(cfg)
     print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)

@@ -105,7 +105,8 @@ def breakdown(a) -> None:
                  "torch_dynamic": timed(lambda: dyn(x), a.repeats)}
         print(json.dumps({
             "bench": "quant_breakdown", "machine": platform.node(), "threads": a.threads,
-            "tokens": a.batch, "in": K, "out": N, **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
+            "tokens": a.batch, "in": K, "out": N,
+            **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
             "gemm_share_of_w8a8": round(t["int8_gemm"] / t["w8a8"], 2),
             "gemm_vs_torch_dynamic": round(t["int8_gemm"] / t["torch_dynamic"], 2)}), flush=True)
 

@@ -13,8 +13,9 @@ would have been accepted::
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -105,6 +106,21 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             node = child
         node[parts[-1]] = value
     return data
+
+
+def load_app_config(cls: type[C], path: str | Path | None, overrides: Sequence[str],
+                    check: Callable[[C], Any] | None = None) -> C:
+    """``load_config`` for an app's command line: a bad file, key or value (or what ``check``
+    refuses with ConfigError or FileNotFoundError) is printed to stderr and the app exits with
+    status 2, before anything starts."""
+    try:
+        cfg = load_config(cls, path, overrides)
+        if check is not None:
+            check(cfg)
+    except (ConfigError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        raise SystemExit(2) from None
+    return cfg
 
 
 def load_config(

@@ -171,7 +171,8 @@ def test_gpu_request_on_cpu_cluster_times_out_with_typed_error(cluster):
     assert time.monotonic() - t0 < 20
     assert e.value.role == "trainer" and "GPU" in str(e.value) and "trainer" in str(e.value)
     assert e.value.bundle["GPU"] == 1
-    eventually(lambda: not live_placement_groups("wants-gpu/trainer"), "placement group wants-gpu/trainer removed")
+    eventually(lambda: not live_placement_groups("wants-gpu/trainer"),
+               "placement group wants-gpu/trainer removed")
 
 
 def test_two_graphs_of_one_name_coexist(cluster):
@@ -242,4 +243,5 @@ def test_constructor_failure_fails_the_build_and_names_the_role(cluster):
         g.build(timeout_s=60)
     assert e.value.role == "reward" and e.value.rank in (0, 1)
     assert "cannot load checkpoint /nowhere/rm.pt" in str(e.value)
-    eventually(lambda: not live_placement_groups("broken/reward"), "placement group broken/reward removed")
+    eventually(lambda: not live_placement_groups("broken/reward"),
+               "placement group broken/reward removed")

@@ -87,7 +87,8 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     """Train per ``cfg``; returns the metric records of this run (also in out_dir/metrics.jsonl).
 
     resume: "auto" (the newest complete checkpoint in train.checkpoint_dir, by default
-    out_dir/checkpoints, if any), a checkpoint directory, or None. stop_after: stop (with a checkpoint) after this step, as an interruption.
+    out_dir/checkpoints, if any), a checkpoint directory, or None.
+    stop_after: stop (with a checkpoint) after this step, as an interruption.
     on_step(step, graph): called before each step (fault injection, custom logging).
     Raises RunFailedError once failures exceed train.max_restarts (see the module doc).
     """

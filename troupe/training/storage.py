@@ -65,13 +65,6 @@ def is_file(path: StorePath) -> bool:
     return Path(path).is_file()
 
 
-def exists(path: StorePath) -> bool:
-    if is_url(path):
-        fs, inner = _fs(path)
-        return fs.exists(inner)
-    return Path(path).exists()
-
-
 def size(path: StorePath) -> int:
     if is_url(path):
         fs, inner = _fs(path)
