@@ -125,7 +125,10 @@ class Policy:
             raise ValueError(f"{where}: saved {'with' if state['ema'] is not None else 'without'}"
                              f" EMA weights, but ppo.ema={self.ema is not None}")
         if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
+            try:
+                self.ema.load_state_dict(state["ema"])
+            except RuntimeError as e:  # missing, unexpected or misshapen keys
+                raise ValueError(f"{where}: EMA weights: {e}") from None
         torch.set_rng_state(state["torch_rng"])
 
     def load(self, path: str) -> None:

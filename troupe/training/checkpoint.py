@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import IO, Any
 
 from troupe import wire
 from troupe.training import storage
@@ -23,11 +23,12 @@ def rank_file(directory: StorePath, rank: int, prefix: str = "rank") -> StorePat
 
 def write_rank(directory: StorePath, rank: int, state: dict[str, Any],
                prefix: str = "rank") -> dict[str, Any]:
-    """Write one rank's state; returns {"file", "bytes", "sha256"} for the manifest (read back
-    from what was written)."""
+    """Write one rank's state; returns {"file", "bytes", "sha256"} for the manifest, counted
+    and hashed as the bytes go out (no second read of the file; ``read_rank`` checks both)."""
     path = rank_file(directory, rank, prefix)
-    storage.write_file(path, lambda f: wire.dump(state, f))
-    return {"file": storage.name(path), "bytes": storage.size(path), "sha256": _sha256(path)}
+    digest = _Digest()
+    storage.write_file(path, lambda f: wire.dump(state, digest.wrap(f)))
+    return {"file": storage.name(path), "bytes": digest.bytes, "sha256": digest.sha.hexdigest()}
 
 
 def read_rank(directory: StorePath, rank: int, manifest: dict[str, Any],
@@ -88,6 +89,23 @@ def latest(root: StorePath) -> StorePath | None:
     """The complete checkpoint with the highest step under ``root``, or None."""
     done = steps(root)
     return done[-1] if done else None
+
+
+class _Digest:
+    """Counts and hashes the bytes written through the file ``wrap`` returns."""
+
+    def __init__(self):
+        self.sha, self.bytes = hashlib.sha256(), 0
+
+    def wrap(self, f: IO[bytes]) -> "_Digest":
+        self.f = f
+        return self
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.f.write(data)
+        self.bytes += memoryview(data).nbytes
+        return memoryview(data).nbytes
 
 
 def _sha256(path: StorePath) -> str:
