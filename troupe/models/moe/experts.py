@@ -5,8 +5,9 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from troupe.kernels.grouped_mlp import grouped_mlp
 
 
 class Experts(nn.Module):
@@ -35,8 +36,5 @@ class Experts(nn.Module):
             self.b2.zero_()
 
     def forward(self, x_AM: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = []
-        for e, x in enumerate(x_AM.split(counts)):
-            h = F.gelu(torch.addmm(self.b1[e], x, self.w1[e]))  # (A_e, H)
-            outs.append(torch.addmm(self.b2[e], h, self.w2[e]))  # (A_e, M)
-        return torch.cat(outs) if outs else x_AM
+        """(A, M) rows grouped by local expert -> (A, M); cost follows A, not the expert count."""
+        return grouped_mlp(x_AM, counts, self.w1, self.b1, self.w2, self.b2)

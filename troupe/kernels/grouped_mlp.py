@@ -1,0 +1,130 @@
+"""Two-layer GELU MLPs of many experts over rows grouped by expert, with a hand-written backward.
+
+    y[rows of e] = gelu(x[rows of e] @ w1[e] + b1[e]) @ w2[e] + b2[e]
+
+Indexing stacked weights per expert under autograd (``w1[e]`` in a loop) makes every index's
+backward allocate a zero gradient of the whole stack and autograd add them up: E^2 work. Here
+the backward writes each expert's gradient straight into its slice of one buffer per stacked
+weight, so time follows the tokens. Only x and the pre-activation are kept for the backward (the
+GELU output is recomputed one expert at a time); per-expert temporaries live for one expert.
+
+Where a weight already has a ``.grad`` that this backward would add into (``loss.backward()``
+with gradients kept between steps, as troupe's flat gradient buffers are), the expert gradients
+are added into it in place, as Megatron's gradient-accumulation fusion does: no fresh
+experts-sized buffer (whose first touch costs page faults on every step) and no separate add.
+``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight still get a gradient
+returned the ordinary way; tensor hooks on the stacked weights do not see in-place additions.
+
+Torch ops only: the same code runs on CPU and CUDA tensors, any float dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
+
+
+class _GroupedMLP(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x_AM, w1_EMH, b1_EH, w2_EHM, b2_EM, counts: list[int], accumulators):
+        y_AM = x_AM.new_empty(x_AM.shape[0], w2_EHM.shape[2])
+        h_pre = []  # each expert's (n_e, H) pre-activation, kept for the backward; one tensor
+        # per expert rather than one (A, H) buffer, so that the allocator can reuse its blocks
+        for e, (lo, hi) in enumerate(_spans(counts)):
+            h = torch.addmm(b1_EH[e], x_AM[lo:hi], w1_EMH[e])
+            torch.addmm(b2_EM[e], F.gelu(h), w2_EHM[e], out=y_AM[lo:hi])
+            h_pre.append(h)
+        ctx.save_for_backward(x_AM, w1_EMH, w2_EHM, *h_pre)
+        ctx.weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
+        ctx.counts, ctx.accumulators = counts, accumulators
+        return y_AM
+
+    @staticmethod
+    def backward(ctx, gy_AM):
+        x_AM, w1_EMH, w2_EHM, *h_pre = ctx.saved_tensors
+        gy_AM = gy_AM.contiguous()
+        gx_AM = torch.empty_like(x_AM) if ctx.needs_input_grad[0] else None
+        # per weight: (buffer, True when it is the weight's own .grad and we add into it)
+        grads = [_grad_buffer(w, node, needed) for w, node, needed in
+                 zip(ctx.weights, ctx.accumulators, ctx.needs_input_grad[1:5])]
+        (gw1, add1), (gb1, addb1), (gw2, add2), (gb2, addb2) = grads
+        for e, (lo, hi) in enumerate(_spans(ctx.counts)):
+            if hi == lo:  # an expert that got no rows: zero gradient, nothing to add
+                for g, adds in grads:
+                    if g is not None and not adds:
+                        g[e].zero_()
+                continue
+            x, h, gy = x_AM[lo:hi], h_pre[e], gy_AM[lo:hi]  # (n, M), (n, H), (n, M)
+            if gw2 is not None:
+                _mm_into(gw2[e], F.gelu(h).t(), gy, add2)  # (H, M)
+            if gb2 is not None:
+                _sum_into(gb2[e], gy, addb2)
+            gh = torch.ops.aten.gelu_backward(gy @ w2_EHM[e].t(), h)  # (n, H)
+            if gw1 is not None:
+                _mm_into(gw1[e], x.t(), gh, add1)  # (M, H)
+            if gb1 is not None:
+                _sum_into(gb1[e], gh, addb1)
+            if gx_AM is not None:
+                torch.mm(gh, w1_EMH[e].t(), out=gx_AM[lo:hi])
+        w1g, b1g, w2g, b2g = (None if adds else g for g, adds in grads)
+        return gx_AM, w1g, b1g, w2g, b2g, None, None
+
+
+def _grad_buffer(w: torch.Tensor, node, needed: bool) -> tuple[torch.Tensor | None, bool]:
+    """``(w.grad, True)`` when this backward will accumulate into ``w.grad`` anyway, else a new
+    buffer; ``(None, True)`` when ``w`` needs no gradient (nothing is written)."""
+    if not needed:
+        return None, True
+    g = w.grad
+    if (node is not None and g is not None and not torch.is_grad_enabled() and g.shape == w.shape
+            and g.dtype == w.dtype and g.device == w.device and g.is_contiguous()
+            and _engine_accumulates(node)):
+        return g, True
+    return torch.empty_like(w), False
+
+
+def _engine_accumulates(node) -> bool:
+    """Whether the running backward executes ``node`` (a leaf's AccumulateGrad): true for
+    ``backward()``, false under ``autograd.grad`` or ``backward(inputs=...)`` without it."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # raised for leaves during torch.autograd.grad
+        return False
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
+    if add:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _sum_into(out: torch.Tensor, g: torch.Tensor, add: bool) -> None:
+    if add:
+        out.add_(g.sum(0))
+    else:
+        torch.sum(g, 0, out=out)
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    spans, lo = [], 0
+    for n in counts:
+        spans.append((lo, lo + n))
+        lo += n
+    return spans
+
+
+def grouped_mlp(x_AM: torch.Tensor, counts: list[int], w1_EMH: torch.Tensor,
+                b1_EH: torch.Tensor, w2_EHM: torch.Tensor, b2_EM: torch.Tensor) -> torch.Tensor:
+    """Each expert's GELU MLP on its rows: ``x_AM`` holds ``counts[e]`` rows for expert e, in
+    expert order (sum(counts) == A); returns (A, M_out)."""
+    if len(counts) != w1_EMH.shape[0] or sum(counts) != x_AM.shape[0]:
+        raise ValueError(f"counts {counts} do not fit {x_AM.shape[0]} rows of "
+                         f"{w1_EMH.shape[0]} experts")
+    weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
+    track = torch.is_grad_enabled()
+    accumulators = tuple(get_gradient_edge(w).node if track and w.requires_grad and w.is_leaf
+                         else None for w in weights)
+    return _GroupedMLP.apply(x_AM.contiguous(), *weights, counts, accumulators)
