@@ -18,7 +18,9 @@ scaling: troupe's layer at 8 and 64 experts with equal work: the same tokens, to
   so the experts do the same FLOPs between them.
 
 Times: forward + backward of (y * target).sum() + aux, median of --iters after one untimed
-run, torch.set_num_threads(threads). Peak memory: the rise of the process's peak resident set
+run, torch.set_num_threads(threads); for layer and scaling the two sides are timed alternately
+in --repeats fresh processes each and the best median counts (a shared machine's bursts of load
+otherwise decide ratios near 1). Peak memory: the rise of the process's peak resident set
 over the first forward + backward, in a fresh process with glibc's mmap threshold lowered so
 that freed tensors leave the resident set at once (times come from another fresh process with
 the default allocator); on CUDA, max_memory_allocated. One JSON line per configuration.
@@ -43,7 +45,7 @@ from troupe.kernels.moe import permute, unpermute
 from troupe.models.moe import MoE, MoEConfig, TopKGate
 
 
-# --- what is measured -------------------------------------------------------------------------
+# --- what is measured ------------------------------------------------------------------------
 
 def routing(S: int, M: int, E: int, k: int, device: str):
     torch.manual_seed(0)
@@ -198,24 +200,32 @@ def _rss_bytes() -> int:
 
 # --- fresh processes --------------------------------------------------------------------------
 
-def run_fresh(spec: dict, a) -> dict:
-    """Time in one fresh process, peak memory in another (see the module docstring)."""
+def run_pair(base: dict, mine: dict, a) -> tuple[dict, dict]:
+    """Both methods, timed alternately --repeats times (the best median of each counts, so a
+    burst of load on a shared machine does not decide the ratio), and their peak memory."""
+    runs = {0: [], 1: []}
+    for _ in range(a.repeats):
+        for i, spec in enumerate((base, mine)):
+            runs[i].append(_child(spec, a, dict(os.environ)))
     mem_env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    runs = []
-    for env in (dict(os.environ), mem_env):
-        out = subprocess.run([sys.executable, __file__, "--iters", str(a.iters), "--device",
-                              a.device, "--child", json.dumps(spec)], check=True,
-                             capture_output=True, text=True, env=env).stdout
-        runs.append(json.loads(out.strip().splitlines()[-1]))
-    return {**runs[0], "peak_bytes": runs[1]["peak_bytes"]}
+    return tuple({**min(runs[i], key=lambda r: r["seconds"]),
+                  "peak_bytes": _child(spec, a, mem_env)["peak_bytes"]}
+                 for i, spec in enumerate((base, mine)))
+
+
+def _child(spec: dict, a, env: dict) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--iters", str(a.iters), "--device",
+                          a.device, "--child", json.dumps(spec)], check=True,
+                         capture_output=True, text=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def bench_dispatch(a, common: dict) -> None:
     for k in a.top_k:
         for E in a.experts:
             spec = {**common, "experts": E, "top_k": k}
-            base = run_fresh({**spec, "method": "gshard_einsum"}, a)
-            mine = run_fresh({**spec, "method": "sorted"}, a)
+            base, mine = run_pair({**spec, "method": "gshard_einsum"},
+                                  {**spec, "method": "sorted"}, a)
             print(json.dumps({
                 "bench": "moe_dispatch", **common, "experts": E, "top_k": k,
                 "capacity": routing(a.tokens, a.width, E, k, "cpu").capacity,
@@ -233,8 +243,8 @@ def bench_layer(a, common: dict) -> None:
             for E in a.experts:
                 spec = {**common, "hidden": a.hidden, "experts": E, "top_k": k,
                         "threads": threads}
-                ds = run_fresh({**spec, "method": "deepspeed"}, a)
-                mine = run_fresh({**spec, "method": "troupe"}, a)
+                ds, mine = run_pair({**spec, "method": "deepspeed"},
+                                    {**spec, "method": "troupe"}, a)
                 print(json.dumps({
                     "bench": "moe_layer", **common, "hidden": a.hidden, "experts": E,
                     "top_k": k, "threads": threads, "deepspeed_version": deepspeed.__version__,
@@ -251,9 +261,9 @@ def bench_layer(a, common: dict) -> None:
 
 def bench_scaling(a, common: dict) -> None:
     for threads in a.threads:
-        t = {E: run_fresh({**common, "hidden": a.hidden, "experts": E, "top_k": 1,
-                           "threads": threads, "dropless": True, "method": "troupe"}, a)
-             for E in (8, 64)}
+        t = dict(zip((8, 64), run_pair(*({**common, "hidden": a.hidden, "experts": E,
+                                           "top_k": 1, "threads": threads, "dropless": True,
+                                           "method": "troupe"} for E in (8, 64)), a)))
         print(json.dumps({"bench": "moe_layer_scaling", **common, "hidden": a.hidden,
                           "top_k": 1, "dropless": True, "threads": threads,
                           "experts_8_s": round(t[8]["seconds"], 4),
@@ -281,6 +291,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=2, help="timed processes per method, alternated; the best median counts")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -104,3 +104,11 @@ def test_cuda_equals_cpu():
     torch.testing.assert_close(y_gpu.cpu(), y, atol=1e-4, rtol=1e-4)
     for g, g_gpu in zip(grads, grads_gpu):
         torch.testing.assert_close(g_gpu.cpu(), g, atol=1e-4, rtol=1e-4)
+
+
+def test_a_second_backward_is_refused():
+    (x, *ws), target = make([3, 4])
+    loss = (grouped_mlp(x, [3, 4], *ws) * target).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()

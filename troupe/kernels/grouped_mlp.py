@@ -5,8 +5,11 @@
 Indexing stacked weights per expert under autograd (``w1[e]`` in a loop) makes every index's
 backward allocate a zero gradient of the whole stack and autograd add them up: E^2 work. Here
 the backward writes each expert's gradient straight into its slice of one buffer per stacked
-weight, so time follows the tokens. Only x and the pre-activation are kept for the backward (the
-GELU output is recomputed one expert at a time); per-expert temporaries live for one expert.
+weight, so time follows the tokens. Only x and each expert's pre-activation are kept for the
+backward (the GELU output is recomputed one expert at a time), and the backward releases each
+pre-activation once its expert is done while that expert's gradients fill in, so the two never
+peak together; per-expert temporaries live for one expert. A second backward through the same
+graph (retain_graph=True) is therefore refused.
 
 Where a weight already has a ``.grad`` that this backward would add into (``loss.backward()``
 with gradients kept between steps, as troupe's flat gradient buffers are), the expert gradients
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.autograd.graph import get_gradient_edge
 
 
@@ -36,14 +40,20 @@ class _GroupedMLP(torch.autograd.Function):
             h = torch.addmm(b1_EH[e], x_AM[lo:hi], w1_EMH[e])
             torch.addmm(b2_EM[e], F.gelu(h), w2_EHM[e], out=y_AM[lo:hi])
             h_pre.append(h)
-        ctx.save_for_backward(x_AM, w1_EMH, w2_EHM, *h_pre)
+        ctx.save_for_backward(x_AM, w1_EMH, w2_EHM)
+        ctx.h_pre = h_pre  # intermediates: released expert by expert in the backward
         ctx.weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
         ctx.counts, ctx.accumulators = counts, accumulators
         return y_AM
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy_AM):
-        x_AM, w1_EMH, w2_EHM, *h_pre = ctx.saved_tensors
+        x_AM, w1_EMH, w2_EHM = ctx.saved_tensors
+        h_pre, ctx.h_pre = ctx.h_pre, None
+        if h_pre is None:
+            raise RuntimeError("grouped_mlp releases its activations during the backward: a "
+                               "second backward through it (retain_graph=True) is not supported")
         gy_AM = gy_AM.contiguous()
         gx_AM = torch.empty_like(x_AM) if ctx.needs_input_grad[0] else None
         # per weight: (buffer, True when it is the weight's own .grad and we add into it)
@@ -57,6 +67,7 @@ class _GroupedMLP(torch.autograd.Function):
                         g[e].zero_()
                 continue
             x, h, gy = x_AM[lo:hi], h_pre[e], gy_AM[lo:hi]  # (n, M), (n, H), (n, M)
+            h_pre[e] = None  # freed once h is
             if gw2 is not None:
                 _mm_into(gw2[e], F.gelu(h).t(), gy, add2)  # (H, M)
             if gb2 is not None:
