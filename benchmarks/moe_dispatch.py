@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from troupe.kernels.moe import permute, unpermute
 from troupe.models.moe import MoE, MoEConfig, TopKGate
 
-
 # --- what is measured ------------------------------------------------------------------------
 
 def routing(S: int, M: int, E: int, k: int, device: str):
