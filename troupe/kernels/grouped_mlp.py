@@ -88,8 +88,8 @@ def _grad_buffer(w: torch.Tensor, node, needed: bool) -> tuple[torch.Tensor | No
     buffer; ``(None, True)`` when ``w`` needs no gradient (nothing is written)."""
     if not needed:
         return None, True
-    g = w.grad
-    if (node is not None and g is not None and not torch.is_grad_enabled() and g.shape == w.shape
+    g = w.grad if node is not None else None  # node: the leaf's AccumulateGrad
+    if (g is not None and not torch.is_grad_enabled() and g.shape == w.shape
             and g.dtype == w.dtype and g.device == w.device and g.is_contiguous()
             and _engine_accumulates(node)):
         return g, True
