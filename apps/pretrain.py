@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
-from troupe.runtime import pretrain  # noqa: E402
-from troupe.training import PretrainConfig  # noqa: E402
+from troupe.pretrain import PretrainConfig  # noqa: E402
+from troupe.pretrain import driver as pretrain  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
+from troupe.rlhf import driver as rlhf  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
-from troupe.runtime import rlhf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
-from troupe.runtime import serve  # noqa: E402
+from troupe.serving import deploy as serve  # noqa: E402
 from troupe.serving.model import locate  # noqa: E402
 from troupe.serving.protocol import ServeConfig  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Generation with the KV cache against recomputing the whole sequence for every new token,
+"""Generation through troupe's engine (troupe.generation: continuous batching, KV cache), as the
+RLHF rollouts and the server run it, against recomputing the whole sequence for every new token,
 on the default RLHF policy model (apps/configs/rlhf-sort.yaml), in one run.
 
     python benchmarks/generation.py [--batch 32] [--new-tokens 8 24] [--repeats 5]
@@ -19,12 +20,33 @@ from pathlib import Path
 import torch
 
 from troupe.config import load_config
+from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.rlhf.batch import prompts
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask
-from troupe.rlhf.lm import ByteTokens, GPTLM
+from troupe.rlhf.lm import GPTLM, ByteTokens
 
 RECIPE = Path(__file__).resolve().parent.parent / "apps" / "configs" / "rlhf-sort.yaml"
+
+
+@torch.inference_mode()
+def recompute(lm: GPTLM, ids: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy tokens (B, n), running the whole left-padded batch again for each one."""
+    for _ in range(n):
+        nxt = lm.logits(ids, valid)[:, -1].argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
+    return ids[:, -n:]
+
+
+@torch.inference_mode()
+def engine(lm: GPTLM, ids: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy tokens (B, n) from the engine, every sequence queued at once, no eos."""
+    batcher = ContinuousBatcher(lm.gpt, None, max_batch=len(ids))
+    for i, (row, mask) in enumerate(zip(ids, valid)):
+        batcher.add(str(i), row[mask].tolist(), SamplingParams(max_tokens=n))
+    out = batcher.run()
+    return torch.tensor([out[str(i)] for i in range(len(ids))])
 
 
 def main() -> None:
@@ -42,12 +64,11 @@ def main() -> None:
     for n in a.new_tokens:
         n = min(n, cfg.model.gpt.seq_len - ids.shape[1])
         times, outs = {}, {}
-        for name, cache in (("recompute", False), ("kv_cache", True)):
+        for name, fn in (("recompute", recompute), ("kv_cache", engine)):
             runs = []
             for _ in range(a.repeats):
                 t0 = time.perf_counter()
-                outs[name] = lm.generate(ids, valid, n, eos_id=-1, temperature=0.0,
-                                         use_cache=cache)
+                outs[name] = fn(lm, ids, valid, n)
                 runs.append(time.perf_counter() - t0)
             times[name] = statistics.median(runs)
         print(json.dumps({"bench": "generation", "machine": platform.node(),

@@ -15,7 +15,7 @@ from pathlib import Path
 from troupe.config import load_config
 from troupe.models import GPT, expert_parameters
 from troupe.models.moe import MoE
-from troupe.training import PretrainConfig
+from troupe.pretrain.config import PretrainConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "apps" / "configs"
 

@@ -18,10 +18,12 @@ import json
 import platform
 import time
 
-import troupe
 from allreduce import tcp_bytes_sent  # benchmarks/ is the script's directory
-from troupe.runtime.pretrain import build_graph
-from troupe.training import PretrainConfig
+
+import troupe
+from troupe.pretrain import PretrainRank
+from troupe.pretrain.config import PretrainConfig
+from troupe.pretrain.driver import build_graph
 
 
 def config(args, optimizer: dict, workers: int) -> PretrainConfig:
@@ -36,22 +38,22 @@ def config(args, optimizer: dict, workers: int) -> PretrainConfig:
 
 def train(args, name: str, optimizer: dict) -> dict:
     cfg = config(args, optimizer, args.workers)
-    graph = build_graph(cfg, name=f"bench-{name}")
+    built = build_graph(cfg, name=f"bench-{name}")
     try:
-        trainer, pids = graph["trainer"], [i["pid"] for i in graph.info]
+        trainer, pids = built.graph["trainer"], [i.pid for i in built.trainers]
         b0, t0 = tcp_bytes_sent(*pids), time.perf_counter()
         for step in range(1, args.steps + 1):
-            metrics = trainer.call("train_step", step)
+            metrics = trainer.invoke(PretrainRank.train_step, step)
         seconds, tcp = time.perf_counter() - t0, tcp_bytes_sent(*pids) - b0
-        val = sum(trainer.call("evaluate")) / args.workers
+        val = sum(trainer.invoke(PretrainRank.evaluate)) / args.workers
         return {"optimizer": name, "val_loss": round(val, 4),
-                "train_loss": round(sum(m["loss"] for m in metrics) / len(metrics), 4),
-                "bytes_sent_per_rank": metrics[0]["bytes_sent"],
+                "train_loss": round(sum(m.loss for m in metrics) / len(metrics), 4),
+                "bytes_sent_per_rank": metrics[0].bytes_sent,
                 "tcp_bytes_sent_per_rank": tcp // args.workers,
-                "optimizer_state_bytes": graph.info[0]["optimizer_bytes"],
+                "optimizer_state_bytes": built.trainers[0].optimizer_bytes,
                 "seconds": round(seconds, 1), "lr": cfg.optimizer.lr, **optimizer}
     finally:
-        graph.shutdown()
+        built.shutdown()
 
 
 def main() -> None:
@@ -89,12 +91,12 @@ def main() -> None:
         print(json.dumps({"bench": "optimizers", "machine": platform.node(),
                           "workers": args.workers, "steps": S, **r}), flush=True)
     for workers in (1, 2, 4):  # ZeRO-1: per-trainer optimizer memory
-        graph = build_graph(config(args, dict(name="adam"), workers), name=f"mem{workers}")
-        info = graph.info
-        graph.shutdown()
+        built = build_graph(config(args, dict(name="adam"), workers), name=f"mem{workers}")
+        info = built.trainers
+        built.shutdown()
         print(json.dumps({"bench": "optimizer_memory", "optimizer": "adam (ZeRO-1)",
-                          "workers": workers, "param_bytes": info[0]["param_bytes"],
-                          "optimizer_bytes_per_rank": [i["optimizer_bytes"] for i in info]}),
+                          "workers": workers, "param_bytes": info[0].param_bytes,
+                          "optimizer_bytes_per_rank": [i.optimizer_bytes for i in info]}),
               flush=True)
 
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from troupe.compression import layerwise_distill, quantize_model  # noqa: E402
 from troupe.data import TokenDataset  # noqa: E402
-from troupe.training import PretrainConfig  # noqa: E402
-from troupe.training.export import load_full_model  # noqa: E402
+from troupe.pretrain import PretrainConfig  # noqa: E402
+from troupe.pretrain.export import load_full_model  # noqa: E402
 
 MODES = {"w8a8": {"*": "w8a8"},
          "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16"},

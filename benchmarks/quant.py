@@ -33,9 +33,9 @@ import time
 import torch
 
 from troupe.compression import QuantizedLinear, quantize_model
+from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.kernels.quant import channel_scales, int8_gemm, quantize_tokens
 from troupe.models import GPT, GPTConfig
-from troupe.serving import ContinuousBatcher, SamplingParams
 from troupe.serving.model import weight_bytes
 
 DECODE_MODES = {"fp32": None, "w8a8": {"*": "w8a8"},

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from troupe.config import ConfigError, load_config
-from troupe.training import PretrainConfig
+from troupe.pretrain.config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "apps" / "configs").glob("*moe*.yaml")) + [

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from troupe.rlhf import driver as rlhf
 from troupe.rlhf.config import RLHFConfig
-from troupe.runtime import rlhf
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,12 +4,12 @@ over 2 and 4 ranks against one process holding every expert."""
 import pytest
 import torch
 
-from troupe import collectives
-from troupe.models.moe import MoE, MoEConfig, TopKGate, expert_layout
-from troupe.models.moe.gate import keep_within_capacity
-from troupe.runtime import ActorGraph
-
 from tests.kernels.test_grouped_mlp import loop_mlp
+from troupe import collectives
+from troupe.models.moe import MoE, MoEConfig, TopKGate
+from troupe.models.moe.gate import keep_within_capacity
+from troupe.parallel import apply_expert_parallel, expert_layout
+from troupe.runtime import ActorGraph
 
 M, H, E = 16, 32, 8
 
@@ -86,7 +86,7 @@ def _cfg(dropless: bool, k: int) -> MoEConfig:
 
 def _build(cfg: MoEConfig, group=None) -> MoE:
     torch.manual_seed(7)  # the gate is dense: the same everywhere
-    moe = MoE(M, H, E, cfg, group)
+    moe = apply_expert_parallel(MoE(M, H, E, cfg), group)
     moe.experts.init_weights(3, "layer", 0.2, 0.2)
     return moe
 

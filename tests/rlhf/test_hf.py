@@ -9,6 +9,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
 from troupe.rlhf.data import SortTask  # noqa: E402
+from troupe.rlhf.experience import RolloutRequest  # noqa: E402
 from troupe.rlhf.roles import Critic, Policy, Reward  # noqa: E402
 
 
@@ -37,13 +38,13 @@ def test_hf_model_trains_generates_and_scores(tiny_hf):
     assert policy.tok.encode("sort 31:") == [policy.tok.encode(c)[0] for c in "sort 31:"]
     policy.train.use_optimizer(cfg.sft.optimizer, 20)
     demos = SortTask().demonstrations(32, 0)
-    losses = [policy.sft_step(demos, s)["loss"] for s in range(1, 21)]
+    losses = [policy.sft_step(demos, s).loss for s in range(1, 21)]
     assert losses[-1] < losses[0]
-    g = policy.generate(["sort 321:", "sort 9:"], seed=0)
-    assert g["ids"].shape[1] == len(policy.tok.encode("sort 321:")) + 6
+    g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1]))
+    assert g.ids.shape[1] == len(policy.tok.encode("sort 321:")) + 6
     reward, critic = Reward(cfg, None, 0), Critic(cfg, None, 0)
     reward.train.use_optimizer(cfg.reward.optimizer, 5)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in SortTask().preferences(8, 0)]
-    assert reward.rm_step(pairs, 1)["loss"] > 0
-    assert reward.score(g["ids"], g["valid"]).shape == (2,)
-    assert critic.values(g["ids"], g["valid"]).shape == g["action"].shape
+    assert reward.rm_step(pairs, 1).loss > 0
+    assert reward.score(g.ids, g.valid).shape == (2,)
+    assert critic.values(g.ids, g.valid).shape == g.action.shape

@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from troupe.rlhf.ppo import (ema_update, gae, kl_rewards, pairwise_loss, policy_loss,
-                             value_loss)
+from troupe.rlhf.algorithms import (
+    ema_update,
+    gae,
+    kl_rewards,
+    pairwise_loss,
+    policy_loss,
+    value_loss,
+)
 
 
 def test_kl_rewards_add_the_clipped_score_at_the_last_token():

@@ -9,6 +9,7 @@ import torch
 from troupe.rlhf.batch import completions, left_pad, response_mask
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
+from troupe.rlhf.experience import Experience, RolloutRequest
 from troupe.rlhf.roles import Critic, Policy, Reward
 
 SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
@@ -58,19 +59,35 @@ def test_sft_and_reward_losses_fall():
     reward.train.use_optimizer(cfg.reward.optimizer, 30)
     demos = task.demonstrations(32, 0)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(32, 1)]
-    sft = [policy.sft_step(demos, s)["loss"] for s in range(1, 31)]
-    rm = [reward.rm_step(pairs, s)["loss"] for s in range(1, 31)]
+    sft = [policy.sft_step(demos, s).loss for s in range(1, 31)]
+    rm = [reward.rm_step(pairs, s).loss for s in range(1, 31)]
     assert sft[-1] < sft[0] - 1.0 and rm[-1] < rm[0]
 
 
 def test_generation_with_cache_matches_recompute():
     cfg = RLHFConfig(**SMALL)
     policy = Policy(cfg, None, 0)
+    texts = ["sort 12:", "sort 98765:"]
+    a = policy.generate(RolloutRequest(texts, [0, 1], temperature=0.0))
+    b = _greedy_recompute(policy, texts, 6)
+    assert torch.equal(a.ids, b)
+
+
+@torch.no_grad()
+def _greedy_recompute(policy, texts, n):
+    """Greedy decoding by running the whole left-padded batch again for every token (no
+    cache), eos repeated after a sequence's end: the reference."""
     from troupe.rlhf.batch import prompts
-    ids, valid = prompts(policy.tok, ["sort 12:", "sort 98765:"])
-    a = policy.lm.generate(ids, valid, 6, policy.tok.eos_id, temperature=0.0)
-    b = policy.lm.generate(ids, valid, 6, policy.tok.eos_id, temperature=0.0, use_cache=False)
-    assert torch.equal(a, b)
+    ids, valid = prompts(policy.tok, texts)
+    eos = policy.tok.eos_id
+    done = torch.zeros(len(texts), dtype=torch.bool)
+    for _ in range(n):
+        nxt = policy.lm.logits(ids, valid)[:, -1].argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        valid = torch.cat([valid, ~done[:, None]], 1)
+        done |= nxt == eos
+    return ids
 
 
 def test_ppo_step_on_own_samples():
@@ -78,16 +95,17 @@ def test_ppo_step_on_own_samples():
     policy, critic = Policy(cfg, None, 0), Critic(cfg, None, 0)
     policy.train.use_optimizer(cfg.ppo.actor, 5)
     critic.train.use_optimizer(cfg.ppo.critic, 5)
-    g = policy.generate(["sort 321:", "sort 9:"], seed=0)
-    assert g["ids"].shape[1] == g["valid"].shape[1] == g["action"].shape[1] + 1
-    old = policy.logprobs(g["ids"], g["valid"])
-    values = critic.values(g["ids"], g["valid"])
-    assert old.shape == values.shape == g["action"].shape
-    adv = torch.ones_like(old) * g["action"]
-    exp = {**g, "old_logp": old, "adv": adv, "old_values": values, "returns": adv}
+    g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1]))
+    assert g.ids.shape[1] == g.valid.shape[1] == g.action.shape[1] + 1
+    old = policy.logprobs(g.ids, g.valid)
+    values = critic.values(g.ids, g.valid)
+    assert old.shape == values.shape == g.action.shape
+    adv = torch.ones_like(old) * g.action
+    exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=values, advantages=adv,
+                     returns=adv)
     stats = policy.ppo_step(exp, 1, None)
-    assert stats["policy_loss"] == pytest.approx(-1.0, abs=1e-5)  # ratio 1: -mean(A)
-    assert critic.critic_step(exp, 1)["value_loss"] > 0
+    assert stats.policy_loss == pytest.approx(-1.0, abs=1e-5)  # ratio 1: -mean(A)
+    assert critic.critic_step(exp, 1).value_loss > 0
 
 
 def test_lora_ema_and_ptx_in_ppo(tmp_path):
@@ -101,12 +119,13 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
     policy.begin_ppo(str(tmp_path / "sft.trp"))
     trainable = [n for n, p in policy.lm.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    g = policy.generate(["sort 321:", "sort 90:"], seed=0)
-    old = policy.logprobs(g["ids"], g["valid"])
-    exp = {**g, "old_logp": old, "adv": torch.randn_like(old) * g["action"]}
+    g = policy.generate(RolloutRequest(["sort 321:", "sort 90:"], [0, 1]))
+    old = policy.logprobs(g.ids, g.valid)
+    exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=torch.zeros_like(old),
+                     advantages=torch.randn_like(old) * g.action, returns=torch.zeros_like(old))
     demos = SortTask().demonstrations(4, 0)
     stats = policy.ppo_step(exp, 1, demos)
-    assert "ptx_loss" in stats
+    assert stats.ptx_loss is not None
     ema_w = dict(policy.ema.named_parameters())
     lm_w = dict(policy.lm.named_parameters())
     name = next(n for n in lm_w if "lora_b" in n)
@@ -114,8 +133,8 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
     policy.save(str(tmp_path / "ppo.trp"))
     plain = Policy(cfg, None, 0)
     plain.load(str(tmp_path / "ppo.trp"))
-    torch.testing.assert_close(plain.logprobs(g["ids"], g["valid"]),
-                               policy.logprobs(g["ids"], g["valid"]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain.logprobs(g.ids, g.valid),
+                               policy.logprobs(g.ids, g.valid), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_generation_layout():
@@ -127,10 +146,11 @@ def test_int8_generation_layout():
     for s in range(1, 41):
         policy.sft_step(SortTask().demonstrations(32, s), s)
     texts = SortTask().prompts(32, 5)
-    q = policy.generate(texts, seed=0, temperature=0.0)
+    request = RolloutRequest(texts, list(range(len(texts))), temperature=0.0)
+    q = policy.generate(request)
     policy.cfg.ppo.int8_generation = False
-    f = policy.generate(texts, seed=0, temperature=0.0)
-    agree = (q["ids"] == f["ids"]).float().mean().item()
+    f = policy.generate(request)
+    agree = (q.ids == f.ids).float().mean().item()
     assert agree > 0.9
     assert all(isinstance(m, torch.nn.Linear) or "Quantized" not in type(m).__name__
                for m in policy.lm.modules())

@@ -9,10 +9,10 @@ import pytest
 import ray
 import torch
 
+from troupe import checkpoint as ckpt
+from troupe.checkpoint import storage
 from troupe.errors import WorkerDiedError
 from troupe.runtime import ActorGraph, checkpoint, get_context
-from troupe.training import checkpoint as ckpt
-from troupe.training import storage
 
 
 class Saver:

@@ -4,8 +4,8 @@ per node, checkpoints on a directory every node reaches, and resume across the n
 import pytest
 
 import troupe
-from tests.runtime.test_pretrain import _cfg, _train_key
-from troupe.runtime import pretrain
+from tests.pretrain.test_driver import _cfg, _train_key
+from troupe.pretrain import driver as pretrain
 from troupe.runtime.cluster import _enable_token_auth
 
 pytestmark = pytest.mark.own_cluster

@@ -10,9 +10,9 @@ import openai
 import pytest
 import torch
 
+from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
-from troupe.runtime import serve
-from troupe.serving import ContinuousBatcher, SamplingParams
+from troupe.serving import deploy as serve
 from troupe.serving.model import load_served_model, save_model
 from troupe.serving.protocol import ServeConfig
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.serving.test_app import alone
 from troupe.models import GPT, GPTConfig
-from troupe.runtime import serve
+from troupe.serving import deploy as serve
 from troupe.serving.model import load_served_model, save_model
 from troupe.serving.protocol import ServeConfig
 

@@ -1,9 +1,7 @@
-"""Role classes hosted by the graph's workers: thin shells over the plain classes below."""
+"""How a plain role class becomes a Ray actor: the worker that hosts it (context, collective
+groups, stack dumps for timeouts) and the dispatch declarations on its methods. The role
+classes themselves live with their application (troupe.pretrain, troupe.rlhf, troupe.serving)."""
 
-from troupe.actors.pretrain import PretrainRank
-from troupe.actors.rlhf import CriticActor, PolicyActor, ReferenceActor, RewardActor
-from troupe.actors.serve import ServeRank, ServeReplica
-from troupe.actors.shard import ParameterShardRank
+from troupe.actors.dispatch import Dispatch, PerRank, dispatch, split
 
-__all__ = ["CriticActor", "ParameterShardRank", "PolicyActor", "PretrainRank", "ReferenceActor",
-           "RewardActor", "ServeRank", "ServeReplica"]
+__all__ = ["Dispatch", "PerRank", "dispatch", "split"]

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from troupe.collectives import Communicator
 from troupe.config import Config
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
@@ -107,15 +106,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT with tied input/output embeddings. With ``ep_group``, MoE layers hold only this
-    rank's slice of the experts and exchange tokens over the group.
+    """GPT with tied input/output embeddings, built whole (troupe.parallel splits its experts).
 
     forward(idx_BT, targets_BT=None, ltd=None) returns (logits_BTV, lm_loss, aux_loss); lm_loss
     is None without targets. ``ltd`` = (keep, layers, generator): in those layers only ``keep``
     random tokens per sequence (kept in order) pass through the block; the rest skip it.
     """
 
-    def __init__(self, cfg: GPTConfig, ep_group: Communicator | None = None, seed: int = 0):
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         d_ff = cfg.d_ff or 4 * cfg.d_model
@@ -126,7 +124,7 @@ class GPT(nn.Module):
             if i in moe_layers:
                 E = counts[moe_layers.index(i)]
                 kind = ResidualMoE if cfg.moe.residual else MoE
-                blocks.append(Block(cfg, kind(cfg.d_model, d_ff, E, cfg.moe, ep_group)))
+                blocks.append(Block(cfg, kind(cfg.d_model, d_ff, E, cfg.moe)))
             else:
                 blocks.append(Block(cfg, MLP(cfg.d_model, d_ff)))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)

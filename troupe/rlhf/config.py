@@ -72,6 +72,7 @@ class PPOConfig(Config):
     prompts_per_iter: int = Field(default=32, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     ppo_epochs: int = Field(default=1, ge=1)
     kl_coef: float = Field(default=0.05, ge=0)
     clip_reward: float = Field(default=5.0, gt=0)

@@ -8,8 +8,10 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from troupe.data.corpus import jsonl_objects
+from troupe.rlhf.config import RLHFConfig
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -119,3 +121,35 @@ class SortTask:
     def prompts(self, n: int, seed: int) -> list[str]:
         rng = random.Random(seed)
         return [self.prompt(rng) for _ in range(n)]
+
+
+@dataclass
+class Data:
+    """Everything the three steps read: demonstrations, preference pairs (train and held
+    out), prompts for PPO and for evaluation, and the task's gold reward when it has one."""
+
+    sft: list[tuple[str, str]]
+    pairs: list[tuple[str, str, str]]
+    eval_pairs: list[tuple[str, str, str]]
+    prompts: list[str]
+    eval_prompts: list[str]
+    gold: Callable[[str, str], float] | None
+
+
+def prepare_data(cfg: RLHFConfig) -> Data:
+    """The bundled task (generated from the seed) or the JSON-lines file of ``data.path``."""
+    if cfg.data.path:
+        rows = read_jsonl(cfg.data.path)
+        n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
+        train, held = rows[:-n_eval], rows[-n_eval:]
+        return Data([(e.prompt, e.chosen) for e in train],
+                    [(e.prompt, e.chosen, e.rejected) for e in train],
+                    [(e.prompt, e.chosen, e.rejected) for e in held],
+                    [e.prompt for e in train], [e.prompt for e in held], None)
+    t, s = cfg.task, cfg.seed
+    task = SortTask(t.min_digits, t.max_digits, t.noise)
+    pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(
+        t.preference_examples + t.eval_examples, s + 2)]
+    return Data(task.demonstrations(t.sft_examples, s + 1), pairs[:-t.eval_examples],
+                pairs[-t.eval_examples:], task.prompts(20000, s + 3),
+                task.prompts(t.eval_examples, s + 4), task.gold)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.data import ByteTokenizer
-from troupe.models import GPT, GPTConfig, KVCache
+from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.models import GPT, GPTConfig
 
 
 class Tokenizer(Protocol):
@@ -73,17 +74,14 @@ class CausalLM(nn.Module):
     def hidden(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    @torch.no_grad()
-    def generate(self, ids_BP: torch.Tensor, valid_BP: torch.Tensor, max_new: int,
-                 eos_id: int, temperature: float = 1.0, use_cache: bool = True,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sampled continuations (B, max_new); after a sequence's eos, eos again."""
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                 eos_id: int) -> list[list[int]]:
+        """Each prompt's sampled continuation (its eos included when it ends on one)."""
         raise NotImplementedError
 
 
 class GPTLM(CausalLM):
-    """troupe's GPT; generation runs with a KV cache (or, use_cache=False, by recomputing the
-    whole sequence for every token: the baseline of benchmarks/generation.py)."""
+    """troupe's GPT; generation runs on troupe.generation's continuous batcher."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
@@ -97,38 +95,14 @@ class GPTLM(CausalLM):
         return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
 
     @torch.inference_mode()
-    def generate(self, ids_BP, valid_BP, max_new, eos_id, temperature=1.0, use_cache=True,
-                 generator=None):
-        B, P = ids_BP.shape
-        if P + max_new > self.max_len:
-            raise ValueError(f"prompt of {P} + {max_new} new tokens exceeds seq_len={self.max_len}")
-        seq, valid = ids_BP, valid_BP
-        cache = KVCache.empty(self.gpt.cfg, B, P + max_new, ids_BP.device) if use_cache else None
-        logits = self._last_logits(ids_BP, valid_BP, cache)
-        done = torch.zeros(B, dtype=torch.bool, device=ids_BP.device)
-        out = []
-        for i in range(max_new):
-            nxt = sample(logits, temperature, generator)
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            out.append(nxt)
-            done |= nxt == eos_id
-            if done.all() or i == max_new - 1:
-                break
-            seq = torch.cat([seq, nxt[:, None]], 1)
-            valid = torch.cat([valid, torch.ones_like(nxt[:, None], dtype=torch.bool)], 1)
-            if cache is not None:
-                logits = self._last_logits(nxt[:, None], valid, cache)
-            else:
-                logits = self._last_logits(seq, valid, None)
-        res = torch.stack(out, 1)
-        pad = torch.full((B, max_new - res.shape[1]), eos_id, dtype=res.dtype, device=res.device)
-        return torch.cat([res, pad], 1)
-
-
-    def _last_logits(self, ids, valid, cache):
-        """Next-token logits after the last position only (B, V)."""
-        h = self.gpt.hidden(ids, valid_BS=valid, cache=cache)[0][:, -1]
-        return F.linear(h, self.gpt.tok_emb.weight)
+    def generate(self, prompts, params, eos_id):
+        """Through troupe.generation's engine, all prompts in one batch: the server's engine
+        and sampler, so a prompt, seed and sampling parameters give the server's tokens."""
+        engine = ContinuousBatcher(self.gpt, eos_id, max_batch=max(len(prompts), 1))
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            engine.add(str(i), ids, p)
+        out = engine.run()
+        return [out.get(str(i), []) for i in range(len(prompts))]
 
 
 class HFLM(CausalLM):
@@ -138,7 +112,7 @@ class HFLM(CausalLM):
         super().__init__()
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                          torch_dtype=torch.float32)
+                                                          dtype=torch.float32)
         cfg = self.model.config
         self.hidden_size = cfg.hidden_size
         self.max_len = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions")
@@ -155,25 +129,23 @@ class HFLM(CausalLM):
         return out.hidden_states[-1]
 
     @torch.no_grad()
-    def generate(self, ids_BP, valid_BP, max_new, eos_id, temperature=1.0, use_cache=True,
-                 generator=None):
-        if generator is not None:
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+    def generate(self, prompts, params, eos_id):
+        """transformers' sampler (until issue 13 brings HF checkpoints into troupe's model and
+        its engine): one batch, seeded from the first sequence's seed, temperature and top-p
+        of the first sequence."""
+        from troupe.rlhf.batch import left_pad
+        ids_BP, valid_BP = left_pad(prompts, eos_id)
+        p, max_new = params[0], max(q.max_tokens for q in params)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
+        sampled = p.temperature > 0
         out = self.model.generate(input_ids=ids_BP, attention_mask=valid_BP.long(),
-                                  max_new_tokens=max_new, do_sample=True,
-                                  temperature=temperature, top_k=0, use_cache=use_cache,
+                                  max_new_tokens=max_new, do_sample=sampled,
+                                  temperature=p.temperature if sampled else None,
+                                  top_p=p.top_p if sampled else None, top_k=0,
                                   pad_token_id=eos_id, eos_token_id=eos_id)
-        res = out[:, ids_BP.shape[1]:]
-        pad = torch.full((res.shape[0], max_new - res.shape[1]), eos_id, dtype=res.dtype)
-        return torch.cat([res, pad], 1)
-
-
-def sample(logits_BV: torch.Tensor, temperature: float,
-           generator: torch.Generator | None) -> torch.Tensor:
-    if temperature <= 0:
-        return logits_BV.argmax(-1)
-    probs = F.softmax(logits_BV.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        res = out[:, ids_BP.shape[1]:].tolist()
+        return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in res]
 
 
 class ValueModel(nn.Module):

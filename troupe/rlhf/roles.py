@@ -15,12 +15,23 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model
+from troupe.generation import SamplingParams
 from troupe.models.io import load_module, save_module
 from troupe.models.lora import fuse_lora, inject_lora, unfuse_lora
-from troupe.rlhf import ppo
+from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions, prompts, response_mask
 from troupe.rlhf.common import Trainable, build_lm
 from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.experience import (
+    CriticStats,
+    Experience,
+    PolicyStats,
+    RewardEval,
+    RewardStats,
+    Rollout,
+    RolloutRequest,
+    SFTStats,
+)
 from troupe.rlhf.lm import ValueModel, token_logprobs
 
 
@@ -33,13 +44,13 @@ class Policy:
         self.ema = None
 
     # step 1 ---------------------------------------------------------------------------------
-    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> dict:
+    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
         self.lm.train()
         ids, valid, mask = completions(self.tok, [p for p, _ in pairs], [r for _, r in pairs])
         logp = token_logprobs(self.lm.logits(ids, valid), ids)
-        loss = -ppo.masked_mean(logp, mask)
+        loss = -algorithms.masked_mean(logp, mask)
         lr = self.train.step(loss, step)
-        return {"loss": loss.item(), "lr": lr}
+        return SFTStats(loss.item(), lr)
 
     # step 3 ---------------------------------------------------------------------------------
     def begin_ppo(self, sft_path: str) -> None:
@@ -47,37 +58,45 @@ class Policy:
         if self.cfg.ppo.lora.enabled:
             inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
             self.train = Trainable(self.lm, self.train.group)  # only the adapters train
-        self.train.use_optimizer(self.cfg.ppo.actor, self.cfg.ppo.iterations * self.cfg.ppo.ppo_epochs)
+        p = self.cfg.ppo
+        self.train.use_optimizer(p.actor, p.iterations * p.ppo_epochs)
         if self.cfg.ppo.ema:
             self.ema = copy.deepcopy(self.lm)
 
     @torch.no_grad()
-    def generate(self, texts: list[str], seed: int, use_ema: bool = False,
-                 temperature: float | None = None) -> dict:
-        """Sample responses in the inference layout; returns the sequences and their masks."""
-        model = self.ema if use_ema and self.ema is not None else self.lm
+    def generate(self, request: RolloutRequest) -> Rollout:
+        """Sample responses in the inference layout (eval mode, LoRA fused, INT8 weights if
+        the recipe says so) through troupe.generation's engine, one seed per prompt."""
+        model = self.ema if request.use_ema and self.ema is not None else self.lm
         t0 = time.perf_counter()
         model.eval()
         fused = self.cfg.ppo.lora.enabled and fuse_lora(model)
-        p_ids, p_valid = prompts(self.tok, texts)
-        gen = torch.Generator().manual_seed(seed * 7919 + self.rank)
-        temp = self.cfg.ppo.temperature if temperature is None else temperature
-        engine = self._int8_copy(model) if self.cfg.ppo.int8_generation else model
-        resp = engine.generate(p_ids, p_valid, self.cfg.ppo.max_new_tokens, self.tok.eos_id,
-                               temperature=temp, generator=gen)
+        p = self.cfg.ppo
+        temp = p.temperature if request.temperature is None else request.temperature
+        engine = self._int8_copy(model) if p.int8_generation else model
+        params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp, top_p=p.top_p,
+                                 seed=seed) for seed in request.seeds]
+        tokens = engine.generate([self.tok.encode(t) for t in request.prompts], params,
+                                 self.tok.eos_id)
         if fused:
             unfuse_lora(model)
-        rmask = response_mask(resp, self.tok.eos_id)
+        rollout = self._rollout(request.prompts, tokens)
+        rollout.seconds = time.perf_counter() - t0
+        return rollout
+
+    def _rollout(self, texts: list[str], tokens: list[list[int]]) -> Rollout:
+        """Prompts and sampled tokens as left-padded sequences with their masks."""
+        eos, N = self.tok.eos_id, self.cfg.ppo.max_new_tokens
+        p_ids, p_valid = prompts(self.tok, texts)
+        resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens], dtype=torch.long)
+        rmask = response_mask(resp, eos)
         ids = torch.cat([p_ids, resp], 1)
         valid = torch.cat([p_valid, rmask.bool()], 1)
         P = p_ids.shape[1]
         action = torch.zeros(ids.shape[0], ids.shape[1] - 1)
         action[:, P - 1:] = rmask  # target t+1 predicted at t
-        texts_out = [self.tok.decode([i for i, m in zip(r.tolist(), mk.tolist()) if m and
-                                      i != self.tok.eos_id]) for r, mk in zip(resp, rmask)]
-        return {"ids": ids, "valid": valid, "action": action, "responses": texts_out,
-                "prompts": list(texts),
-                "seconds": time.perf_counter() - t0}
+        responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
+        return Rollout(ids, valid, action, list(texts), responses)
 
     @staticmethod
     def _int8_copy(model):
@@ -93,21 +112,23 @@ class Policy:
         self.lm.eval()
         return token_logprobs(self.lm.logits(ids, valid), ids)
 
-    def ppo_step(self, exp: dict, iteration: int, ptx: list[tuple[str, str]] | None) -> dict:
+    def ppo_step(self, exp: Experience, iteration: int,
+                 ptx: list[tuple[str, str]] | None) -> PolicyStats:
         self.lm.train()
-        logp = token_logprobs(self.lm.logits(exp["ids"], exp["valid"]), exp["ids"])
-        loss = ppo.policy_loss(logp, exp["old_logp"], exp["adv"], exp["action"],
-                               self.cfg.ppo.policy_clip)
-        stats = {"policy_loss": loss.item()}
+        logp = token_logprobs(self.lm.logits(exp.ids, exp.valid), exp.ids)
+        loss = algorithms.policy_loss(logp, exp.old_logp, exp.advantages, exp.action,
+                                      self.cfg.ppo.policy_clip)
+        policy_loss, ptx_loss = loss.item(), None
         if ptx and self.cfg.ppo.ptx_coef > 0:
             ids, valid, mask = completions(self.tok, [p for p, _ in ptx], [r for _, r in ptx])
-            lm_loss = -ppo.masked_mean(token_logprobs(self.lm.logits(ids, valid), ids), mask)
+            lm_loss = -algorithms.masked_mean(token_logprobs(self.lm.logits(ids, valid), ids),
+                                              mask)
             loss = loss + self.cfg.ppo.ptx_coef * lm_loss
-            stats["ptx_loss"] = lm_loss.item()
+            ptx_loss = lm_loss.item()
         self.train.step(loss, iteration)
         if self.ema is not None:
-            ppo.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
-        return stats
+            algorithms.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
+        return PolicyStats(policy_loss, ptx_loss)
 
     def save(self, path: str, ema: bool = False) -> str:
         save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
@@ -172,19 +193,19 @@ class Reward:
         values = self.model(ids, valid)
         B = len(examples)
         end = last_real(valid)
-        return ppo.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:], end[:B], end[B:])
+        return algorithms.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:], end[:B], end[B:])
 
-    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> dict:
+    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
         self.model.train()
         loss, sc, sr = self._loss(examples)
         lr = self.train.step(loss, step)
-        return {"loss": loss.item(), "accuracy": (sc > sr).float().mean().item(), "lr": lr}
+        return RewardStats(loss.item(), (sc > sr).float().mean().item(), lr)
 
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple[str, str, str]]) -> dict:
+    def evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
         self.model.eval()
         loss, sc, sr = self._loss(examples)
-        return {"loss": loss.item(), "correct": int((sc > sr).sum()), "count": len(examples)}
+        return RewardEval(loss.item(), int((sc > sr).sum()), len(examples))
 
     @torch.no_grad()
     def score(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -223,13 +244,13 @@ class Critic:
         self.model.eval()
         return self.model(ids, valid)[:, :-1]  # value of the state before each target
 
-    def critic_step(self, exp: dict, iteration: int) -> dict:
+    def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         self.model.train()
-        values = self.model(exp["ids"], exp["valid"])[:, :-1]
-        loss = ppo.value_loss(values, exp["old_values"], exp["returns"], exp["action"],
-                              self.cfg.ppo.value_clip)
+        values = self.model(exp.ids, exp.valid)[:, :-1]
+        loss = algorithms.value_loss(values, exp.old_values, exp.returns, exp.action,
+                                     self.cfg.ppo.value_clip)
         self.train.step(loss, iteration)
-        return {"value_loss": loss.item()}
+        return CriticStats(loss.item())
 
     def save(self, path: str) -> str:
         save_module(path, self.model, kind="critic")
@@ -249,4 +270,4 @@ class Critic:
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each (left-padded, possibly right-padded) row."""
-    return ppo.last_index(valid_BS)
+    return algorithms.last_index(valid_BS)

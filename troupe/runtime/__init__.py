@@ -1,5 +1,9 @@
-"""Driver side: cluster init, ActorGraph, and the worker context."""
+"""The generic driver side: cluster init, ActorGraph and its handles (typed dispatch), the
+failure policy, sharded checkpoints over a graph, metrics. get_context is re-exported for
+role code (it lives in troupe.context)."""
 
+from troupe.actors.dispatch import Dispatch, PerRank, dispatch
+from troupe.context import WorkerContext, get_context
 from troupe.errors import (
     CallTimeoutError,
     ClusterConnectionError,
@@ -11,13 +15,13 @@ from troupe.errors import (
     WorkerError,
 )
 from troupe.runtime.cluster import ClusterInfo, init, shutdown
-from troupe.runtime.context import WorkerContext, get_context
 from troupe.runtime.graph import ActorGraph, CollectiveSpec, RoleSpec, connect_group, rewire
-from troupe.runtime.handle import Graph, RoleGroup, split_batch
+from troupe.runtime.handle import Call, Graph, RoleGroup, split_batch
 
 __all__ = [
-    "ActorGraph", "CallTimeoutError", "ClusterConnectionError", "ClusterInfo",
-    "CollectiveSpec", "CollectiveTimeoutError", "Graph", "PlacementTimeoutError", "RoleGroup",
-    "RoleSpec", "TroupeError", "WorkerCallError", "WorkerContext", "WorkerDiedError",
-    "WorkerError", "connect_group", "get_context", "init", "rewire", "shutdown", "split_batch",
+    "ActorGraph", "Call", "CallTimeoutError", "ClusterConnectionError", "ClusterInfo",
+    "CollectiveSpec", "CollectiveTimeoutError", "Dispatch", "Graph", "PerRank",
+    "PlacementTimeoutError", "RoleGroup", "RoleSpec", "TroupeError", "WorkerCallError",
+    "WorkerContext", "WorkerDiedError", "WorkerError", "connect_group", "dispatch",
+    "get_context", "init", "rewire", "shutdown", "split_batch",
 ]

@@ -13,26 +13,44 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Union
 
-from troupe.runtime.handle import RoleGroup
-from troupe.training import checkpoint as ckpt
-from troupe.training import storage
-from troupe.training.storage import StorePath
+from troupe import checkpoint as ckpt
+from troupe.actors.dispatch import Dispatch
+from troupe.checkpoint import storage
+from troupe.checkpoint.storage import StorePath
+from troupe.runtime.handle import Call, RoleGroup
+
+Part = Union[RoleGroup, tuple[RoleGroup, Callable[..., Any], Callable[..., Any]]]
+"""A role a checkpoint holds: (group, save method, load method) of its role class, where
+save(directory) writes the rank's file and returns its manifest entry and load(directory)
+reads it back; a bare RoleGroup stands for its methods named ``save`` and ``load``."""
 
 
-def save(roles: list[RoleGroup], root: StorePath, step: int, keep: int = 2,
-         method: str = "save", **meta: Any) -> StorePath:
-    """Checkpoint ``roles`` (whose workers implement ``method(directory)``, returning their
-    manifest entry) as root/step-NNNNNNNN; keeps the newest ``keep`` complete checkpoints."""
+def _calls(parts: list[Part], which: int, directory: str) -> list[tuple[RoleGroup, Call]]:
+    """Start the save (which=1) or load (which=2) method on every rank of every part."""
+    started = []
+    for part in parts:
+        if isinstance(part, RoleGroup):
+            name = ("save", "load")[which - 1]
+            started.append((part, Call(part, name, Dispatch.ALL, part.call_async(name, directory))))
+        else:
+            started.append((part[0], part[0].invoke_async(part[which], directory)))
+    return started
+
+
+def save(parts: list[Part], root: StorePath, step: int, keep: int = 2,
+         **meta: Any) -> StorePath:
+    """Checkpoint ``parts`` (see Part; all ranks write at once) as root/step-NNNNNNNN; keeps
+    the newest ``keep`` complete checkpoints."""
     directory = storage.join(root, f"step-{step:08d}")
     in_place = storage.is_url(root)
     staging = directory if in_place else storage.join(root, f".step-{step:08d}.partial")
     storage.remove(staging)  # an earlier, interrupted save of this step (or, in place, a redo)
-    refs = [(role, role.call_async(method, str(staging))) for role in roles]
-    files = [entry for role, r in refs for entry in role.get(r, method)]
+    started = _calls(parts, 1, str(staging))
+    files = [entry for _, call in started for entry in call.result()]
     ckpt.write_manifest(staging, files, step=step,
-                        roles={role.name: role.world_size for role in roles}, **meta)
+                        roles={group.name: group.world_size for group, _ in started}, **meta)
     if not in_place:
         _rename_into_place(Path(staging), Path(directory))
     for old in ckpt.steps(root)[:-keep] if keep > 0 else []:
@@ -51,18 +69,18 @@ def _rename_into_place(staging: Path, directory: Path) -> None:
         os.replace(staging, directory)
 
 
-def restore(roles: list[RoleGroup], directory: StorePath, method: str = "load") -> int:
-    """Load a checkpoint into ``roles`` (workers implement ``method(directory)``, all called at
-    once, since loading may exchange tensors between roles); returns the step."""
+def restore(parts: list[Part], directory: StorePath) -> int:
+    """Load a checkpoint into ``parts`` (see Part; all ranks at once, since loading may
+    exchange tensors between roles); returns the step."""
     manifest = ckpt.read_manifest(directory)
     saved = manifest.get("roles", {})
-    for role in roles:
+    for part in parts:
+        role = part if isinstance(part, RoleGroup) else part[0]
         if saved.get(role.name) != role.world_size:
             raise ValueError(f"checkpoint {directory} holds {saved.get(role.name, 0)} ranks of "
                              f"role {role.name!r}; the graph has {role.world_size}")
-    refs = [(role, role.call_async(method, str(directory))) for role in roles]
-    for role, r in refs:
-        role.get(r, method)
+    for _, call in _calls(parts, 2, str(directory)):
+        call.result()
     return manifest["step"]
 
 

@@ -152,27 +152,39 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
         namespace: Ray namespace for named actors.
         ray_kwargs: passed to ``ray.init`` as they are.
     """
-    global _embedded, _dashboard_url, _auth_mode
     if ray.is_initialized():
         return _info(_embedded)
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        _auth_mode = _match_cluster_auth(address)
-        try:
-            ctx = ray.init(address=address, namespace=namespace, **ray_kwargs)
-        except Exception as e:
-            hint = ""
-            if os.environ.get(AUTH_MODE_ENV) == "token":
-                hint = (" Token authentication is on: check that this machine's token (RAY_AUTH_TOKEN,"
-                        " RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is the head node's.")
-            elif "auth" in str(e).lower() or "token" in str(e).lower():
-                hint = (" The cluster requires a token: copy the head node's ~/.ray/auth_token "
-                        "to this machine (or set RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN) and set "
-                        f"{AUTH_MODE_ENV}=token.")
-            raise ClusterConnectionError(f"cannot join Ray cluster at {address!r}: {e}.{hint}") from e
-        _embedded, _dashboard_url = False, ctx.dashboard_url or None
-        return _info(False)
+        return _join(address, namespace, ray_kwargs)
+    return _start_embedded(num_cpus, num_gpus, namespace, ray_kwargs)
 
+
+def _join(address: str, namespace: str, ray_kwargs: dict[str, Any]) -> ClusterInfo:
+    """Join the cluster at ``address`` with its authentication mode."""
+    global _embedded, _dashboard_url, _auth_mode
+    _auth_mode = _match_cluster_auth(address)
+    try:
+        ctx = ray.init(address=address, namespace=namespace, **ray_kwargs)
+    except Exception as e:
+        hint = ""
+        if os.environ.get(AUTH_MODE_ENV) == "token":
+            hint = (" Token authentication is on: check that this machine's token (RAY_AUTH_TOKEN,"
+                    " RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token) is the head node's.")
+        elif "auth" in str(e).lower() or "token" in str(e).lower():
+            hint = (" The cluster requires a token: copy the head node's ~/.ray/auth_token "
+                    "to this machine (or set RAY_AUTH_TOKEN_PATH / RAY_AUTH_TOKEN) and set "
+                    f"{AUTH_MODE_ENV}=token.")
+        raise ClusterConnectionError(f"cannot join Ray cluster at {address!r}: {e}.{hint}") from e
+    _embedded, _dashboard_url = False, ctx.dashboard_url or None
+    return _info(False)
+
+
+def _start_embedded(num_cpus: float | None, num_gpus: float | None, namespace: str,
+                    ray_kwargs: dict[str, Any]) -> ClusterInfo:
+    """A new local cluster on 127.0.0.1 with token authentication (unless RAY_AUTH_MODE
+    says otherwise)."""
+    global _embedded, _dashboard_url, _auth_mode
     if os.environ.get(AUTH_MODE_ENV, "token").lower() != "token":
         log.warning("%s=%s: the embedded cluster runs without token authentication",
                     AUTH_MODE_ENV, os.environ[AUTH_MODE_ENV])

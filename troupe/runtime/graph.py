@@ -5,7 +5,7 @@
     g.role("reference", ReferenceActor, num_workers=2, colocate_with="actor", num_gpus=0.25)
     g.collective("dp", roles=["actor"], backend="auto")
     graph = g.build(timeout_s=300)
-    graph["actor"].call("train_step", batch)
+    graph["actor"].invoke(PolicyActor.train_step, batch)
 
 Each role gets one placement group of ``num_workers`` bundles; a role colocated with another
 places worker r on the other role's bundle r, whose resources cover both.
@@ -23,12 +23,12 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from ray.autoscaler.sdk import request_resources
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from troupe.actors.worker import RemoteRoleWorker
 from troupe.collectives.groups import BACKENDS, resolve_backend
 from troupe.config import Config, validate
 from troupe.errors import CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError
 from troupe.runtime.cluster import init
 from troupe.runtime.handle import Graph, RoleGroup, Wiring
-from troupe.runtime.worker import RemoteRoleWorker
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,8 @@ class ActorGraph:
                 options["runtime_env"] = spec.runtime_env
             actors.append(RemoteRoleWorker.options(**options).remote(
                 spec.cls, spec.config, self.name, spec.name, rank, spec.num_workers))
-        return RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s)
+        return RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s,
+                         spec.cls)
 
     def _wire(self, graph: Graph, spec: CollectiveSpec, timeout_s: float) -> None:
         members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]

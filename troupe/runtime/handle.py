@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
-import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from troupe.actors.dispatch import Dispatch, mode_of, per_rank_args
+from troupe.actors.dispatch import split as split_batch
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
 _POLL_S = 1.0  # how often a long call checks its finished ranks for errors
@@ -18,38 +19,46 @@ _GRACE_S = 5.0  # after one rank fails, how long to look for a dead rank behind 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split a batch into ``n`` contiguous, near-even slices along its first dimension.
-
-    A batch is a tensor, a list/tuple, or a dict of those (all of the same length).
-    """
-    if isinstance(batch, torch.Tensor):
-        return list(batch.tensor_split(n, dim=0))
-    if isinstance(batch, (list, tuple)):
-        base, extra = divmod(len(batch), n)
-        cuts = [0]
-        for r in range(n):
-            cuts.append(cuts[-1] + base + (r < extra))
-        return [batch[cuts[r]:cuts[r + 1]] for r in range(n)]
-    if isinstance(batch, dict):
-        lengths = {k: len(v) for k, v in batch.items()}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"cannot split a dict batch whose entries differ in length: {lengths}")
-        parts = {k: split_batch(v, n) for k, v in batch.items()}
-        return [{k: parts[k][r] for k in batch} for r in range(n)]
-    raise ValueError(f"cannot split a batch of type {type(batch).__name__}; "
-                     "use a tensor, a list/tuple, or a dict of them")
-
-
 class RoleGroup:
-    """The workers of one role. ``call`` returns one result per worker, in rank order."""
+    """The workers of one role, built from ``cls``. ``invoke`` calls a method of ``cls`` by
+    reference with the dispatch it declares (troupe.actors.dispatch); ``call`` is the generic
+    form, by name, with one result per worker in rank order."""
 
     def __init__(self, name: str, actors: list[ray.actor.ActorHandle], node_ids: list[str],
-                 call_timeout_s: float | None):
+                 call_timeout_s: float | None, cls: type | None = None):
         self.name = name
         self.actors = actors
         self.node_ids = node_ids
         self.call_timeout_s = call_timeout_s
+        self.cls = cls
+
+    def invoke(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` (a function of the role's class, e.g. ``PolicyActor.generate``)
+        on the ranks its dispatch mode names and wait: a list in rank order, or rank 0's
+        result for RANK0."""
+        return self.invoke_async(method, *args, **kwargs).result()
+
+    def invoke_async(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> "Call":
+        """``invoke`` without waiting: start the calls and return them (``Call.result``), so
+        that several roles can work at once."""
+        name = self._method_name(method)
+        mode = mode_of(method)
+        calls = per_rank_args(mode, args, kwargs, self.world_size)
+        refs = [a.call.remote(name, a_args, a_kwargs)
+                for a, (a_args, a_kwargs) in zip(self.actors, calls)]
+        return Call(self, name, mode, refs)
+
+    def _method_name(self, method: Callable[..., Any]) -> str:
+        name = getattr(method, "__name__", None)
+        if name is None or name.startswith("_") or not callable(method):
+            raise TypeError(f"role {self.name!r}: invoke takes a public method of the role's "
+                            f"class (e.g. {getattr(self.cls, '__name__', 'Role')}.step), "
+                            f"got {method!r}")
+        if self.cls is not None and not any(vars(k).get(name) is method
+                                            for k in self.cls.__mro__):
+            raise TypeError(f"role {self.name!r} runs {self.cls.__name__}, which has no method "
+                            f"{getattr(method, '__qualname__', name)}")
+        return name
 
     @property
     def world_size(self) -> int:
@@ -159,6 +168,21 @@ class RoleGroup:
             except (GetTimeoutError, RayActorError) as e:
                 stacks[r] = f"<no stack: {type(e).__name__}>"
         return CallTimeoutError(self.name, method, ranks, timeout_s, stacks)
+
+
+class Call:
+    """Calls started by ``RoleGroup.invoke_async``; ``result()`` waits for them."""
+
+    def __init__(self, group: RoleGroup, method: str, mode: Dispatch,
+                 refs: list[ray.ObjectRef]):
+        self.group, self.method, self.mode, self.refs = group, method, mode, refs
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        """The results in rank order (rank 0's alone for RANK0), or the first failure as a
+        typed error (see ``RoleGroup.gather``)."""
+        timeout = self.group.call_timeout_s if timeout_s is None else timeout_s
+        out = self.group.gather(self.refs, list(range(len(self.refs))), self.method, timeout)
+        return out[0] if self.mode is Dispatch.RANK0 else out
 
 
 def _death_cause(e: RayActorError) -> str:

@@ -1,7 +1,6 @@
-"""Serving: continuous batching over a (quantized) GPT with a KV cache, and the
-OpenAI-compatible request and response formats. Plain torch and pydantic, no Ray: the
-ServeReplica actor (troupe.actors.serve) and the Ray Serve app (troupe.runtime.serve) use it."""
+"""Serving: ZeroQuant-quantized models behind an OpenAI-compatible HTTP API on Ray Serve.
 
-from troupe.serving.engine import ContinuousBatcher, Event, SamplingParams
-
-__all__ = ["ContinuousBatcher", "Event", "SamplingParams"]
+protocol (requests, responses, ServeConfig), model (loading and quantizing what is served),
+runner (the generation engine driven from asyncio), replica (the HTTP replica and the
+expert-parallel rank as workers: routing, auth, limits), deploy (the driver: Ray Serve app,
+expert-parallel graphs). Decoding is troupe.generation's engine."""

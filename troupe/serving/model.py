@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
+from troupe import checkpoint as ckpt
+from troupe.checkpoint import storage
+from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
 from troupe.config import validate
 from troupe.models import GPT, GPTConfig
 from troupe.models.io import load_state, read_module_file, save_module
+from troupe.pretrain.export import load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
-from troupe.training import checkpoint as ckpt
-from troupe.training import storage
-from troupe.training.export import load_full_model
-from troupe.training.storage import StorePath
 
 FORMAT = "troupe-model/1"
 

@@ -8,11 +8,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from troupe.config import Config
-from troupe.serving.engine import SamplingParams
+from troupe.generation import SamplingParams
 
 
 class ModelSource(Config):

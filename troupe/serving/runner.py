@@ -7,7 +7,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
-from troupe.serving.engine import ContinuousBatcher, Event, SamplingParams
+from troupe.generation import ContinuousBatcher, Event, SamplingParams
 
 
 class AsyncBatcher:

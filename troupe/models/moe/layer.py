@@ -16,23 +16,19 @@ from troupe.models.moe.gate import Routing, TopKGate
 
 
 class MoE(nn.Module):
-    """``num_experts`` experts behind a top-k gate; with ``group`` (the expert-parallel group)
-    this rank holds experts [rank * E/P, (rank + 1) * E/P) and exchanges tokens with the others.
+    """``num_experts`` experts behind a top-k gate. Built whole; after
+    ``troupe.parallel.apply_expert_parallel`` this rank holds experts [rank * E/P,
+    (rank + 1) * E/P) and exchanges tokens with the other ranks of ``group``.
 
     forward(x) returns (y, aux_loss) with y of x's shape.
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
-                 group: Communicator | None = None):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig):
         super().__init__()
-        P = group.world_size if group is not None else 1
-        if num_experts % P:
-            raise ValueError(f"{num_experts} experts do not split over expert-parallel size {P}")
-        self.num_experts, self.group = num_experts, group if P > 1 else None
-        self.num_local = num_experts // P
-        first = (group.rank if self.group is not None else 0) * self.num_local
+        self.num_experts, self.num_local = num_experts, num_experts
+        self.group: Communicator | None = None  # set by apply_expert_parallel
         self.gate = TopKGate(d_model, num_experts, cfg)
-        self.experts = Experts(self.num_local, first, d_model, d_ff)
+        self.experts = Experts(num_experts, 0, d_model, d_ff)
         self.last_routing: Routing | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +59,9 @@ class MoE(nn.Module):
 class ResidualMoE(nn.Module):
     """Residual MoE: a dense MLP beside the experts, mixed per token by a learned 2-way softmax."""
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
-                 group: Communicator | None = None):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig):
         super().__init__()
-        self.moe = MoE(d_model, d_ff, num_experts, cfg, group)
+        self.moe = MoE(d_model, d_ff, num_experts, cfg)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
         self.coefficient = nn.Linear(d_model, 2)
 

@@ -19,7 +19,7 @@ import ray
 
 from troupe import collectives
 from troupe.collectives import straggler
-from troupe.runtime.context import WorkerContext, _set_context
+from troupe.context import WorkerContext, _set_context
 
 
 class RoleWorker:

@@ -1,10 +1,10 @@
 """ServeReplica: one replica of the OpenAI-compatible server. It holds the quantized model and
 its continuous batcher and answers /v1/completions, /v1/chat/completions (both streaming too),
-/v1/models and /health. Ray Serve hosts it as a deployment (troupe.runtime.serve); every request
+/v1/models and /health. Ray Serve hosts it as a deployment (troupe.serving.deploy); every request
 it refuses gets a 4xx with an OpenAI-style error body, and the replica goes on serving.
 
 ServeRank: one expert-parallel rank of a served MoE model (the replica's experts spread over
-several actors; troupe.runtime.serve wires them)."""
+several actors; troupe.serving.deploy wires them)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ import hmac
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
 
 from troupe import collectives
+from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.data import ByteTokenizer
-from troupe.serving import ContinuousBatcher, SamplingParams
+from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.parallel import apply_expert_parallel
 from troupe.serving.model import load_served_model, load_source, quantize_served, weight_bytes
 from troupe.serving.protocol import (
     ChatRequest,
@@ -33,7 +36,6 @@ from troupe.serving.protocol import (
     parse,
 )
 from troupe.serving.runner import AsyncBatcher
-from troupe.training.export import expert_parallel_copy
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -171,6 +173,15 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+@dataclass(frozen=True)
+class RankModel:
+    """What an expert-parallel rank holds once set up."""
+
+    seq_len: int
+    weight_bytes: int
+    quantized: dict[str, str]  # module name -> quantization mode
+
+
 class ServeRank:
     """Expert-parallel rank r of a served MoE model: every dense weight (quantized as the
     config says), experts r*n .. (r+1)*n - 1 of each MoE layer, and a continuous batcher over
@@ -182,21 +193,21 @@ class ServeRank:
         torch.set_num_threads(self.cfg.threads)
         self.batcher: ContinuousBatcher | None = None
 
-    def setup(self) -> dict[str, Any]:
-        full = load_source(self.cfg.model)
-        model = expert_parallel_copy(full, collectives.get_group("ep"))
+    @dispatch(Dispatch.ALL)
+    def setup(self) -> RankModel:
+        model = apply_expert_parallel(load_source(self.cfg.model), collectives.get_group("ep"))
         modes = quantize_served(model, self.cfg)
         self.batcher = ContinuousBatcher(model, ByteTokenizer.eos_id, self.cfg.limits.max_batch,
                                          lockstep=True)
-        return {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
-                "quantized": modes}
+        return RankModel(model.cfg.seq_len, weight_bytes(model), modes)
 
-    def step(self, work: tuple[list, list]) -> list[dict[str, Any]]:
+    @dispatch(Dispatch.ALL)
+    def step(self, work: tuple[list, list]) -> list[Event]:
         """Take new sequences (seq_id, prompt, SamplingParams) and cancellations, then one
-        lockstep step; returns its events as dicts."""
+        lockstep step; returns its events (give each rank its own work with PerRank)."""
         adds, cancels = work
         for seq_id, prompt, params in adds:
             self.batcher.add(seq_id, prompt, params)
         for seq_id in cancels:
             self.batcher.cancel(seq_id)
-        return [vars(e) for e in self.batcher.step()]
+        return self.batcher.step()

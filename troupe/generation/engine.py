@@ -1,5 +1,8 @@
-"""Continuous batching for a GPT with a KV cache: sequences join the batch between decode steps
-and leave it when they finish, so a long request does not hold back the ones behind it.
+"""The one generation engine: continuous batching for a GPT with a KV cache. The server decodes
+its requests with it, and the RLHF policy its rollouts (a batch of prompts queued at once and
+run to the end), with the same sampler, so one prompt, seed and sampling parameters give the
+same tokens in both. Sequences join the batch between decode steps and leave it when they
+finish, so a long request does not hold back the ones behind it.
 
 All sequences of the batch share the cache's columns: a sequence's tokens end at the current
 column and start wherever its prompt began, with the columns before it marked invalid, exactly
@@ -18,20 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from troupe.generation.sampling import SamplingParams, sample
 from troupe.models import GPT, KVCache
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """max_tokens: tokens to generate at most; temperature 0 is greedy decoding; top_p keeps
-    the smallest set of tokens whose probability adds up to it; seed makes sampling
-    repeatable; stop: strings that end the text (not included in it)."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -107,6 +98,15 @@ class ContinuousBatcher:
         with self._lock:
             self._cancelled.add(seq_id)
 
+    def run(self) -> dict[str, list[int]]:
+        """Step until every queued sequence has finished; the tokens each one chose (its eos
+        included), by sequence id. The batch form the RLHF rollouts use."""
+        out: dict[str, list[int]] = {}
+        while self.has_work():
+            for ev in self.step():
+                out.setdefault(ev.seq_id, []).append(ev.token)
+        return out
+
     def has_work(self) -> bool:
         return bool(self.active or self._waiting)
 
@@ -176,8 +176,9 @@ class ContinuousBatcher:
 
     def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
         events = []
+        logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
         for s, logits in zip(seqs, logits_BV):
-            token = _sample(logits, s.params, s.generator)
+            token = sample(logits, s.params, s.generator)
             s.out.append(token)
             events.append(self._advance(s, token))
         return events
@@ -261,14 +262,3 @@ def _shift_right(cache: KVCache, valid: torch.Tensor, L: int) -> tuple[KVCache, 
             dst.append(moved)
     pad = valid.new_zeros(valid.shape[0], d)
     return KVCache(k, v, L), torch.cat([pad, valid], 1)
-
-
-def _sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    if p.temperature <= 0:
-        return int(logits_V.argmax())
-    probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the first token is always kept
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))

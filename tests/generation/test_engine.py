@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from troupe.compression import quantize_model
+from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
-from troupe.serving import ContinuousBatcher, SamplingParams
 
 EOS = 256
 

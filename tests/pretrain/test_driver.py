@@ -4,12 +4,14 @@ sharded checkpoint reproduces an uninterrupted run exactly."""
 import json
 
 import pytest
+import ray
 
 from tests.runtime.helpers import kill_worker
 from troupe.errors import RunFailedError
-from troupe.runtime import checkpoint, pretrain
+from troupe.pretrain import driver as pretrain
+from troupe.pretrain.config import PretrainConfig
+from troupe.runtime import checkpoint
 from troupe.runtime.metrics import MetricsLog
-from troupe.training import PretrainConfig
 
 MOE = dict(num_experts=4, expert_interval=1, ep_size=2, capacity_factor=1.0, min_capacity=2)
 
@@ -94,12 +96,12 @@ def test_offloaded_shards_match_zero1(cluster, tmp_path, optimizer):
     a = [r.get("loss", r.get("val_loss")) for r in zero1]
     b = [r.get("loss", r.get("val_loss")) for r in first + second]
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
-    graph = pretrain.build_graph(cfg, name="offload-memory")
-    graph.shutdown()
-    owners = graph.owner_info
-    assert all(t["optimizer_bytes"] == 0 for t in graph.info)  # trainers hold no state
-    total = 2 * owners[0]["param_bytes"]
-    assert [o["optimizer_bytes"] for o in owners] == [total] * 2  # m and v of one shard each
+    built = pretrain.build_graph(cfg, name="offload-memory")
+    built.shutdown()
+    owners = built.owners
+    assert all(t.optimizer_bytes == 0 for t in built.trainers)  # trainers hold no state
+    total = 2 * owners[0].param_bytes
+    assert [o.optimizer_bytes for o in owners] == [total] * 2  # m and v of one shard each
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
@@ -108,7 +110,7 @@ def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
     expert-parallel slices) scores the run's last validation loss."""
     import torch
 
-    from troupe.training.export import load_full_model
+    from troupe.pretrain.export import load_full_model
     # one of them with its checkpoints behind an fsspec URL, away from the run's config.json:
     # the manifest carries the config
     root = f"file://{tmp_path}/store" if optimizer == "onebit_adam" else None
@@ -145,7 +147,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(clus
     pids = {}
 
     def kill_rank_1(step, graph):
-        pids.setdefault(step, [i["pid"] for i in graph.info])
+        pids.setdefault(step, [ray.get(a.ready.remote())["pid"] for a in graph["trainer"].actors])
         if step == 6 and "killed" not in pids:
             pids["killed"] = True
             kill_worker(graph["trainer"].actors[1], restart=True)

@@ -1,6 +1,6 @@
 """The RLHF pipeline on the graph: all three steps with two workers per role; a policy worker
 killed during PPO, or the driver interrupted, going on from the last PPO checkpoint exactly as the
-uninterrupted run (or, without restarts, failing by name)."""
+uninterrupted run (or, without restarts, failing by name with failure.json)."""
 
 import json
 from pathlib import Path
@@ -10,10 +10,11 @@ import ray
 import torch
 
 from tests.runtime.helpers import kill_worker
-from troupe.errors import WorkerDiedError
+from troupe.errors import RunFailedError
 from troupe.models.io import read_module_file
+from troupe.rlhf import driver as rlhf
 from troupe.rlhf.config import RLHFConfig
-from troupe.runtime import rlhf
+from troupe.runtime import checkpoint
 
 
 def _cfg(tmp_path, name, **over) -> RLHFConfig:
@@ -127,7 +128,7 @@ def test_interrupted_ppo_resumes_from_its_checkpoint(trained):
     cfg, graph, full = trained
     out = Path(cfg.out_dir) / "interrupted"
     res, _ = _ppo(graph, cfg, out, _once(3, _interrupt))
-    assert res is None and rlhf.checkpoint.latest(out / "ppo" / "checkpoints").name == \
+    assert res is None and checkpoint.latest(out / "ppo" / "checkpoints").name == \
         "step-00000002"
     res, got = _ppo(graph, cfg, out, resume=True)
     assert got == full and res["restarts"] == 0
@@ -149,11 +150,13 @@ def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
     graph = rlhf.build_graph(cfg)
     out = tmp_path / "norestart"
     try:
-        with pytest.raises(WorkerDiedError, match="critic") as err:
+        with pytest.raises(RunFailedError, match="critic") as err:
             rlhf.run_ppo(graph, cfg, rlhf.prepare_data(cfg),
                          rlhf.MetricsLog(out / "m.jsonl"), out, out / "sft" / "policy.trp",
                          out / "reward" / "reward.trp",
                          on_iteration=_once(2, _kill_rank1("critic")))
     finally:
         graph.shutdown()
-    assert err.value.role == "critic"
+    assert err.value.failures[-1]["role"] == "critic"
+    report = json.loads((out / "failure.json").read_text())  # the one failure policy's report
+    assert report["failures"] == err.value.failures

@@ -1,77 +1,47 @@
 """One data-parallel rank of GPT pretraining, in plain torch: the model (with this rank's slice
 of the experts), ZeRO-1 or 1-bit optimizers over flat buckets, deterministic batches with the
-curriculum and random-LTD schedules, evaluation, and its share of a sharded checkpoint."""
+curriculum and random-LTD schedules, evaluation, and its share of a sharded checkpoint; and the
+ParameterShard owner of offloaded training."""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
-from pydantic import Field, model_validator
 
 from troupe.collectives import Communicator
-from troupe.config import Config
-from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig, TokenDataset
-from troupe.models import GPT, GPTConfig, expert_parameters
-from troupe.optim import (CommCounter, FlatParams, OffloadedOptimizer, Optimizer,
-                          OptimizerConfig, ParameterShard, ShardedOptimizer, build_optimizer,
-                          build_shard_rule, padded_size)
+from troupe.data import TokenDataset
+from troupe.models import GPT, expert_parameters
+from troupe.optim import (
+    CommCounter,
+    FlatParams,
+    OffloadedOptimizer,
+    Optimizer,
+    OptimizerConfig,
+    ParameterShard,
+    ShardedOptimizer,
+    build_optimizer,
+    build_shard_rule,
+    padded_size,
+)
+from troupe.parallel import apply_expert_parallel
+from troupe.pretrain.config import PretrainConfig
 
 
-class TrainConfig(Config):
-    """steps: optimizer steps; batch_size: sequences per step over all ranks; num_workers:
-    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never).
-    offload: keep the dense parameters' fp32 master weights and optimizer state on
-    ``num_workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
-    optimizers only); expert parameters stay sharded over their trainers.
-    max_restarts: the failure policy: how many times a lost or failed worker is restarted and
-    the run resumed from its last checkpoint before it stops with a report (failure.json).
-    strategy: how the trainers are spread over nodes (SPREAD: one per node where it can).
-    placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
-    workers' resources. checkpoint_dir: where checkpoints go (default out_dir/checkpoints): a
-    directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
-    filesystem's package, e.g. s3fs, installed on every node)."""
+@dataclass(frozen=True)
+class StepStats:
+    """One rank's account of one optimizer step."""
 
-    steps: int = Field(default=200, ge=1)
-    batch_size: int = Field(default=16, ge=1)
-    num_workers: int = Field(default=2, ge=1)
-    eval_every: int = Field(default=50, ge=0)
-    eval_batches: int = Field(default=4, ge=1)
-    checkpoint_every: int = Field(default=0, ge=0)
-    seed: int = 0
-    out_dir: str = "runs/pretrain"
-    offload: bool = False
-    shard_cpus: float = Field(default=1.0, gt=0)
-    max_restarts: int = Field(default=0, ge=0)
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    placement_timeout_s: float = Field(default=600.0, gt=0)
-    checkpoint_dir: str | None = None
-
-
-class PretrainConfig(Config):
-    """A pretraining recipe (apps/configs/*.yaml)."""
-
-    model: GPTConfig = GPTConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    data: DataConfig = DataConfig()
-    curriculum: CurriculumConfig = CurriculumConfig()
-    random_ltd: RandomLTDConfig = RandomLTDConfig()
-    train: TrainConfig = TrainConfig()
-
-    @model_validator(mode="after")
-    def _fits(self) -> "PretrainConfig":
-        W = self.train.num_workers
-        if self.train.batch_size % W:
-            raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
-                             f"train.num_workers={W}")
-        if self.train.offload and not self.optimizer.sharded:
-            raise ValueError(f"train.offload: optimizer.name={self.optimizer.name!r} keeps its "
-                             "state on every rank; offload works with adam, adamw or lamb")
-        if self.model.moe is not None and W % self.model.moe.ep_size:
-            raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
-                             f"train.num_workers={W}")
-        return self
+    step: int
+    loss: float          # language-model loss of this rank's batch
+    aux_loss: float      # MoE load-balancing loss (0 without MoE)
+    lr: float
+    seq_len: int         # curriculum length of this step
+    ltd_keep: int        # tokens random-LTD kept per sequence
+    tokens: int          # tokens in this rank's batch
+    bytes_sent: int      # by this rank's optimizers since the start
+    seconds: float
 
 
 class Bucket:
@@ -126,7 +96,7 @@ class PretrainWorker:
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
         self.data = TokenDataset(cfg.data)
-        self.model = GPT(cfg.model, ep, seed=cfg.train.seed)
+        self.model = apply_expert_parallel(GPT(cfg.model, seed=cfg.train.seed), ep)
         dense, expert = expert_parameters(self.model)
         self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
         if offload is not None:
@@ -136,7 +106,7 @@ class PretrainWorker:
             self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
         self.dp, self.step = dp, 0
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
         full = cfg.model.seq_len
@@ -158,10 +128,9 @@ class PretrainWorker:
             b.optimizer.step(lr)
             b.flat.zero_grad()
         self.step = step
-        return {"step": step, "loss": lm_loss_value, "aux_loss": aux.detach().item(), "lr": lr,
-                "seq_len": seq_len, "ltd_keep": keep, "tokens": x.numel(),
-                "bytes_sent": sum(b.optimizer.comm.bytes_sent for b in self.buckets),
-                "seconds": time.perf_counter() - t0}
+        return StepStats(step, lm_loss_value, aux.detach().item(), lr, seq_len, keep, x.numel(),
+                         sum(b.optimizer.comm.bytes_sent for b in self.buckets),
+                         time.perf_counter() - t0)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -203,7 +172,7 @@ class ShardOwner:
     def __init__(self, cfg: PretrainConfig, offload: Communicator,
                  owners: Communicator | None):
         with torch.device("meta"):  # shapes only: the owner never holds a model
-            dense, _ = expert_parameters(GPT(cfg.model, None, seed=cfg.train.seed))
+            dense, _ = expert_parameters(GPT(cfg.model, seed=cfg.train.seed))
         numels = [p.numel() for p in dense if p.requires_grad]
         W = cfg.train.num_workers
         padded = padded_size(numels, W)

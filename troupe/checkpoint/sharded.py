@@ -1,7 +1,7 @@
 """Sharded checkpoints: one wire-format file per rank plus a JSON manifest with each file's
 size and SHA-256. A checkpoint directory is complete only once its manifest exists; the
 manifest is written last, by the driver, after every rank has written its file. Directories
-are local paths or fsspec URLs (see troupe.training.storage)."""
+are local paths or fsspec URLs (see troupe.checkpoint.storage)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 from typing import IO, Any
 
 from troupe import wire
-from troupe.training import storage
-from troupe.training.storage import StorePath
+from troupe.checkpoint import storage
+from troupe.checkpoint.storage import StorePath
 
 MANIFEST = "manifest.json"
 FORMAT = "troupe-checkpoint/1"

@@ -14,13 +14,14 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from troupe.actors.serve import ServeRank, ServeReplica
+from troupe.actors import PerRank
+from troupe.generation import Event, SamplingParams
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
-from troupe.serving import Event, SamplingParams
 from troupe.serving.model import locate
 from troupe.serving.protocol import ServeConfig
+from troupe.serving.replica import ServeRank, ServeReplica
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class ExpertParallelBatcher:
             r = self.where.pop(seq_id, None)
             if r is not None:
                 work[r][1].append(seq_id)
-        events = [Event(**e) for rank_events in self.ranks.scatter("step", work)
+        events = [e for rank_events in self.ranks.invoke(ServeRank.step, PerRank(work))
                   for e in rank_events]
         for e in events:
             if e.finish_reason is not None:
@@ -86,10 +87,10 @@ class ExpertParallelReplica(ServeReplica):
         g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, config=self.cfg.model_dump())
         g.collective("ep", ["expert"], backend="gloo")
         graph = g.build(timeout_s=300, call_timeout_s=300)
-        infos = graph["expert"].call("setup")
+        infos = graph["expert"].invoke(ServeRank.setup)
         return ExpertParallelBatcher(graph), {
-            "seq_len": infos[0]["seq_len"], "expert_parallel": P,
-            "weight_bytes": [i["weight_bytes"] for i in infos], "quantized": infos[0]["quantized"]}
+            "seq_len": infos[0].seq_len, "expert_parallel": P,
+            "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}
 
 
 def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:

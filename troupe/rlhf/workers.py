@@ -1,16 +1,28 @@
 """The four RLHF roles as graph workers: thin shells that build the plain role classes of
-troupe.rlhf once their data-parallel groups are wired ("policy", "critic", "reward")."""
+troupe.rlhf.roles once their data-parallel groups are wired ("policy", "critic", "reward"),
+and declare how the driver's calls are dispatched (troupe.actors.dispatch)."""
 
 from __future__ import annotations
 
 import torch
 
+from troupe import checkpoint as ckpt
 from troupe import collectives
+from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
+from troupe.context import get_context
 from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.experience import (
+    CriticStats,
+    Experience,
+    PolicyStats,
+    RewardEval,
+    RewardStats,
+    Rollout,
+    RolloutRequest,
+    SFTStats,
+)
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
-from troupe.runtime.context import get_context
-from troupe.training import checkpoint as ckpt
 
 
 def _config(config: dict | RLHFConfig) -> RLHFConfig:
@@ -33,37 +45,49 @@ class PolicyActor:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg, self.role = _config(config), None
 
+    @dispatch(Dispatch.ALL)
     def setup(self) -> None:
         self.role = Policy(self.cfg, collectives.find_group("policy"), get_context().rank)
 
+    @dispatch(Dispatch.ALL)
     def start_sft(self, total_steps: int) -> None:
         self.role.train.use_optimizer(self.cfg.sft.optimizer, total_steps)
 
-    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> dict:
+    @dispatch(Dispatch.SHARD)
+    def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
         return self.role.sft_step(pairs, step)
 
+    @dispatch(Dispatch.ALL)
     def begin_ppo(self, sft_path: str) -> None:
         self.role.begin_ppo(sft_path)
 
-    def generate(self, prompts: list[str], seed: int, use_ema: bool = False,
-                 temperature: float | None = None) -> dict:
-        return self.role.generate(prompts, seed, use_ema, temperature)
+    @dispatch(Dispatch.SHARD)
+    def generate(self, request: RolloutRequest) -> Rollout:
+        return self.role.generate(request)
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
-        return self.role.logprobs(batch["ids"], batch["valid"])
+    @dispatch(Dispatch.SHARD)
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """(B, S-1) log-probabilities of the rollout's tokens."""
+        return self.role.logprobs(rollout.ids, rollout.valid)
 
-    def ppo_step(self, exp: dict, iteration: int, ptx=None) -> dict:
+    @dispatch(Dispatch.SHARD)
+    def ppo_step(self, exp: Experience, iteration: int,
+                 ptx: list[tuple[str, str]] | None = None) -> PolicyStats:
         return self.role.ppo_step(exp, iteration, ptx)
 
+    @dispatch(Dispatch.RANK0)
     def save(self, path: str, ema: bool = False) -> str:
         return self.role.save(path, ema)
 
+    @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
         self.role.load(path)
 
+    @dispatch(Dispatch.ALL)
     def save_state(self, directory: str) -> dict:
         return _save_state(self.role, "policy", directory)
 
+    @dispatch(Dispatch.ALL)
     def load_state(self, directory: str) -> None:
         _load_state(self.role, "policy", directory)
 
@@ -72,40 +96,52 @@ class ReferenceActor:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg, self.role = _config(config), None
 
+    @dispatch(Dispatch.ALL)
     def setup(self) -> None:
         self.role = Reference(self.cfg, get_context().rank)
 
+    @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
         self.role.load(path)
 
-    def logprobs(self, batch: dict) -> torch.Tensor:
-        return self.role.logprobs(batch["ids"], batch["valid"])
+    @dispatch(Dispatch.SHARD)
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """(B, S-1) log-probabilities of the rollout's tokens under the reference."""
+        return self.role.logprobs(rollout.ids, rollout.valid)
 
 
 class RewardActor:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg, self.role = _config(config), None
 
+    @dispatch(Dispatch.ALL)
     def setup(self) -> None:
         self.role = Reward(self.cfg, collectives.find_group("reward"), get_context().rank)
 
+    @dispatch(Dispatch.ALL)
     def start_training(self, total_steps: int, init_path: str | None = None) -> None:
         if init_path is not None:
             self.role.init_from_policy(init_path)
         self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
 
-    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> dict:
+    @dispatch(Dispatch.SHARD)
+    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
         return self.role.rm_step(examples, step)
 
-    def evaluate(self, examples: list[tuple[str, str, str]]) -> dict:
+    @dispatch(Dispatch.SHARD)
+    def evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
         return self.role.evaluate(examples)
 
-    def score(self, batch: dict) -> torch.Tensor:
-        return self.role.score(batch["ids"], batch["valid"])
+    @dispatch(Dispatch.SHARD)
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        """(B,) the reward model's score of each sequence."""
+        return self.role.score(rollout.ids, rollout.valid)
 
+    @dispatch(Dispatch.RANK0)
     def save(self, path: str) -> str:
         return self.role.save(path)
 
+    @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
         self.role.load(path)
 
@@ -114,26 +150,35 @@ class CriticActor:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg, self.role = _config(config), None
 
+    @dispatch(Dispatch.ALL)
     def setup(self) -> None:
         self.role = Critic(self.cfg, collectives.find_group("critic"), get_context().rank)
 
+    @dispatch(Dispatch.ALL)
     def begin_ppo(self, reward_path: str) -> None:
         self.role.begin_ppo(reward_path)
 
-    def values(self, batch: dict) -> torch.Tensor:
-        return self.role.values(batch["ids"], batch["valid"])
+    @dispatch(Dispatch.SHARD)
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        """(B, S-1) the value of the state before each target."""
+        return self.role.values(rollout.ids, rollout.valid)
 
-    def critic_step(self, exp: dict, iteration: int) -> dict:
+    @dispatch(Dispatch.SHARD)
+    def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         return self.role.critic_step(exp, iteration)
 
+    @dispatch(Dispatch.RANK0)
     def save(self, path: str) -> str:
         return self.role.save(path)
 
+    @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
         self.role.load(path)
 
+    @dispatch(Dispatch.ALL)
     def save_state(self, directory: str) -> dict:
         return _save_state(self.role, "critic", directory)
 
+    @dispatch(Dispatch.ALL)
     def load_state(self, directory: str) -> None:
         _load_state(self.role, "critic", directory)

@@ -1,0 +1,44 @@
+"""apply_expert_parallel keeps one rank's contiguous slice of every MoE layer's experts."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from troupe.models import GPT, GPTConfig
+from troupe.models.moe import MoE
+from troupe.parallel import apply_expert_parallel
+
+CFG = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=16,
+                moe=dict(num_experts=[2, 4], expert_interval=1))
+
+
+@dataclass
+class Group:  # what apply_expert_parallel reads of a Communicator
+    rank: int
+    world_size: int
+
+
+def test_each_rank_keeps_its_slice_and_the_dense_weights():
+    whole = GPT(CFG, seed=1)
+    for rank in range(2):
+        part = apply_expert_parallel(GPT(CFG, seed=1), Group(rank, 2))
+        mine = [m for m in part.modules() if isinstance(m, MoE)]
+        theirs = [m for m in whole.modules() if isinstance(m, MoE)]
+        assert len(mine) == len(theirs) == 2
+        for a, b in zip(mine, theirs):
+            n = b.num_experts // 2
+            assert a.num_local == n and a.experts.first == rank * n and a.group is not None
+            assert torch.equal(a.experts.w1, b.experts.w1[rank * n:(rank + 1) * n])
+            assert all(p.expert for p in a.experts.parameters())
+        dense = {k: v for k, v in part.state_dict().items() if ".experts." not in k}
+        assert all(torch.equal(v, whole.state_dict()[k]) for k, v in dense.items())
+
+
+def test_wrong_splits_are_refused():
+    with pytest.raises(ValueError, match="2 experts do not split over expert-parallel size 4"):
+        apply_expert_parallel(GPT(CFG), Group(0, 4))
+    model = apply_expert_parallel(GPT(CFG), Group(0, 2))
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        apply_expert_parallel(model, Group(0, 2))
+    assert apply_expert_parallel(GPT(CFG), None) is not None

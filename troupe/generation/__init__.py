@@ -1,0 +1,7 @@
+"""Generation: the continuous batcher with its KV cache and one sampler, shared by serving and
+the RLHF rollouts. Plain torch, no Ray."""
+
+from troupe.generation.engine import ContinuousBatcher, Event
+from troupe.generation.sampling import SamplingParams, sample
+
+__all__ = ["ContinuousBatcher", "Event", "SamplingParams", "sample"]

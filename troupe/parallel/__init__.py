@@ -1,0 +1,7 @@
+"""Parallelism applied to plain models after construction, and the layouts of the groups it
+uses. Models take no process groups (see DESIGN.md)."""
+
+from troupe.parallel.expert import apply_expert_parallel
+from troupe.parallel.layout import ExpertLayout, expert_layout
+
+__all__ = ["ExpertLayout", "apply_expert_parallel", "expert_layout"]

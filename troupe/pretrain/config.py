@@ -1,0 +1,68 @@
+"""A pretraining recipe: the model, optimizer, data, data-efficiency schedules and the run
+(apps/configs/pretrain*.yaml)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from troupe.config import Config
+from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
+from troupe.models import GPTConfig
+from troupe.optim import OptimizerConfig
+
+
+class TrainConfig(Config):
+    """steps: optimizer steps; batch_size: sequences per step over all ranks; num_workers:
+    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never).
+    offload: keep the dense parameters' fp32 master weights and optimizer state on
+    ``num_workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
+    optimizers only); expert parameters stay sharded over their trainers.
+    max_restarts: the failure policy: how many times a lost or failed worker is restarted and
+    the run resumed from its last checkpoint before it stops with a report (failure.json).
+    strategy: how the trainers are spread over nodes (SPREAD: one per node where it can).
+    placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
+    workers' resources. checkpoint_dir: where checkpoints go (default out_dir/checkpoints): a
+    directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
+    filesystem's package, e.g. s3fs, installed on every node)."""
+
+    steps: int = Field(default=200, ge=1)
+    batch_size: int = Field(default=16, ge=1)
+    num_workers: int = Field(default=2, ge=1)
+    eval_every: int = Field(default=50, ge=0)
+    eval_batches: int = Field(default=4, ge=1)
+    checkpoint_every: int = Field(default=0, ge=0)
+    seed: int = 0
+    out_dir: str = "runs/pretrain"
+    offload: bool = False
+    shard_cpus: float = Field(default=1.0, gt=0)
+    max_restarts: int = Field(default=0, ge=0)
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(default=600.0, gt=0)
+    checkpoint_dir: str | None = None
+
+
+class PretrainConfig(Config):
+    """A pretraining recipe (apps/configs/*.yaml)."""
+
+    model: GPTConfig = GPTConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    random_ltd: RandomLTDConfig = RandomLTDConfig()
+    train: TrainConfig = TrainConfig()
+
+    @model_validator(mode="after")
+    def _fits(self) -> "PretrainConfig":
+        W = self.train.num_workers
+        if self.train.batch_size % W:
+            raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
+                             f"train.num_workers={W}")
+        if self.train.offload and not self.optimizer.sharded:
+            raise ValueError(f"train.offload: optimizer.name={self.optimizer.name!r} keeps its "
+                             "state on every rank; offload works with adam, adamw or lamb")
+        if self.model.moe is not None and W % self.model.moe.ep_size:
+            raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
+                             f"train.num_workers={W}")
+        return self

@@ -1,0 +1,190 @@
+"""Driver of GPT pretraining: the trainer graph (data-parallel ranks; expert-parallel and
+expert-data-parallel groups in DeepSpeed's layout; shard owners with offload), the step loop,
+evaluation, metrics and checkpoints with exact resume.
+
+Failures follow troupe.runtime.recovery (train.max_restarts): the run goes back to its last
+complete checkpoint and the losses it logs are the uninterrupted run's; past the restarts it
+stops with RunFailedError and out_dir/failure.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from troupe.checkpoint.storage import StorePath
+from troupe.errors import WorkerCallError, WorkerDiedError
+from troupe.parallel import expert_layout
+from troupe.pretrain.config import PretrainConfig
+from troupe.pretrain.rank import StepStats
+from troupe.pretrain.workers import ParameterShardRank, PretrainRank, RankInfo
+from troupe.runtime import checkpoint
+from troupe.runtime.graph import ActorGraph
+from troupe.runtime.handle import Graph
+from troupe.runtime.metrics import MetricsLog, plot_losses
+from troupe.runtime.recovery import FailurePolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trainers:
+    """A built pretraining graph and what its workers reported at setup."""
+
+    graph: Graph
+    trainers: list[RankInfo]
+    owners: list[RankInfo]  # the shard owners' (train.offload), else empty
+
+    def shutdown(self) -> None:
+        self.graph.shutdown()
+
+
+def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1.0,
+                num_gpus: float = 0.0, timeout_s: float | None = None) -> Trainers:
+    """Start ``train.num_workers`` PretrainRank actors wired with "dp" (and "ep"/"edp"); with
+    train.offload, as many CPU-only ParameterShardRank owners ("shard") and the "offload" group
+    of trainers and owners; then set every worker up."""
+    T, config = cfg.train, cfg.model_dump()
+    W = T.num_workers
+    g = ActorGraph(name).role("trainer", PretrainRank, W, num_cpus=num_cpus, num_gpus=num_gpus,
+                              strategy=T.strategy, max_restarts=T.max_restarts, config=config)
+    if W > 1:
+        g.collective("dp", ["trainer"])
+    if cfg.train.offload:
+        g.role("shard", ParameterShardRank, W, num_cpus=T.shard_cpus,
+               max_restarts=T.max_restarts, config=config)
+        g.collective("offload", ["trainer", "shard"], backend="gloo")
+        if cfg.optimizer.name == "lamb" and W > 1:
+            g.collective("owners", ["shard"], backend="gloo")
+    moe = cfg.model.moe
+    if moe is not None:
+        layout = expert_layout(W, moe.ep_size)
+        if moe.ep_size > 1:
+            g.collective("ep", ["trainer"], parts=layout.ep_groups)
+        if W // moe.ep_size > 1:
+            g.collective("edp", ["trainer"], parts=layout.edp_groups)
+    graph = g.build(timeout_s=timeout_s or T.placement_timeout_s, call_timeout_s=600)
+    try:
+        trainers, owners = _both(graph, PretrainRank.setup, ParameterShardRank.setup)
+    except BaseException:
+        graph.shutdown()
+        raise
+    return Trainers(graph, trainers, owners)
+
+
+def _both(graph: Graph, trainer_method: Callable, owner_method: Callable, *args) -> list[list]:
+    """Call the trainers' method and, when there are shard owners, the owners' method of the
+    same name at once (their calls exchange tensors); returns [trainer results, owner
+    results (empty without owners)]."""
+    calls = [graph["trainer"].invoke_async(trainer_method, *args)]
+    if "shard" in graph.roles:
+        calls.append(graph["shard"].invoke_async(owner_method, *args))
+    return [c.result() for c in calls] + [[]] * (2 - len(calls))
+
+
+def _checkpointed(graph: Graph) -> list:
+    """The roles a checkpoint holds, each with its save and load methods."""
+    parts = [(graph["trainer"], PretrainRank.save, PretrainRank.load)]
+    if "shard" in graph.roles:
+        parts.append((graph["shard"], ParameterShardRank.save, ParameterShardRank.load))
+    return parts
+
+
+def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None = None,
+        progress: bool = True, on_step: Callable[[int, Graph], None] | None = None) -> list[dict]:
+    """Train per ``cfg``; returns the metric records of this run (also in out_dir/metrics.jsonl).
+
+    resume: "auto" (the newest complete checkpoint in train.checkpoint_dir, by default
+    out_dir/checkpoints, if any), a checkpoint directory, or None.
+    stop_after: stop (with a checkpoint) after this step, as an interruption.
+    on_step(step, graph): called before each step (fault injection, custom logging).
+    Raises RunFailedError once failures exceed train.max_restarts (see the module doc).
+    """
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
+    built = build_graph(cfg)
+    try:
+        source = checkpoint.latest(checkpoint_root(cfg)) if resume == "auto" else resume
+        records = _train(built.graph, cfg, source, stop_after, progress, on_step)
+        plot_losses(MetricsLog(out / "metrics.jsonl").records(), out / "loss.png",
+                    f"{out.name}: {cfg.optimizer.name}")
+        return records
+    finally:
+        built.shutdown()
+
+
+def _train(graph: Graph, cfg: PretrainConfig, source: StorePath | None,
+           stop_after: int | None, progress: bool,
+           on_step: Callable[[int, Graph], None] | None) -> list[dict]:
+    """The step loop from ``source`` (a checkpoint, or None for the start) to the last step."""
+    out, T = Path(cfg.train.out_dir), cfg.train
+    metrics = MetricsLog(out / "metrics.jsonl")
+    policy = FailurePolicy("pretraining", graph, T.max_restarts, out, T.placement_timeout_s)
+    start = 0
+    if source is not None:
+        start = checkpoint.restore(_checkpointed(graph), source)
+        log.info("resumed from %s at step %d", source, start)
+    metrics.truncate_after(start)
+    records: list[dict] = []
+    last = min(T.steps, stop_after or T.steps)
+    bar = tqdm(desc="pretrain", disable=not progress, initial=start, total=T.steps)
+    step = start + 1
+    while step <= last:
+        if on_step is not None:
+            on_step(step, graph)
+        try:
+            done = _step(graph, cfg, step, last)
+        except (WorkerDiedError, WorkerCallError) as e:
+            start = policy.recover(e, step, lambda: _restore(graph, cfg))
+            records = [r for r in records if r["step"] <= start]
+            metrics.truncate_after(start)
+            metrics.write({**policy.failures[-1], "kind": "recovery",
+                           "failure": policy.failures[-1]["kind"], "step": start,
+                           "failed_step": step})
+            bar.n, step = start, start + 1
+            continue
+        for rec in done:
+            metrics.write(rec)
+        records += done
+        bar.update(1)
+        step += 1
+    bar.close()
+    return records
+
+
+def checkpoint_root(cfg: PretrainConfig) -> StorePath:
+    """Where the run's checkpoints go: train.checkpoint_dir, or out_dir/checkpoints."""
+    return cfg.train.checkpoint_dir or Path(cfg.train.out_dir) / "checkpoints"
+
+
+def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]:
+    """One optimizer step on every rank, then the evaluation and checkpoint it is due."""
+    T = cfg.train
+    ranks: list[StepStats] = _both(graph, PretrainRank.train_step,
+                                   ParameterShardRank.train_step, step)[0]
+    out = [{"kind": "train", **asdict(ranks[0]),
+            "loss": sum(r.loss for r in ranks) / len(ranks),
+            "aux_loss": sum(r.aux_loss for r in ranks) / len(ranks),
+            "tokens": sum(r.tokens for r in ranks),
+            "seconds": max(r.seconds for r in ranks)}]
+    if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
+        val = sum(graph["trainer"].invoke(PretrainRank.evaluate)) / T.num_workers
+        out.append({"kind": "eval", "step": step, "val_loss": val})
+    if (T.checkpoint_every and step % T.checkpoint_every == 0) or step in (last, T.steps):
+        checkpoint.save(_checkpointed(graph), checkpoint_root(cfg), step,
+                        optimizer=cfg.optimizer.name, config=cfg.model_dump(mode="json"))
+    return out
+
+
+def _restore(graph: Graph, cfg: PretrainConfig) -> int:
+    """After a restart: every worker set up afresh and loaded from the last complete
+    checkpoint (none: the initial state); returns its step."""
+    _both(graph, PretrainRank.setup, ParameterShardRank.setup)
+    source = checkpoint.latest(checkpoint_root(cfg))
+    return checkpoint.restore(_checkpointed(graph), source) if source is not None else 0

@@ -1,0 +1,59 @@
+"""Rebuild one full model from a sharded pretraining checkpoint: the dense parameters from the
+ranks' shards (ZeRO-1) or any rank (replicated), the experts from every expert-parallel slice.
+The result is an ordinary single-process GPT, for evaluation, quantization and serving
+(troupe.parallel.apply_expert_parallel splits it again)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from troupe import checkpoint as ckpt
+from troupe.config import validate
+from troupe.models import GPT, expert_parameters
+from troupe.pretrain.config import PretrainConfig
+
+
+def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) -> GPT:
+    """The GPT a checkpoint directory (a local path or an fsspec URL) holds. Its config: ``cfg``,
+    else the one the manifest carries, else the run's config.json two levels up (checkpoints
+    written before manifests carried it). Only for checkpoints without offloaded shards."""
+    manifest = ckpt.read_manifest(directory)
+    if cfg is None and "config" in manifest:
+        cfg = validate(PretrainConfig, manifest["config"], f"{directory}: manifest config")
+    elif cfg is None:
+        path = Path(directory).parent.parent / "config.json"
+        cfg = validate(PretrainConfig, json.loads(path.read_text()), str(path))
+    W = manifest["roles"].get("trainer")
+    if "shard" in manifest["roles"]:
+        raise ValueError(f"{directory}: offloaded checkpoints are not supported here")
+    states = [ckpt.read_rank(directory, r, manifest) for r in range(W)]
+    moe = cfg.model.moe
+    P = moe.ep_size if moe else 1
+    full = GPT(cfg.model.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
+    dense, experts = expert_parameters(full)
+    sharded = cfg.optimizer.sharded  # ZeRO-1 shards; the 1-bit optimizers keep whole copies
+    _fill(dense, _bucket(states, "dense", range(W), sharded))
+    for e in range(P):  # expert-parallel slice e lives on ranks e, e + P, ... (strided)
+        # slice e's expert bucket holds, parameter by parameter, experts e*n .. (e+1)*n - 1
+        # (see troupe.parallel.apply_expert_parallel)
+        part = [p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in experts]
+        _fill(part, _bucket(states, "expert", range(e, W, P), sharded))
+    return full.eval()
+
+
+def _bucket(states: list[dict], name: str, ranks: range, sharded: bool) -> torch.Tensor:
+    """The flat buffer of a bucket: shards concatenated in group order, or rank 0's copy
+    (after 0/1 Adam's local steps the copies differ by at most one sync; rank 0's is taken)."""
+    parts = [states[r]["buckets"][name]["params"] for r in ranks]
+    return torch.cat(parts) if sharded else parts[0]
+
+
+def _fill(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data.copy_(flat[offset:offset + n].view_as(p))
+        offset += n

@@ -1,0 +1,114 @@
+"""The two roles of pretraining as graph workers: thin shells that build the plain classes of
+troupe.pretrain.rank once the groups are wired, and the dataclasses their methods return.
+
+PretrainRank: one data-parallel trainer ("dp"; with MoE "ep" and "edp"; with offload
+"offload"). ParameterShardRank: a CPU-only owner of one shard of the dense parameters' fp32
+master weights and optimizer state (train.offload). Each owner method pairs with the
+trainers' method of the same name, which the driver calls at the same time."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from troupe import checkpoint as ckpt
+from troupe import collectives
+from troupe.actors import Dispatch, dispatch
+from troupe.config import validate
+from troupe.context import get_context
+from troupe.pretrain.config import PretrainConfig
+from troupe.pretrain.rank import PretrainWorker, ShardOwner, StepStats
+
+SHARD_PREFIX = "shard"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a worker reports once set up: its process and the bytes it holds."""
+
+    pid: int
+    param_bytes: int
+    optimizer_bytes: int
+
+
+def _config(config: dict | PretrainConfig) -> PretrainConfig:
+    if isinstance(config, PretrainConfig):
+        return config
+    return validate(PretrainConfig, config, "pretrain config")
+
+
+class PretrainRank:
+    """One data-parallel trainer rank. The driver calls ``setup`` once the groups are wired."""
+
+    def __init__(self, config: dict | PretrainConfig):
+        self.cfg = _config(config)
+        self.worker: PretrainWorker | None = None
+
+    @dispatch(Dispatch.ALL)
+    def setup(self) -> RankInfo:
+        """Build the model and optimizers."""
+        ctx = get_context()
+        dp, ep, edp, offload = (collectives.find_group(n) for n in ("dp", "ep", "edp", "offload"))
+        self.worker = PretrainWorker(self.cfg, ctx.rank, ctx.world_size, dp, ep, edp, offload)
+        return RankInfo(os.getpid(), **self.worker.memory())
+
+    @dispatch(Dispatch.ALL)
+    def train_step(self, step: int) -> StepStats:
+        return self._w.train_step(step)
+
+    @dispatch(Dispatch.ALL)
+    def evaluate(self) -> float:
+        return self._w.evaluate()
+
+    @dispatch(Dispatch.ALL)
+    def save(self, directory: str) -> dict:
+        """Write this rank's file of a checkpoint; returns its manifest entry."""
+        return ckpt.write_rank(directory, self._w.rank, self._w.state_dict())
+
+    @dispatch(Dispatch.ALL)
+    def load(self, directory: str) -> int:
+        """Restore this rank from a checkpoint; returns its step."""
+        manifest = ckpt.read_manifest(directory)
+        path = ckpt.rank_file(directory, self._w.rank)
+        self._w.load_state_dict(ckpt.read_rank(directory, self._w.rank, manifest), str(path))
+        return self._w.step
+
+    @property
+    def _w(self) -> PretrainWorker:
+        if self.worker is None:
+            raise RuntimeError("PretrainRank.setup() must be called before training")
+        return self.worker
+
+
+class ParameterShardRank:
+    """Shard owner ``rank`` of the dense parameters (train.offload)."""
+
+    def __init__(self, config: dict | PretrainConfig):
+        self.cfg = _config(config)
+        self.owner: ShardOwner | None = None
+
+    @dispatch(Dispatch.ALL)
+    def setup(self) -> RankInfo:
+        self.owner = ShardOwner(self.cfg, collectives.get_group("offload"),
+                                collectives.find_group("owners"))
+        return RankInfo(os.getpid(), **self.owner.memory())
+
+    @dispatch(Dispatch.ALL)
+    def train_step(self, step: int) -> None:
+        self._o.step(step)
+
+    @dispatch(Dispatch.ALL)
+    def save(self, directory: str) -> dict:
+        return ckpt.write_rank(directory, get_context().rank, self._o.state_dict(), SHARD_PREFIX)
+
+    @dispatch(Dispatch.ALL)
+    def load(self, directory: str) -> None:
+        rank = get_context().rank
+        state = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory), SHARD_PREFIX)
+        self._o.load_state_dict(state, str(ckpt.rank_file(directory, rank, SHARD_PREFIX)))
+
+    @property
+    def _o(self) -> ShardOwner:
+        if self.owner is None:
+            raise RuntimeError("ParameterShardRank.setup() must be called first")
+        return self.owner
