@@ -30,20 +30,40 @@ def _config(config: dict | RLHFConfig) -> RLHFConfig:
                                                                   "rlhf config")
 
 
-def _save_state(role: Policy | Critic, name: str, directory: str) -> dict:
-    """Write this rank's PPO state as <directory>/<name>-RRRRR.trp; its manifest entry."""
-    return ckpt.write_rank(directory, get_context().rank, role.state_dict(), prefix=name)
+class _Shell:
+    """What every role shell shares: the recipe, the plain role built by ``setup`` once the
+    groups are wired, and loading weights."""
 
-
-def _load_state(role: Policy | Critic, name: str, directory: str) -> None:
-    rank = get_context().rank
-    state = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory), prefix=name)
-    role.load_state_dict(state, str(ckpt.rank_file(directory, rank, name)))
-
-
-class PolicyActor:
     def __init__(self, config: dict | RLHFConfig):
-        self.cfg, self.role = _config(config), None
+        self.cfg = _config(config)
+        self.role = None
+
+    @dispatch(Dispatch.ALL)
+    def load(self, path: str) -> None:
+        self.role.load(path)
+
+
+class _TrainedShell(_Shell):
+    """A role whose PPO state checkpoints hold (policy, critic): this rank's file is
+    <directory>/<NAME>-RRRRR.trp."""
+
+    NAME = ""
+
+    @dispatch(Dispatch.ALL)
+    def save_state(self, directory: str) -> dict:
+        """Write this rank's PPO state; returns its manifest entry."""
+        return ckpt.write_rank(directory, get_context().rank, self.role.state_dict(),
+                               prefix=self.NAME)
+
+    @dispatch(Dispatch.ALL)
+    def load_state(self, directory: str) -> None:
+        rank = get_context().rank
+        state = ckpt.read_rank(directory, rank, ckpt.read_manifest(directory), prefix=self.NAME)
+        self.role.load_state_dict(state, str(ckpt.rank_file(directory, rank, self.NAME)))
+
+
+class PolicyActor(_TrainedShell):
+    NAME = "policy"
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
@@ -79,30 +99,13 @@ class PolicyActor:
     def save(self, path: str, ema: bool = False) -> str:
         return self.role.save(path, ema)
 
-    @dispatch(Dispatch.ALL)
-    def load(self, path: str) -> None:
-        self.role.load(path)
-
-    @dispatch(Dispatch.ALL)
-    def save_state(self, directory: str) -> dict:
-        return _save_state(self.role, "policy", directory)
-
-    @dispatch(Dispatch.ALL)
-    def load_state(self, directory: str) -> None:
-        _load_state(self.role, "policy", directory)
 
 
-class ReferenceActor:
-    def __init__(self, config: dict | RLHFConfig):
-        self.cfg, self.role = _config(config), None
+class ReferenceActor(_Shell):
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
         self.role = Reference(self.cfg, get_context().rank)
-
-    @dispatch(Dispatch.ALL)
-    def load(self, path: str) -> None:
-        self.role.load(path)
 
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -110,9 +113,7 @@ class ReferenceActor:
         return self.role.logprobs(rollout.ids, rollout.valid)
 
 
-class RewardActor:
-    def __init__(self, config: dict | RLHFConfig):
-        self.cfg, self.role = _config(config), None
+class RewardActor(_Shell):
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
@@ -141,14 +142,9 @@ class RewardActor:
     def save(self, path: str) -> str:
         return self.role.save(path)
 
-    @dispatch(Dispatch.ALL)
-    def load(self, path: str) -> None:
-        self.role.load(path)
 
-
-class CriticActor:
-    def __init__(self, config: dict | RLHFConfig):
-        self.cfg, self.role = _config(config), None
+class CriticActor(_TrainedShell):
+    NAME = "critic"
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
@@ -170,15 +166,3 @@ class CriticActor:
     @dispatch(Dispatch.RANK0)
     def save(self, path: str) -> str:
         return self.role.save(path)
-
-    @dispatch(Dispatch.ALL)
-    def load(self, path: str) -> None:
-        self.role.load(path)
-
-    @dispatch(Dispatch.ALL)
-    def save_state(self, directory: str) -> dict:
-        return _save_state(self.role, "critic", directory)
-
-    @dispatch(Dispatch.ALL)
-    def load_state(self, directory: str) -> None:
-        _load_state(self.role, "critic", directory)
