@@ -124,3 +124,47 @@ def test_engine_on_cuda_matches_cpu():
     want = run(engine, reqs)
     gpu = ContinuousBatcher(model.cuda(), EOS, max_batch=4)
     assert run(gpu, reqs) == want
+
+
+def poisoned(at: int = 40):
+    """The tiny model with position ``at``'s embedding NaN: a sequence that reaches it gets
+    non-finite logits; shorter ones never touch it."""
+    model = tiny()
+    with torch.no_grad():
+        model.pos_emb.weight[at] = float("nan")
+    return model
+
+
+def test_a_sequence_with_non_finite_logits_ends_alone():
+    model = poisoned()
+    engine = ContinuousBatcher(model, EOS, max_batch=8)
+    normal = {f"ok{i}": [10 + i, 20, 30 + i] for i in range(4)}
+    for sid, prompt in normal.items():
+        engine.add(sid, prompt, SamplingParams(max_tokens=12))
+    engine.add("bad", [7] * 45, SamplingParams(max_tokens=5))  # positions 0..44: NaN at 40
+    events, steps = [], 0
+    while engine.has_work():
+        events += engine.step()
+        steps += 1
+    [bad] = [e for e in events if e.seq_id == "bad"]
+    assert bad.finish_reason == "error" and "non-finite logits" in bad.error
+    for sid, prompt in normal.items():
+        assert [e.token for e in events if e.seq_id == sid] == alone(model, prompt, 12), sid
+    engine.add("bad2", [7] * 45, SamplingParams(max_tokens=5))
+    with pytest.raises(RuntimeError, match="sequence bad2: FloatingPointError"):
+        engine.run()  # the rollouts' batch form raises instead
+
+
+def test_sampling_parameters_are_brought_into_safe_ranges():
+    model = tiny()
+    engine = ContinuousBatcher(model, EOS)
+    engine.add("tiny-t", [5, 6], SamplingParams(max_tokens=8, temperature=1e-300))
+    engine.add("big-seed", [5, 6], SamplingParams(max_tokens=8, temperature=0.8, seed=2 ** 64 + 3))
+    engine.add("seed-3", [5, 6], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
+    got = run(engine)
+    assert got["tiny-t"] == alone(model, [5, 6], 8)  # greedy
+    assert got["big-seed"] == got["seed-3"]  # seeds are taken modulo 2**64
+    for bad, field in ((dict(temperature=float("nan")), "temperature"),
+                       (dict(top_p=0.0), "top_p"), (dict(max_tokens=0), "max_tokens")):
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            engine.add("x", [1], SamplingParams(**bad))

@@ -2,6 +2,6 @@
 the RLHF rollouts. Plain torch, no Ray."""
 
 from troupe.generation.engine import ContinuousBatcher, Event
-from troupe.generation.sampling import SamplingParams, sample
+from troupe.generation.sampling import SamplingParams, checked, sample
 
-__all__ = ["ContinuousBatcher", "Event", "SamplingParams", "sample"]
+__all__ = ["ContinuousBatcher", "Event", "SamplingParams", "checked", "sample"]

@@ -21,19 +21,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from troupe.generation.sampling import SamplingParams, sample
+from troupe.generation.sampling import SamplingParams, checked, sample
 from troupe.models import GPT, KVCache
 
 
 @dataclass
 class Event:
     """What one step did for one sequence: the token it chose, the text that is now final
-    (``delta``), and why it finished (None while it goes on): "stop" or "length"."""
+    (``delta``), and why it finished (None while it goes on): "stop", "length", or "error"
+    (``error`` says what; the sequence alone ends, the batch goes on)."""
 
     seq_id: str
     token: int | None
     delta: str
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -79,7 +81,9 @@ class ContinuousBatcher:
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue a sequence; it joins the batch at the next step with room for it."""
+        """Queue a sequence; it joins the batch at the next step with room for it. ValueError
+        (naming the field) for a request that cannot be served."""
+        params = checked(params)
         if not prompt:
             raise ValueError("prompt: at least one token is needed")
         if len(prompt) + params.max_tokens > self.cfg.seq_len:
@@ -98,14 +102,34 @@ class ContinuousBatcher:
         with self._lock:
             self._cancelled.add(seq_id)
 
+    def run_events(self) -> list[Event]:
+        """Step until every queued sequence has finished; every event, in order."""
+        events: list[Event] = []
+        while self.has_work():
+            events += self.step()
+        return events
+
     def run(self) -> dict[str, list[int]]:
         """Step until every queued sequence has finished; the tokens each one chose (its eos
-        included), by sequence id. The batch form the RLHF rollouts use."""
+        included), by sequence id. The batch form the RLHF rollouts use: a sequence that
+        fails (non-finite logits) raises RuntimeError naming it."""
         out: dict[str, list[int]] = {}
         while self.has_work():
             for ev in self.step():
+                if ev.error is not None:
+                    raise RuntimeError(f"sequence {ev.seq_id}: {ev.error}")
                 out.setdefault(ev.seq_id, []).append(ev.token)
         return out
+
+    def reset(self) -> list[str]:
+        """Drop every sequence, running or waiting, and the cache (after a failed step, whose
+        state cannot be trusted); returns the ids dropped."""
+        with self._lock:
+            dropped = [s.seq_id for s in self.active] + [s.seq_id for s in self._waiting]
+            self._waiting.clear()
+            self._cancelled.clear()
+        self.active, self.cache, self.valid = [], None, None
+        return dropped
 
     def has_work(self) -> bool:
         return bool(self.active or self._waiting)
@@ -116,19 +140,26 @@ class ContinuousBatcher:
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """Admit waiting sequences (prefill), then one decode step for the rest of the batch."""
+        """Admit waiting sequences (prefill), then one decode step for the rest of the batch.
+        If the step raises, the batch's cache cannot be trusted: every sequence of the step
+        ends with an "error" event, and the waiting ones start afresh at the next step."""
         self._drop_cancelled()
         events: list[Event] = []
         running = list(self.active)
         newcomers = self._admit()
-        if running:
-            events += self._decode(running)
-        elif self.lockstep:
-            self._stand_in()
-        if newcomers:
-            events += self._prefill(newcomers)
-        elif self.lockstep:
-            self._stand_in()
+        try:
+            if running:
+                events += self._decode(running)
+            elif self.lockstep:
+                self._stand_in()
+            if newcomers:
+                events += self._prefill(newcomers)
+            elif self.lockstep:
+                self._stand_in()
+        except Exception as e:
+            self.active, self.cache, self.valid = [], None, None
+            return [Event(s.seq_id, None, "", "error", f"decode step failed: {e!r}")
+                    for s in running + newcomers]
         self._retire({e.seq_id for e in events if e.finish_reason is not None})
         return events
 
@@ -178,7 +209,11 @@ class ContinuousBatcher:
         events = []
         logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
         for s, logits in zip(seqs, logits_BV):
-            token = sample(logits, s.params, s.generator)
+            try:
+                token = sample(logits, s.params, s.generator)
+            except Exception as e:  # this sequence ends; the others go on
+                events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
+                continue
             s.out.append(token)
             events.append(self._advance(s, token))
         return events

@@ -3,7 +3,8 @@ sequence."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,9 +22,31 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
 
+MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead
+SEED_RANGE = 2 ** 64    # what torch.Generator.manual_seed accepts
+
+
+def checked(p: SamplingParams) -> SamplingParams:
+    """``p`` within the ranges the sampler is safe in: a temperature under MIN_TEMPERATURE is
+    greedy decoding, a seed is taken modulo 2**64. ValueError naming the field for values no
+    range fixes (a non-finite temperature, top_p outside (0, 1], max_tokens < 1)."""
+    if not (isinstance(p.max_tokens, int) and p.max_tokens >= 1):
+        raise ValueError(f"max_tokens: must be a whole number >= 1, got {p.max_tokens!r}")
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise ValueError(f"temperature: must be a finite number >= 0, got {p.temperature!r}")
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise ValueError(f"top_p: must be in (0, 1], got {p.top_p!r}")
+    temperature = p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0
+    seed = p.seed % SEED_RANGE if p.seed is not None else None
+    return replace(p, temperature=temperature, seed=seed, stop=tuple(p.stop))
+
+
 def sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """A token from one sequence's logits (V,): argmax at temperature 0, else a draw from the
-    tempered (and top-p truncated) distribution with the sequence's CPU generator."""
+    tempered (and top-p truncated) distribution with the sequence's CPU generator. Raises
+    FloatingPointError for logits that are not all finite."""
+    if not bool(torch.isfinite(logits_V).all()):
+        raise FloatingPointError("the model produced non-finite logits for this sequence")
     if p.temperature <= 0:
         return int(logits_V.argmax())
     probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one

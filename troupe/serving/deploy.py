@@ -51,6 +51,14 @@ class ExpertParallelBatcher:
     def has_work(self) -> bool:
         return bool(self.where or self._adds)
 
+    def reset(self) -> list[str]:
+        """Drop every sequence (the ranks drop theirs at the next step); returns their ids."""
+        with self._lock:
+            dropped = list(self.where) + [seq[0] for seq in self._adds]
+            self._cancels += list(self.where)  # sent to their ranks by the next step
+            self._adds = []
+        return dropped
+
     def active_ids(self) -> list[str]:
         return list(self.where)
 

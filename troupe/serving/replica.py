@@ -22,6 +22,7 @@ from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.data import ByteTokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation.sampling import checked
 from troupe.parallel import apply_expert_parallel
 from troupe.serving.model import load_served_model, load_source, quantize_served, weight_bytes
 from troupe.serving.protocol import (
@@ -35,7 +36,7 @@ from troupe.serving.protocol import (
     models,
     parse,
 )
-from troupe.serving.runner import AsyncBatcher
+from troupe.serving.runner import AsyncBatcher, SequenceFailed
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -125,7 +126,10 @@ class ServeReplica:
         if len(ids) > lim.max_prompt_tokens:
             raise RequestError(400, f"{field}: {len(ids)} tokens; this server accepts at most "
                                f"{lim.max_prompt_tokens}", field)
-        params = req.sampling(16, lim)
+        try:
+            params = checked(req.sampling(16, lim))  # safe ranges: tiny temperatures are greedy
+        except ValueError as e:
+            raise RequestError(400, str(e), str(e).split(":")[0]) from None
         context = self.seq_len
         if len(ids) + params.max_tokens > context:
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
@@ -143,30 +147,40 @@ class ServeReplica:
             raise RequestError(429, f"{self.in_flight} requests in flight, the limit of this "
                                "replica; retry later", type="rate_limit_error")
         rid = completion_id(chat)
-        self.in_flight += 1
-        if req.stream:
+        if req.stream:  # counted in flight while it streams (see _stream)
             return StreamingResponse(self._stream(rid, ids, params, chat),
                                      media_type="text/event-stream")
+        self.in_flight += 1
         try:
             text, finish, n = "", None, 0
             async for ev in self.engine.generate(rid, ids, params):
                 text, finish, n = text + ev.delta, ev.finish_reason, n + 1
+        except SequenceFailed as e:
+            raise RequestError(500, f"generation failed for this request: {e}",
+                               type="server_error") from None
         finally:
             self.in_flight -= 1
         return JSONResponse(completion(rid, self.cfg.model.name, text, finish, len(ids), n, chat))
 
     async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
                       chat: bool) -> AsyncIterator[str]:
+        """Server-sent events; a failed sequence ends with an error event. Counted in flight
+        from its first to its last event, so a stream that never starts (the client left
+        first) is not left counted."""
         name = self.cfg.model.name
+        self.in_flight += 1
         try:
             if chat:
                 yield _sse(chunk(rid, name, "", None, chat, first=True))
             async for ev in self.engine.generate(rid, ids, params):
                 if ev.delta or ev.finish_reason:
                     yield _sse(chunk(rid, name, ev.delta, ev.finish_reason, chat))
-            yield "data: [DONE]\n\n"
+        except SequenceFailed as e:
+            yield _sse(RequestError(500, f"generation failed for this request: {e}",
+                                    type="server_error").body())
         finally:
             self.in_flight -= 1
+        yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict[str, Any]) -> str:

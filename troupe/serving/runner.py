@@ -1,13 +1,27 @@
 """The continuous batcher driven from asyncio: requests await their tokens while one worker
-thread runs decode steps back to back, and new requests join between two steps."""
+thread runs decode steps back to back, and new requests join between two steps.
+
+A sequence the engine cannot go on with (non-finite logits, a sampler error, a step that
+raised) ends with SequenceFailed; the others go on. Should a batcher's step itself raise (the
+expert-parallel one, whose ranks are Ray actors), its running sequences fail, and after a second
+failure in a row the batcher is reset and everything it held fails. The decode loop runs under
+a supervisor that restarts it should it ever raise, so no request waits on a loop that is
+gone."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SequenceFailed(RuntimeError):
+    """The engine could not finish this sequence (its own logits, or a failed step)."""
 
 
 class AsyncBatcher:
@@ -34,7 +48,11 @@ class AsyncBatcher:
             while not done:
                 ev = await queue.get()
                 if isinstance(ev, BaseException):
+                    done = True
                     raise ev
+                if ev.error is not None:
+                    done = True
+                    raise SequenceFailed(ev.error)
                 done = ev.finish_reason is not None
                 yield ev
         finally:
@@ -45,10 +63,23 @@ class AsyncBatcher:
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Run the decode loop; should it ever raise, fail what the engine held, reset it and
+        run the loop again."""
+        while True:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.exception("the decode loop failed; restarting it")
+                self._fail(self.batcher.reset(), f"the decode loop failed: {e!r}")
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        failed_in_a_row = 0
         while True:
             if not self.batcher.has_work():
                 self._wake.clear()
@@ -57,14 +88,24 @@ class AsyncBatcher:
             try:
                 events = await loop.run_in_executor(self._pool, self.batcher.step)
             except Exception as e:  # a failed step fails the sequences in it, not the server
-                for seq_id in self.batcher.active_ids():
-                    self.batcher.cancel(seq_id)
-                    if seq_id in self._queues:
-                        self._queues[seq_id].put_nowait(RuntimeError(f"decode step failed: {e!r}"))
-                await loop.run_in_executor(self._pool, self.batcher.step)  # drop them
+                failed_in_a_row += 1
+                if failed_in_a_row >= 2:
+                    self._fail(self.batcher.reset(), f"decode step failed: {e!r}")
+                    continue
+                failed = self.batcher.active_ids()
+                for seq_id in failed:
+                    self.batcher.cancel(seq_id)  # dropped by the next step
+                self._fail(failed, f"decode step failed: {e!r}")
                 continue
+            failed_in_a_row = 0
             self.steps += 1
             for ev in events:
                 queue = self._queues.get(ev.seq_id)
                 if queue is not None:
                     queue.put_nowait(ev)
+
+    def _fail(self, seq_ids: list[str], message: str) -> None:
+        for seq_id in seq_ids:
+            queue = self._queues.get(seq_id)
+            if queue is not None:
+                queue.put_nowait(SequenceFailed(message))
