@@ -126,3 +126,50 @@ def test_no_pickle_anywhere():
     import inspect
     src = inspect.getsource(wire)
     assert "pickle" not in src.replace("never pickle", "")
+
+
+def _frame(tree, body: bytes) -> bytes:
+    """A frame with a hand-made header (what a hostile sender could write)."""
+    import msgpack
+    header = msgpack.packb([tree, len(body)], use_bin_type=True)
+    head = wire.MAGIC + wire._HEADER_LEN.pack(len(header)) + header
+    return head + bytes(wire._pad(len(head))) + body
+
+
+def _tensor_ref(dtype: str, shape, offset: int, nbytes: int):
+    import msgpack
+    return msgpack.ExtType(wire._EXT_TENSOR, msgpack.packb([dtype, shape, offset, nbytes]))
+
+
+def test_aliasing_references_cannot_blow_up_memory():
+    """4000 tensors pointing at the same 256 KiB of a 0.33 MiB frame would decode to 1 GiB."""
+    body = bytes(256 * 1024)
+    ref = _tensor_ref("uint8", [len(body)], 0, len(body))
+    with pytest.raises(WireFormatError, match="overlaps or precedes"):
+        wire.decode(_frame([ref] * 4000, body))
+    with pytest.raises(WireFormatError, match="overlaps or precedes"):  # partial overlap
+        wire.decode(_frame([_tensor_ref("uint8", [128], 0, 128),
+                            _tensor_ref("uint8", [128], 64, 128)], bytes(192)))
+    ok = wire.decode(_frame([_tensor_ref("uint8", [64], 0, 64),
+                             _tensor_ref("uint8", [64], 64, 64)], bytes(128)))
+    assert [t.numel() for t in ok] == [64, 64]
+
+
+@pytest.mark.parametrize("shape", [[0, 2 ** 63], [True, True], [-1], [1] * 40, [2 ** 50, 0]])
+def test_odd_shapes_are_format_errors(shape):
+    with pytest.raises(WireFormatError, match="tensor shape"):
+        wire.decode(_frame(_tensor_ref("float32", shape, 0, 0), b""))
+
+
+def test_only_the_documented_types_decode():
+    import datetime
+
+    import msgpack
+    stamp = msgpack.Timestamp.from_datetime(datetime.datetime(2026, 1, 1,
+                                                              tzinfo=datetime.timezone.utc))
+    with pytest.raises(WireFormatError, match="Timestamp is not part of the format"):
+        wire.decode(_frame({"t": stamp}, b""))
+    with pytest.raises(WireFormatError, match="unknown extension type 9"):
+        wire.decode(_frame([msgpack.ExtType(9, b"x")], b""))
+    with pytest.raises(WireFormatError, match="dict key 1.5"):
+        wire.decode(_frame({1.5: 2}, b""))

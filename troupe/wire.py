@@ -6,11 +6,15 @@ A message is a frame::
 
 The header is ``[tree, body length]`` and the frame must be exactly that long. Each tensor in the
 tree is a msgpack extension carrying its dtype, shape and the (offset, length) of its raw bytes
-among the buffers that follow, each buffer aligned to 64 bytes. Tuples are an extension too, so they come back as tuples.
+among the buffers that follow, each buffer aligned to 64 bytes, in the order the tensors appear
+in the tree and never overlapping. Tuples are an extension too, so they come back as tuples.
 
 Supported values: None, bool, int, float, str, bytes, list, tuple, dict (str or int keys) and
 torch tensors of the dtypes in ``DTYPES``. Decoding checks every length against the frame and
-the configured limits, and raises ``WireFormatError`` naming what is wrong.
+the configured limits, accepts only those types (no other msgpack extension, such as
+timestamps), refuses tensor references that overlap or go back (so a frame cannot make decoding
+allocate more than its own size), and raises ``WireFormatError`` naming what is wrong, for any
+input.
 
 Copies: ``encode_parts`` returns the header and views of the tensors' own memory (no copy for
 contiguous CPU tensors), suitable for writing to a file part by part. ``decode`` of a writable
@@ -35,6 +39,9 @@ _EXT_TUPLE = 2
 
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB per message
 DEFAULT_MAX_DEPTH = 64
+MAX_DIMS = 32
+MAX_DIM_SIZE = 1 << 48
+_PLAIN = (type(None), bool, int, float, str, bytes)
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -142,13 +149,14 @@ class _Decoder:
         self.body_start = body_start
         self.max_depth = max_depth
         self.copy = copy
+        self.next_free = 0  # body offset where the next tensor's bytes may start
 
     def unpack(self, raw: bytes, depth: int) -> Any:
         if depth > self.max_depth:
             raise WireFormatError(f"nesting deeper than max_depth={self.max_depth}")
         try:
             tree = msgpack.unpackb(
-                raw, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType,
+                raw, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType, timestamp=0,
                 max_bin_len=len(raw), max_str_len=len(raw), max_ext_len=len(raw),
                 max_array_len=len(raw), max_map_len=len(raw),
             )
@@ -173,7 +181,13 @@ class _Decoder:
         if isinstance(obj, list):
             return [self.walk(v, depth + 1) for v in obj]
         if isinstance(obj, dict):
+            bad = [k for k in obj if type(k) not in (str, int)]
+            if bad:
+                raise WireFormatError(f"dict key {bad[0]!r} is not a str or int")
             return {k: self.walk(v, depth + 1) for k, v in obj.items()}
+        if not isinstance(obj, _PLAIN):
+            raise WireFormatError(f"a value of type {type(obj).__name__} is not part of the "
+                                  "format")
         return obj
 
     def tensor(self, meta_raw: bytes) -> torch.Tensor:
@@ -184,8 +198,10 @@ class _Decoder:
         dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise WireFormatError(f"tensor dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise WireFormatError(f"tensor shape {shape!r} is not a list of non-negative ints")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(
+                type(d) is int and 0 <= d < MAX_DIM_SIZE for d in shape)):
+            raise WireFormatError(f"tensor shape {shape!r} is not a list of at most {MAX_DIMS} "
+                                  f"ints in [0, 2**48)")
         numel = 1
         for d in shape:
             numel *= d
@@ -196,19 +212,28 @@ class _Decoder:
                 f"descriptor says {nbytes!r}"
             )
         start = self.body_start + offset
-        if offset < 0 or start + nbytes > len(self.data):
+        if offset < self.next_free:
+            raise WireFormatError(f"tensor data at body offset {offset} overlaps or precedes the "
+                                  f"previous tensor's (which ends at {self.next_free})")
+        if start + nbytes > len(self.data):
             raise WireFormatError(
                 f"truncated: tensor data at bytes [{start}, {start + nbytes}) but the frame "
                 f"has {len(self.data)} bytes"
             )
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        view = self.data[start : start + nbytes]
-        buf = bytearray(view) if self.copy else view
-        t = torch.frombuffer(buf, dtype=torch.uint8)
-        if dtype == torch.bool and bool((t > 1).any()):
-            raise WireFormatError("bool tensor holds bytes other than 0 and 1")
-        return t.view(dtype).reshape(shape)
+        self.next_free = offset + nbytes
+        try:
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            view = self.data[start : start + nbytes]
+            buf = bytearray(view) if self.copy else view
+            t = torch.frombuffer(buf, dtype=torch.uint8)
+            if dtype == torch.bool and bool((t > 1).any()):
+                raise WireFormatError("bool tensor holds bytes other than 0 and 1")
+            return t.view(dtype).reshape(shape)
+        except WireFormatError:
+            raise
+        except Exception as e:  # torch refusing the shape or the buffer
+            raise WireFormatError(f"tensor of shape {shape} and dtype {dtype_name}: {e}") from None
 
 
 def decode(
