@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
+from troupe.checkpoint import CheckpointError  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
 from troupe.pretrain import PretrainConfig  # noqa: E402
 from troupe.pretrain import driver as pretrain  # noqa: E402
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(PretrainConfig, args.config, args.overrides)
     troupe.init()
-    records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)
+    try:
+        records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)
+    except CheckpointError as e:  # a damaged or lying checkpoint: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     evals = [r for r in records if r["kind"] == "eval"]
     if evals:
         print(f"validation loss: {evals[0]['val_loss']:.4f} (step {evals[0]['step']}) -> "

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import troupe  # noqa: E402
+from troupe.checkpoint import CheckpointError  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
 from troupe.rlhf import driver as rlhf  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
@@ -45,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     troupe.init()
-    summary = rlhf.run(cfg, steps, resume=args.resume)
+    try:
+        summary = rlhf.run(cfg, steps, resume=args.resume)
+    except CheckpointError as e:  # a damaged or lying checkpoint: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=1))
     return 0
 

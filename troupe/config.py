@@ -24,9 +24,11 @@ C = TypeVar("C", bound="Config")
 
 
 class Config(BaseModel):
-    """Base of all troupe configs: unknown keys are rejected, assignments are validated."""
+    """Base of all troupe configs: unknown keys are rejected, assignments are validated, and
+    no number may be infinite or NaN."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False,
+                              allow_inf_nan=False)
 
 
 class ConfigError(ValueError):
@@ -70,15 +72,19 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping from a file; errors name the file (and line for syntax errors)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a recipe") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -176,3 +176,33 @@ def test_failures_beyond_max_restarts_stop_with_a_report(cluster, tmp_path):
     assert "died" in f["cause"] and "trainer" in str(e.value) and "rank 1" in str(e.value)
     report = json.loads((tmp_path / "fails" / "failure.json").read_text())
     assert report["failures"] == e.value.failures
+
+
+def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cluster, tmp_path):
+    """A manifest whose config does not describe the saved weights is refused by export and
+    serving (issue 14); resume skips a damaged newest checkpoint, says so, and goes on from the
+    previous complete one to the uninterrupted run's losses."""
+    from troupe.checkpoint import CheckpointError
+    from troupe.pretrain.export import load_full_model
+    from troupe.serving.model import load_source
+    from troupe.serving.protocol import ModelSource
+
+    cfg = _cfg(tmp_path, "lie", model__moe=None, train__steps=3, train__checkpoint_every=1,
+               train__eval_every=0)
+    full = pretrain.run(cfg, resume=None, progress=False)
+    root = tmp_path / "lie" / "checkpoints"
+    newest = checkpoint.latest(root)
+    manifest = json.loads((newest / "manifest.json").read_text())
+    honest = json.dumps(manifest)
+    manifest["config"]["model"]["n_layer"] = 1
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not describe these weights"):
+        load_full_model(newest)
+    with pytest.raises(CheckpointError, match="dense parameters"):
+        load_source(ModelSource(checkpoint=str(newest), name="m"))
+    (newest / "manifest.json").write_text(honest)
+    victim = newest / "rank-00001.trp"
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
+    again = pretrain.run(cfg, resume="auto", progress=False)
+    assert [(r["kind"], r["step"]) for r in again] == [("train", 3), ("eval", 3)]
+    assert _train_key(again) == _train_key(full)[-2:]

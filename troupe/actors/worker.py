@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from troupe import checkpoint as ckpt
 from troupe import collectives
 from troupe.collectives import straggler
 from troupe.context import WorkerContext, _set_context
@@ -57,6 +58,13 @@ class RoleWorker:
                 "pid": os.getpid(),
                 "gpu_ids": list(self.context.gpu_ids),
                 "resources": ray.get_runtime_context().get_assigned_resources()}
+
+    def check_file(self, path: str, nbytes: int, sha256: str) -> str | None:
+        """Whether a checkpoint file is intact, read from this worker's node (see
+        troupe.checkpoint.check_file); the driver spreads a checkpoint's files over the
+        workers before any of them loads, so a damaged file cannot leave its peers waiting
+        in a collective."""
+        return ckpt.check_file(path, nbytes, sha256)
 
     def create_store(self) -> collectives.StoreAddress:
         return collectives.create_store(self.context.node_ip)

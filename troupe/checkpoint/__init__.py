@@ -7,6 +7,8 @@ from troupe.checkpoint import storage
 from troupe.checkpoint.sharded import (
     FORMAT,
     MANIFEST,
+    CheckpointError,
+    check_file,
     latest,
     rank_file,
     read_manifest,
@@ -17,5 +19,5 @@ from troupe.checkpoint.sharded import (
 )
 from troupe.checkpoint.storage import StorePath
 
-__all__ = ["FORMAT", "MANIFEST", "StorePath", "latest", "rank_file", "read_manifest", "read_rank",
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "check_file", "StorePath", "latest", "rank_file", "read_manifest", "read_rank",
            "steps", "storage", "write_manifest", "write_rank"]

@@ -17,6 +17,11 @@ MANIFEST = "manifest.json"
 FORMAT = "troupe-checkpoint/1"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is: damaged, incomplete, from another layout or
+    lying about what it holds. The message names the directory or file."""
+
+
 def rank_file(directory: StorePath, rank: int, prefix: str = "rank") -> StorePath:
     return storage.join(directory, f"{prefix}-{rank:05d}.trp")
 
@@ -38,18 +43,30 @@ def read_rank(directory: StorePath, rank: int, manifest: dict[str, Any],
     file = storage.name(path)
     entry = next((e for e in manifest["files"] if e["file"] == file), None)
     if entry is None:
-        raise ValueError(f"checkpoint {directory}: manifest lists no file for rank {rank} "
+        raise CheckpointError(f"checkpoint {directory}: manifest lists no file for rank {rank} "
                          f"(it was written by {len(manifest['files'])} ranks)")
     if not storage.is_file(path):
         raise FileNotFoundError(f"checkpoint {directory}: {file} is missing")
-    if storage.size(path) != entry["bytes"] or _sha256(path) != entry["sha256"]:
-        raise ValueError(f"checkpoint {directory}: {file} does not match its manifest "
-                         "(size or SHA-256 differs): the file is damaged or from another save")
+    problem = check_file(path, entry["bytes"], entry["sha256"])
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {directory}: {problem}")
     with storage.open_read(path) as f:
         try:
             return wire.load(f)
         except wire.WireFormatError as e:
-            raise ValueError(f"checkpoint {path}: {e}") from None
+            raise CheckpointError(f"checkpoint {path}: {e}") from None
+
+
+def check_file(path: StorePath, nbytes: int, sha256: str) -> str | None:
+    """None when the file at ``path`` has ``nbytes`` bytes and this SHA-256, else what is
+    wrong with it (naming the file)."""
+    file = storage.name(path)
+    if not storage.is_file(path):
+        return f"{file} is missing"
+    if storage.size(path) != nbytes or _sha256(path) != sha256:
+        return (f"{file} does not match its manifest (size or SHA-256 differs): the file is "
+                "damaged or from another save")
+    return None
 
 
 def write_manifest(directory: StorePath, files: list[dict[str, Any]], **meta: Any) -> StorePath:
@@ -69,10 +86,19 @@ def read_manifest(directory: StorePath) -> dict[str, Any]:
     try:
         manifest = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(f"{path}: format {got!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
+    files = manifest.get("files")
+    if not (isinstance(files, list) and all(
+            isinstance(e, dict) and isinstance(e.get("file"), str) and
+            isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+            for e in files)):
+        raise CheckpointError(f"{path}: 'files' must list {{file, bytes, sha256}} entries")
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("roles", {}),
+                                                                    dict):
+        raise CheckpointError(f"{path}: 'step' must be an int and 'roles' a mapping")
     return manifest
 
 

@@ -92,13 +92,17 @@ def remove(path: StorePath) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class StorageError(RuntimeError):
+    """A URL whose filesystem cannot be reached from here (fsspec or its package missing)."""
+
+
 def _fs(url: StorePath):
     try:
         import fsspec
     except ImportError:
-        raise RuntimeError(f"{url}: checkpoint URLs need fsspec (pip install fsspec, plus the "
+        raise StorageError(f"{url}: checkpoint URLs need fsspec (pip install fsspec, plus the "
                            "filesystem's package, e.g. s3fs for s3://)") from None
     try:
         return fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as e:
-        raise RuntimeError(f"{url}: {e}") from None
+        raise StorageError(f"{url}: {e}") from None

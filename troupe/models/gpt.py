@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
@@ -17,16 +17,23 @@ from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
 
 class GPTConfig(Config):
-    """Model shape. d_ff defaults to 4 * d_model; moe=None gives a dense model."""
+    """Model shape. d_ff defaults to 4 * d_model; moe=None gives a dense model. n_head must
+    divide d_model; sizes are bounded so that a typo fails here, not as a 50 GB allocation."""
 
-    vocab_size: int = Field(default=257, ge=2)
-    seq_len: int = Field(default=128, ge=1)
-    n_layer: int = Field(default=4, ge=1)
-    n_head: int = Field(default=4, ge=1)
-    d_model: int = Field(default=128, ge=1)
-    d_ff: int | None = None
+    vocab_size: int = Field(default=257, ge=2, le=1 << 22)
+    seq_len: int = Field(default=128, ge=1, le=1 << 20)
+    n_layer: int = Field(default=4, ge=1, le=1024)
+    n_head: int = Field(default=4, ge=1, le=1024)
+    d_model: int = Field(default=128, ge=1, le=1 << 16)
+    d_ff: int | None = Field(default=None, ge=1, le=1 << 18)
     dropout: float = Field(default=0.0, ge=0, lt=1)
     moe: MoEConfig | None = None
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "GPTConfig":
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head={self.n_head} must divide d_model={self.d_model}")
+        return self
 
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose feed-forward is MoE."""

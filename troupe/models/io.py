@@ -59,7 +59,7 @@ def load_state(module: nn.Module, state: dict[str, torch.Tensor], path: str | Pa
     with torch.no_grad():
         for k, v in state.items():
             if k in mine:
-                if mine[k].shape != v.shape:
-                    raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model "
-                                     f"{tuple(mine[k].shape)}")
+                if mine[k].shape != v.shape or mine[k].dtype != v.dtype:
+                    raise ValueError(f"{path}: {k} is {v.dtype} {tuple(v.shape)}, the model "
+                                     f"has {mine[k].dtype} {tuple(mine[k].shape)}")
                 mine[k].copy_(v)

@@ -110,8 +110,7 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
     built = build_graph(cfg)
     try:
-        source = checkpoint.latest(checkpoint_root(cfg)) if resume == "auto" else resume
-        records = _train(built.graph, cfg, source, stop_after, progress, on_step)
+        records = _train(built.graph, cfg, resume, stop_after, progress, on_step)
         plot_losses(MetricsLog(out / "metrics.jsonl").records(), out / "loss.png",
                     f"{out.name}: {cfg.optimizer.name}")
         return records
@@ -119,17 +118,13 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
         built.shutdown()
 
 
-def _train(graph: Graph, cfg: PretrainConfig, source: StorePath | None,
-           stop_after: int | None, progress: bool,
-           on_step: Callable[[int, Graph], None] | None) -> list[dict]:
-    """The step loop from ``source`` (a checkpoint, or None for the start) to the last step."""
+def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: int | None,
+           progress: bool, on_step: Callable[[int, Graph], None] | None) -> list[dict]:
+    """The step loop from where ``resume`` says (see ``run``) to the last step."""
     out, T = Path(cfg.train.out_dir), cfg.train
     metrics = MetricsLog(out / "metrics.jsonl")
     policy = FailurePolicy("pretraining", graph, T.max_restarts, out, T.placement_timeout_s)
-    start = 0
-    if source is not None:
-        start = checkpoint.restore(_checkpointed(graph), source)
-        log.info("resumed from %s at step %d", source, start)
+    start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
     records: list[dict] = []
     last = min(T.steps, stop_after or T.steps)
@@ -156,6 +151,21 @@ def _train(graph: Graph, cfg: PretrainConfig, source: StorePath | None,
         step += 1
     bar.close()
     return records
+
+
+def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
+    """Load the checkpoint ``resume`` names ("auto": the newest complete one that loads, a
+    damaged one skipped with a warning); returns its step, 0 for a fresh start."""
+    if resume is None:
+        return 0
+    if resume == "auto":
+        found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg))
+        source, start = found if found is not None else (None, 0)
+    else:
+        source, start = resume, checkpoint.restore(_checkpointed(graph), resume)
+    if source is not None:
+        log.info("resumed from %s at step %d", source, start)
+    return start
 
 
 def checkpoint_root(cfg: PretrainConfig) -> StorePath:
@@ -186,5 +196,4 @@ def _restore(graph: Graph, cfg: PretrainConfig) -> int:
     """After a restart: every worker set up afresh and loaded from the last complete
     checkpoint (none: the initial state); returns its step."""
     _both(graph, PretrainRank.setup, ParameterShardRank.setup)
-    source = checkpoint.latest(checkpoint_root(cfg))
-    return checkpoint.restore(_checkpointed(graph), source) if source is not None else 0
+    return _resume(graph, cfg, "auto")

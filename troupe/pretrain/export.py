@@ -13,6 +13,7 @@ import torch
 from troupe import checkpoint as ckpt
 from troupe.config import validate
 from troupe.models import GPT, expert_parameters
+from troupe.optim import padded_size
 from troupe.pretrain.config import PretrainConfig
 
 
@@ -35,12 +36,14 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     full = GPT(cfg.model.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
     dense, experts = expert_parameters(full)
     sharded = cfg.optimizer.sharded  # ZeRO-1 shards; the 1-bit optimizers keep whole copies
-    _fill(dense, _bucket(states, "dense", range(W), sharded))
+    _fill(dense, _bucket(states, "dense", range(W), sharded), W if sharded else 1,
+          f"{directory}: dense parameters")
     for e in range(P):  # expert-parallel slice e lives on ranks e, e + P, ... (strided)
         # slice e's expert bucket holds, parameter by parameter, experts e*n .. (e+1)*n - 1
         # (see troupe.parallel.apply_expert_parallel)
         part = [p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in experts]
-        _fill(part, _bucket(states, "expert", range(e, W, P), sharded))
+        _fill(part, _bucket(states, "expert", range(e, W, P), sharded),
+              W // P if sharded else 1, f"{directory}: experts of slice {e}")
     return full.eval()
 
 
@@ -51,7 +54,15 @@ def _bucket(states: list[dict], name: str, ranks: range, sharded: bool) -> torch
     return torch.cat(parts) if sharded else parts[0]
 
 
-def _fill(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+def _fill(params: list[torch.Tensor], flat: torch.Tensor, align: int, where: str) -> None:
+    """Copy a bucket's flat buffer into ``params``; CheckpointError when its size or dtype is
+    not what the config's model needs (a manifest whose config does not describe the weights
+    would otherwise serve another model)."""
+    want = padded_size([p.numel() for p in params], align)
+    if flat.numel() != want or flat.dtype != torch.float32:
+        raise ckpt.CheckpointError(
+            f"{where}: {flat.numel()} {flat.dtype} values saved, the config's model needs "
+            f"{want} torch.float32: the manifest's config does not describe these weights")
     offset = 0
     for p in params:
         n = p.numel()

@@ -118,12 +118,12 @@ def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path, reward_pa
     for c in calls:
         c.result()
     rng = random.Random(cfg.seed + 30)
-    source = checkpoint.latest(root)
-    if source is None:
+    found = checkpoint.restore_latest(_trained(graph), root)
+    if found is None:
         if resume:
             logger.warning("no PPO checkpoint under %s: PPO starts from the beginning", root)
         return PPOState(0, rng, None)
-    done = checkpoint.restore(_trained(graph), source)
+    source, done = found
     meta = read_manifest(source)
     version, state, gauss = meta["rng"]
     rng.setstate((version, tuple(state), gauss))

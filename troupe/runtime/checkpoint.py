@@ -10,6 +10,7 @@ place, and the manifest, written last, is what makes it complete."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +20,10 @@ from troupe import checkpoint as ckpt
 from troupe.actors.dispatch import Dispatch
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
+from troupe.errors import WorkerCallError
 from troupe.runtime.handle import Call, RoleGroup
+
+log = logging.getLogger(__name__)
 
 Part = Union[RoleGroup, tuple[RoleGroup, Callable[..., Any], Callable[..., Any]]]
 """A role a checkpoint holds: (group, save method, load method) of its role class, where
@@ -79,9 +83,50 @@ def restore(parts: list[Part], directory: StorePath) -> int:
         if saved.get(role.name) != role.world_size:
             raise ValueError(f"checkpoint {directory} holds {saved.get(role.name, 0)} ranks of "
                              f"role {role.name!r}; the graph has {role.world_size}")
-    for _, call in _calls(parts, 2, str(directory)):
-        call.result()
+    _check_files(parts, directory, manifest)
+    try:
+        for _, call in _calls(parts, 2, str(directory)):
+            call.result()
+    except WorkerCallError as e:  # a rank's file is damaged: say which, not a traceback
+        if isinstance(e.cause, ckpt.CheckpointError):
+            raise ckpt.CheckpointError(f"{e.cause} (role {e.role!r} rank {e.rank})") from None
+        raise
     return manifest["step"]
+
+
+def _check_files(parts: list[Part], directory: StorePath, manifest: dict) -> None:
+    """Every file of the checkpoint checked (size, SHA-256) by the workers, spread over them,
+    before any rank loads: a rank that failed its load while its peers wait for it in a
+    collective would leave them waiting until the collective's timeout."""
+    groups = [part if isinstance(part, RoleGroup) else part[0] for part in parts]
+    workers = [(g, r) for g in groups for r in range(g.world_size)]
+    calls = []
+    for i, entry in enumerate(manifest["files"]):
+        group, rank = workers[i % len(workers)]
+        path = str(storage.join(directory, entry["file"]))
+        ref = group.actors[rank].check_file.remote(path, entry["bytes"], entry["sha256"])
+        calls.append((group, rank, ref))
+    for group, rank, ref in calls:
+        problem = group.gather([ref], [rank], "check_file", group.call_timeout_s)[0]
+        if problem is not None:
+            raise ckpt.CheckpointError(f"checkpoint {directory}: {problem}")
+
+
+def restore_latest(parts: list[Part], root: StorePath) -> tuple[StorePath, int] | None:
+    """Load the newest complete checkpoint under ``root`` that loads; a damaged one is
+    skipped with a warning naming it and the next older one tried. Returns the directory
+    loaded and its step, or None when there is none; raises the newest one's CheckpointError
+    when every one is damaged."""
+    first: ckpt.CheckpointError | None = None
+    for directory in reversed(ckpt.steps(root)):
+        try:
+            return directory, restore(parts, directory)
+        except ckpt.CheckpointError as e:
+            log.warning("%s; going back to the previous complete checkpoint", e)
+            first = first or e
+    if first is not None:
+        raise first
+    return None
 
 
 def latest(root: StorePath) -> StorePath | None:

@@ -12,7 +12,7 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
-from troupe.config import validate
+from troupe.config import ConfigError, validate
 from troupe.models import GPT, GPTConfig
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import load_full_model
@@ -51,14 +51,18 @@ def resolve_checkpoint(path: StorePath) -> StorePath:
 
 
 def locate(src: ModelSource) -> StorePath:
-    """The model file or checkpoint directory ``src`` names; FileNotFoundError naming the
-    config key when there is none (checked on the driver before any replica starts)."""
+    """The model file or checkpoint directory ``src`` names; FileNotFoundError or ConfigError
+    naming the config key when there is none or it cannot be read (checked on the driver
+    before any replica starts)."""
     if src.file is not None:
         if not Path(src.file).is_file():
             raise FileNotFoundError(f"model.file={src.file!r} does not exist; write one with "
                                     "troupe.serving.model.save_model")
         return Path(src.file)
-    return resolve_checkpoint(src.checkpoint)
+    try:
+        return resolve_checkpoint(src.checkpoint)
+    except (storage.StorageError, ckpt.CheckpointError) as e:  # e.g. s3:// without s3fs
+        raise ConfigError(f"model.checkpoint={str(src.checkpoint)!r}: {e}") from None
 
 
 def load_source(src: ModelSource) -> GPT:

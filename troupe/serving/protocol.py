@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from troupe.compression import MODES
 from troupe.config import Config
+
+
 from troupe.generation import SamplingParams
 
 
@@ -60,6 +63,15 @@ class ServeConfig(Config):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
     expert_parallel: int = Field(default=1, ge=1)
+
+    @field_validator("quantize")
+    @classmethod
+    def _known_modes(cls, rules: dict[str, str]) -> dict[str, str]:
+        bad = {pattern: mode for pattern, mode in rules.items() if mode not in MODES}
+        if bad:
+            pattern, mode = next(iter(bad.items()))
+            raise ValueError(f"pattern {pattern!r}: mode {mode!r} is not one of {MODES}")
+        return rules
 
 
 class RequestError(Exception):

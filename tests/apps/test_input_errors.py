@@ -1,0 +1,62 @@
+"""Bad input to the apps exits 2 with one line naming the key or file, before anything starts
+(issue 14, item 7)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _app(name: str):
+    spec = importlib.util.spec_from_file_location(f"app_{name}", ROOT / "apps" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _exit_code_and_message(capsys, app: str, argv: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        code = _app(app).main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err.strip()
+    return e.value.code, err
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model:\n  d_model: 64 # \xe9t\xe9\n".encode("latin-1"))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 3000 + "]" * 3000 + "\n")
+    return {"latin1": latin1, "deep": deep}
+
+
+@pytest.mark.parametrize("app,argv,names", [
+    ("pretrain", ["model.n_head=3"], "n_head=3 must divide d_model"),
+    ("pretrain", ["model.d_ff=-5"], "model.d_ff"),
+    ("pretrain", ["model.seq_len=1e8"], "model.seq_len"),
+    ("pretrain", ["optimizer.lr=.inf"], "optimizer.lr"),
+    ("rlhf", ["ppo.top_p=0"], "ppo.top_p"),
+    ("serve", ["quantize.*=w3a3"], "mode 'w3a3' is not one of"),
+    ("serve", ["model.checkpoint=s3://bucket/run"], "model.checkpoint="),
+])
+def test_bad_values_exit_2_naming_the_key(capsys, app, argv, names):
+    code, err = _exit_code_and_message(capsys, app, argv)
+    assert code == 2 and names in err, err
+
+
+@pytest.mark.parametrize("which,names", [("latin1", "not UTF-8"), ("deep", "nested too deeply")])
+def test_bad_files_exit_2_naming_the_file(capsys, bad_files, which, names):
+    code, err = _exit_code_and_message(capsys, "pretrain", ["--config", str(bad_files[which])])
+    assert code == 2 and names in err and str(bad_files[which]) in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_a_manifest_without_files_is_named(tmp_path):
+    from troupe.checkpoint import CheckpointError, read_manifest
+    (tmp_path / "manifest.json").write_text('{"format": "troupe-checkpoint/1", "step": 3}')
+    with pytest.raises(CheckpointError, match="manifest.json: 'files' must list"):
+        read_manifest(tmp_path)
