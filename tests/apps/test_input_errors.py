@@ -2,7 +2,6 @@
 (issue 14, item 7)."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest

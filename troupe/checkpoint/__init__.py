@@ -19,5 +19,6 @@ from troupe.checkpoint.sharded import (
 )
 from troupe.checkpoint.storage import StorePath
 
-__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "check_file", "StorePath", "latest", "rank_file", "read_manifest", "read_rank",
-           "steps", "storage", "write_manifest", "write_rank"]
+__all__ = ["FORMAT", "MANIFEST", "CheckpointError", "StorePath", "check_file", "latest",
+           "rank_file", "read_manifest", "read_rank", "steps", "storage", "write_manifest",
+           "write_rank"]
