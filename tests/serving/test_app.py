@@ -8,7 +8,6 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
@@ -128,3 +127,22 @@ def test_bearer_token_is_required(app):
     assert code == 401 and out["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=app["url"] + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_the_api_key_is_in_no_file_of_the_ray_session(app):
+    """The replicas get a salted digest of the key, never the key: Ray's logs, its runtime_env
+    agent's included, cannot leak it (issue 14)."""
+    import ray
+    from pathlib import Path
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    files = [p for p in session.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert files
+    leaks = []
+    for p in files:
+        try:
+            if KEY.encode() in p.read_bytes():
+                leaks.append(str(p))
+        except OSError:
+            continue
+    assert not leaks, leaks

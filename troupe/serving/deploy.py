@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from dataclasses import asdict
 from collections import Counter
 from typing import Any
 
@@ -19,6 +20,7 @@ from troupe.generation import Event, SamplingParams
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
+from troupe.serving.auth import KeyDigest
 from troupe.serving.model import locate
 from troupe.serving.protocol import ServeConfig
 from troupe.serving.replica import ServeRank, ServeReplica
@@ -103,8 +105,8 @@ class ExpertParallelReplica(ServeReplica):
 
 def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     """Start (or update) the app on the cluster; returns its base URL once it answers.
-    The API key, when ``cfg.api_key_env`` is set in this process, travels to the replicas in
-    their runtime environment."""
+    The API key, when ``cfg.api_key_env`` is set in this process, reaches the replicas only as
+    a salted digest (troupe.serving.auth): never in a runtime environment, which Ray logs."""
     from ray import serve
 
     locate(cfg.model)  # a missing model fails here, not in a replica's traceback
@@ -112,15 +114,15 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     options: dict = {"num_cpus": cfg.num_cpus}
     key = os.environ.get(cfg.api_key_env)
-    if key:
-        options["runtime_env"] = {"env_vars": {cfg.api_key_env: key}}
+    digest = asdict(KeyDigest.of(key)) if key else None
     cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
     deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas,
         # above the replica's own limit, so that it answers 429 rather than Serve queueing
         max_ongoing_requests=cfg.limits.max_concurrent * 2,
         ray_actor_options=options)
-    serve.run(deployment.bind(cfg.model_dump()), name=name, route_prefix="/", blocking=False)
+    serve.run(deployment.bind(cfg.model_dump(), digest), name=name, route_prefix="/",
+              blocking=False)
     url = f"http://{cfg.host}:{cfg.port}"
     _wait_healthy(url, timeout_s)
     log.info("serving %s at %s (%d replica(s))", cfg.model.name, url, cfg.num_replicas)

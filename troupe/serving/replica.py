@@ -8,7 +8,6 @@ several actors; troupe.serving.deploy wires them)."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import time
@@ -24,6 +23,7 @@ from troupe.data import ByteTokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.generation.sampling import checked
 from troupe.parallel import apply_expert_parallel
+from troupe.serving.auth import KeyDigest
 from troupe.serving.model import load_served_model, load_source, quantize_served, weight_bytes
 from troupe.serving.protocol import (
     ChatRequest,
@@ -42,16 +42,20 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 class ServeReplica:
-    """Built as ``ServeReplica(config)`` with a ServeConfig as a dict."""
+    """Built as ``ServeReplica(config, key_digest)`` with a ServeConfig as a dict and the API
+    key's salted digest (troupe.serving.auth; None: the key, if any, is read from the
+    replica's own environment, ``api_key_env``)."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], key_digest: dict[str, str] | None = None):
         self.cfg = validate(ServeConfig, config, "serve config")
         torch.set_num_threads(self.cfg.threads)
         self.tok = ByteTokenizer()
         self.batcher, self.details = self._make_batcher()
         self.seq_len = self.details["seq_len"]
         self.engine = AsyncBatcher(self.batcher)
-        self.api_key = os.environ.get(self.cfg.api_key_env) or None
+        key = os.environ.get(self.cfg.api_key_env)
+        self.key = (KeyDigest(**key_digest) if key_digest is not None
+                    else KeyDigest.of(key) if key else None)
         self.created = int(time.time())
         self.in_flight = 0
 
@@ -88,11 +92,10 @@ class ServeReplica:
 
     # ---- checks -----------------------------------------------------------------------------
     def _authorize(self, header: str | None) -> None:
-        if self.api_key is None:
+        if self.key is None:
             return
         scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  self.api_key.encode()):
+        if scheme.lower() != "bearer" or not self.key.matches(token.strip()):
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer "
                                "<key>'", type="authentication_error")
 

@@ -1,0 +1,29 @@
+"""The server's API key without the key: replicas hold a salted SHA-256 of it and compare the
+bearer token's digest in constant time. The key itself never enters a config, a deployment
+argument or a runtime environment, so Ray's logs and dashboard never see it (use a
+high-entropy key, e.g. ``openssl rand -hex 32``: a digest of a guessable one can be guessed)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeyDigest:
+    salt: str    # hex
+    sha256: str  # hex digest of salt + key
+
+    @classmethod
+    def of(cls, key: str) -> "KeyDigest":
+        salt = secrets.token_hex(16)
+        return cls(salt, _digest(salt, key))
+
+    def matches(self, token: str) -> bool:
+        return hmac.compare_digest(_digest(self.salt, token), self.sha256)
+
+
+def _digest(salt: str, key: str) -> str:
+    return hashlib.sha256(bytes.fromhex(salt) + key.encode()).hexdigest()
