@@ -186,3 +186,36 @@ def test_ucc_says_clearly_when_unavailable():
         pytest.skip("this torch build has UCC")
     with pytest.raises(RuntimeError, match="UCC"):
         make_process_group("ucc", None, 0, 1, 1.0, "127.0.0.1")
+
+
+def test_a_group_opens_no_port_on_a_wildcard_address(cluster):
+    """The rendezvous goes through Ray (no TCPStore port) and gloo binds 127.0.0.1 on one node:
+    every socket a group adds to its workers listens on loopback (issue 14)."""
+    import psutil
+
+    graph = ActorGraph("ports").role("w", _Pid, 2, num_cpus=0.5).build(60)
+    try:
+        pids = set(graph["w"].call("pid"))
+
+        def listening():
+            return {(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN and c.pid in pids}
+
+        before = listening()
+        connect_group(graph, "g", [("w", 0), ("w", 1)], "gloo", 60)
+        added = listening() - before
+        assert graph["w"].call("allreduce_one") == [2.0, 2.0]
+    finally:
+        graph.shutdown()
+    assert added and all(ip == "127.0.0.1" for _, ip, _ in added), added
+
+
+class _Pid:
+    def pid(self):
+        import os
+        return os.getpid()
+
+    def allreduce_one(self):
+        import torch
+        from troupe import collectives
+        return collectives.get_group("g").all_reduce(torch.ones(1)).item()

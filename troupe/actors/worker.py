@@ -19,6 +19,7 @@ import ray
 
 from troupe import checkpoint as ckpt
 from troupe import collectives
+from troupe.actors.store import KeyValue, RayStore
 from troupe.collectives import straggler
 from troupe.context import WorkerContext, _set_context
 
@@ -38,6 +39,7 @@ class RoleWorker:
         self.impl = cls(config) if config is not None else cls()
         self.in_flight: str | None = None
         self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
+        self.keys = KeyValue()  # rendezvous keys of the groups this worker is rank 0 of
         straggler.set_probe(self._probe)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -66,18 +68,28 @@ class RoleWorker:
         in a collective."""
         return ckpt.check_file(path, nbytes, sha256)
 
-    def create_store(self) -> collectives.StoreAddress:
-        return collectives.create_store(self.context.node_ip)
-
     def join_group(self, name: str, backend: str, rank: int, world_size: int,
-                   store: collectives.StoreAddress, timeout_s: float, generation: int,
-                   peers: list[ray.actor.ActorHandle] | None = None) -> None:
+                   store_host: ray.actor.ActorHandle, timeout_s: float, generation: int,
+                   peers: list[ray.actor.ActorHandle] | None = None,
+                   one_node: bool = False) -> None:
+        """Join collective group ``name``; its rendezvous keys live in ``store_host`` (the
+        group's rank-0 worker, see troupe.actors.store). gloo binds 127.0.0.1 when every
+        member is on this node (``one_node``), else this node's address; never a wildcard."""
         self.in_flight = f"join_group({name!r})"
         self.peers[name] = peers or []
         try:
-            collectives.init_group(name, backend, rank, world_size, store, timeout_s, generation)
+            collectives.init_group(name, backend, rank, world_size,
+                                   RayStore(store_host, timeout_s), timeout_s, generation,
+                                   local_ip="127.0.0.1" if one_node else self.context.node_ip)
         finally:
             self.in_flight = None
+
+    @ray.method(concurrency_group="store")
+    def kv(self, op: str, *args: Any) -> Any:
+        """One operation on the rendezvous keys this worker hosts (troupe.actors.store)."""
+        if op not in KeyValue.OPS:
+            raise ValueError(f"kv: no operation {op!r}; the store has {KeyValue.OPS}")
+        return getattr(self.keys, op)(*args)
 
     def leave_group(self, name: str) -> None:
         collectives.destroy_group(name)
@@ -118,4 +130,4 @@ class RoleWorker:
         return "\n".join(out)
 
 
-RemoteRoleWorker = ray.remote(concurrency_groups={"control": 1})(RoleWorker)
+RemoteRoleWorker = ray.remote(concurrency_groups={"control": 1, "store": 2})(RoleWorker)

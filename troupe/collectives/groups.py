@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed import Store
 
 from troupe.collectives import rendezvous
 from troupe.collectives.base import Communicator
@@ -24,13 +25,18 @@ def resolve_backend(backend: str, uses_gpu: bool) -> str:
     return backend
 
 
-def init_group(name: str, backend: str, rank: int, world_size: int, store: StoreAddress,
-               timeout_s: float = 300.0, generation: int = 0) -> Communicator:
-    """Join group ``name`` as ``rank`` of ``world_size`` through the store at ``store``.
+def init_group(name: str, backend: str, rank: int, world_size: int,
+               store: StoreAddress | Store, timeout_s: float = 300.0, generation: int = 0,
+               local_ip: str | None = None) -> Communicator:
+    """Join group ``name`` as ``rank`` of ``world_size`` through ``store``: a c10d Store
+    (troupe's graphs pass one that Ray carries, troupe.actors.store) or the address of a
+    TCPStore (``create_store``; it listens on every interface: for use outside Ray).
 
     Every member must call this; it returns once all have arrived, or raises
     CollectiveTimeoutError naming the ranks that did not arrive within ``timeout_s``.
     ``generation`` separates a rebuilt group (after a worker restart) from the old one.
+    ``local_ip``: the address gloo's sockets bind (default: this machine's address on the
+    route to the TCPStore's host).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -38,11 +44,20 @@ def init_group(name: str, backend: str, rank: int, world_size: int, store: Store
     if name in _groups:
         destroy_group(name)
     deadline = time.monotonic() + timeout_s
+    if isinstance(store, StoreAddress):
+        local_ip = local_ip or rendezvous.local_ip_towards(store.host)
+        try:
+            client = rendezvous.connect(store, timeout_s)
+        except RuntimeError as e:  # TCPStore gives up when rank 0's store is gone
+            raise CollectiveTimeoutError(name, [0], world_size, timeout_s,
+                                         "serve the store") from e
+    else:
+        client, local_ip = store, local_ip or "127.0.0.1"
     try:
-        client = rendezvous.connect(store, timeout_s)
-    except RuntimeError as e:  # TCPStore gives up when rank 0's store is gone
+        pstore = rendezvous.arrive(client, f"{name}/{generation}/", rank, world_size, timeout_s,
+                                   name)
+    except RuntimeError as e:  # the store's host is gone
         raise CollectiveTimeoutError(name, [0], world_size, timeout_s, "serve the store") from e
-    pstore = rendezvous.arrive(client, f"{name}/{generation}/", rank, world_size, timeout_s, name)
     remaining = max(deadline - time.monotonic(), 1.0)
     if backend == "nccl":
         from troupe.collectives.nccl import NcclCommunicator, new_unique_id
@@ -51,9 +66,11 @@ def init_group(name: str, backend: str, rank: int, world_size: int, store: Store
             pstore.set("nccl_uid", new_unique_id())
         comm: Communicator = NcclCommunicator(name, bytes(pstore.get("nccl_uid")), rank, world_size)
     else:
-        from troupe.collectives.torch_backend import TorchCommunicator, make_process_group
+        from troupe.collectives.torch_backend import (
+            TorchCommunicator,
+            make_process_group,
+        )
 
-        local_ip = rendezvous.local_ip_towards(store.host)
         pg = make_process_group(backend, rendezvous.PrefixStore("pg/", pstore), rank, world_size,
                                 remaining, local_ip)
         comm = TorchCommunicator(name, backend, pg, rank, world_size, timeout_s)

@@ -1,6 +1,10 @@
-"""Rendezvous without fixed ports: rank 0 opens a TCPStore on a port the OS picks, its address
-travels to the other members through Ray (or any other channel), and every member announces its
-arrival there. Members that do not arrive within the timeout are named in the error."""
+"""Rendezvous: every member announces its arrival in the group's store and waits for the others;
+members that do not arrive within the timeout are named in the error.
+
+troupe's graphs keep the store's keys in the rank-0 worker and reach them over Ray
+(troupe.actors.store: no port of its own). ``create_store``/``connect`` are the standalone
+alternative outside Ray: a TCPStore on a port the OS picks, which listens on every interface
+and asks nothing of its clients, so use it only on a trusted network."""
 
 from __future__ import annotations
 

@@ -290,13 +290,13 @@ def _describe_total() -> str:
 def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backend: str,
                   timeout_s: float, generation: int = 0) -> None:
     """Create collective group ``name`` among ``members`` (role, rank) of a built graph;
-    member i becomes group rank i. Raises CollectiveTimeoutError naming absent ranks."""
+    member i becomes group rank i. Its rendezvous goes through member 0's worker over Ray (no
+    store port); its gloo sockets bind 127.0.0.1 when all members share a node. Raises
+    CollectiveTimeoutError naming absent ranks."""
     actors = [graph[role].actors[rank] for role, rank in members]
-    first_role, first_rank = members[0]
-    store = graph[first_role].gather([actors[0].create_store.remote()], [first_rank],
-                                     "create_store", timeout_s)[0]
-    refs = [a.join_group.remote(name, backend, i, len(members), store, timeout_s, generation,
-                                actors) for i, a in enumerate(actors)]
+    one_node = len({graph[role].node_ids[rank] for role, rank in members}) == 1
+    refs = [a.join_group.remote(name, backend, i, len(members), actors[0], timeout_s,
+                                generation, actors, one_node) for i, a in enumerate(actors)]
     for i, ((role, rank), ref) in enumerate(zip(members, refs)):
         try:
             graph[role].gather([ref], [rank], f"join_group({name!r})", timeout_s + 30)

@@ -106,7 +106,10 @@ class RoleGroup:
         for rank, actor in enumerate(self.actors):
             while True:
                 try:
-                    ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                    info = ray.get(actor.ready.remote(),
+                                   timeout=max(deadline - time.monotonic(), 0.1))
+                    if rank < len(self.node_ids):  # a restarted worker may be on another node
+                        self.node_ids[rank] = info["node_id"]
                     break
                 except ActorUnavailableError:
                     if time.monotonic() > deadline:
