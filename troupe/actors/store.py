@@ -89,7 +89,7 @@ class RayStore(dist.Store):
             delay = min(delay * 2, 0.05)
 
     def set(self, key, value):
-        self._call("set", key, value.encode() if isinstance(value, str) else bytes(value))
+        self._call("set", key, _bytes(value))
 
     def get(self, key):
         self._wait_for([key])
@@ -105,11 +105,14 @@ class RayStore(dist.Store):
         self._wait_for(list(keys))
 
     def compare_set(self, key, expected, desired):
-        as_bytes = (lambda v: v.encode() if isinstance(v, str) else bytes(v))
-        return self._call("compare_set", key, as_bytes(expected), as_bytes(desired))
+        return self._call("compare_set", key, _bytes(expected), _bytes(desired))
 
     def delete_key(self, key):
         return self._call("delete", key)
 
     def num_keys(self):
         return self._call("count")
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
