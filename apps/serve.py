@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import troupe  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
 from troupe.serving import deploy as serve  # noqa: E402
-from troupe.serving.model import locate  # noqa: E402
+from troupe.serving.model import check_source  # noqa: E402
 from troupe.serving.protocol import ServeConfig  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(ServeConfig, args.config, args.overrides, lambda c: locate(c.model))
+    cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source)
     troupe.init()
     url = serve.deploy(cfg)
     print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)

@@ -59,3 +59,14 @@ def test_a_manifest_without_files_is_named(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": "troupe-checkpoint/1", "step": 3}')
     with pytest.raises(CheckpointError, match="manifest.json: 'files' must list"):
         read_manifest(tmp_path)
+
+
+def test_a_quantize_pattern_that_matches_nothing_exits_2(capsys, tmp_path):
+    from troupe.models import GPT, GPTConfig
+    from troupe.serving.model import save_model
+    path = tmp_path / "m.trp"
+    save_model(GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)), path)
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text(f"model: {{file: {path}, name: m}}\nquantize: {{'*.attnn.*': w8a8}}\n")
+    code, err = _exit_code_and_message(capsys, "serve", ["--config", str(recipe)])
+    assert code == 2 and "pattern '*.attnn.*' matches no layer" in err, err

@@ -151,6 +151,13 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     return done
 
 
+def unmatched_patterns(model: nn.Module, rules: dict[str, str]) -> list[str]:
+    """The patterns of ``rules`` that match no Linear layer nor MoE experts module of
+    ``model`` (a typo that would quietly leave the model unquantized)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Experts))]
+    return [pat for pat in rules if not any(fnmatch.fnmatch(n, pat) for n in names)]
+
+
 def replace_linears(model: nn.Module, rules: dict[str, str],
                     make: Callable[[nn.Linear, str], nn.Module]) -> dict[str, str]:
     """Replace each nn.Linear matched by ``rules`` (glob pattern -> mode, first match wins,

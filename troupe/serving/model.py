@@ -12,6 +12,7 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
+from troupe.compression.quantize import unmatched_patterns
 from troupe.config import ConfigError, validate
 from troupe.models import GPT, GPTConfig
 from troupe.models.io import load_state, read_module_file, save_module
@@ -63,6 +64,29 @@ def locate(src: ModelSource) -> StorePath:
         return resolve_checkpoint(src.checkpoint)
     except (storage.StorageError, ckpt.CheckpointError) as e:  # e.g. s3:// without s3fs
         raise ConfigError(f"model.checkpoint={str(src.checkpoint)!r}: {e}") from None
+
+
+def check_source(cfg: ServeConfig) -> None:
+    """What the driver checks before any replica starts: the model exists (``locate``) and
+    every quantize pattern matches some layer of it; ConfigError naming the key otherwise."""
+    path = locate(cfg.model)
+    if not cfg.quantize:
+        return
+    if cfg.model.file is not None:
+        meta, _ = read_module_file(path)
+        model_cfg = meta.get("config")
+        model_cfg = json.loads(model_cfg) if isinstance(model_cfg, str) else None
+    else:
+        model_cfg = ckpt.read_manifest(path).get("config", {}).get("model")
+    if model_cfg is None:
+        return  # an older file or manifest without a config: the replica checks the weights
+    with torch.device("meta"):
+        skeleton = GPT(validate(GPTConfig, model_cfg, f"{path}: config"))
+    missing = unmatched_patterns(skeleton, cfg.quantize)
+    if missing:
+        names = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)][:3]
+        raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of the model "
+                          f"(layers are named like {', '.join(names)})")
 
 
 def load_source(src: ModelSource) -> GPT:
