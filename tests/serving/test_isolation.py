@@ -6,6 +6,8 @@ NaN, as corrupted weights would be), and the server serves afterwards."""
 
 import concurrent.futures as cf
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -30,7 +32,7 @@ def app(cluster, serve_port, tmp_path_factory):
     save_model(model, path)
     cfg = ServeConfig(model={"file": str(path), "name": "m"}, port=serve_port,
                       limits={"max_tokens": N, "max_prompt_tokens": 50, "max_batch": 16,
-                              "max_concurrent": 32})
+                              "max_concurrent": 32, "body_timeout_s": 3, "max_receiving": 120})
     url = serve.deploy(cfg)
     yield url, load_served_model(cfg)[0]
     serve.shutdown()
@@ -82,3 +84,47 @@ def test_poisoned_requests_do_not_fail_the_batch(app):
     assert status == 200 and out["choices"][0]["text"] == got[0][1]["choices"][0]["text"]
     with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
         assert json.loads(r.read())["in_flight"] == 0
+
+
+def _slow_sender(url: str) -> socket.socket:
+    """A connection that sends its headers, announces a 1000-byte body and sends one byte."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{")
+    return s
+
+
+def test_slow_bodies_do_not_starve_the_server(app):
+    """100 connections trickling their bodies hold no generation slot: a normal request is
+    answered within 2 s; the slow ones get 408 once body_timeout_s (3 s here) has passed."""
+    url, model = app
+    slow = [_slow_sender(url) for _ in range(100)]
+    try:
+        time.sleep(1)
+        t0 = time.perf_counter()
+        status, out = post(url, {"model": "m", "prompt": "hello", "max_tokens": 4,
+                                 "temperature": 0})
+        assert status == 200 and time.perf_counter() - t0 < 2.0
+        time.sleep(3)
+        answer = slow[0].recv(200).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 408"), answer
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_too_many_senders_get_429_with_retry_after(app):
+    url, _ = app
+    slow = [_slow_sender(url) for _ in range(125)]  # max_receiving is 120
+    try:
+        time.sleep(1)
+        req = urllib.request.Request(f"{url}/v1/completions", method="POST", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+        assert "still sending their bodies" in json.loads(e.value.read())["error"]["message"]
+    finally:
+        for s in slow:
+            s.close()

@@ -118,8 +118,9 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
     deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas,
-        # above the replica's own limit, so that it answers 429 rather than Serve queueing
-        max_ongoing_requests=cfg.limits.max_concurrent * 2,
+        # above the replica's own limits (in flight, still sending), so that it answers 429
+        # rather than Serve queueing
+        max_ongoing_requests=cfg.limits.max_concurrent + cfg.limits.max_receiving + 16,
         ray_actor_options=options)
     serve.run(deployment.bind(cfg.model_dump(), digest), name=name, route_prefix="/",
               blocking=False)

@@ -36,12 +36,16 @@ class ModelSource(Config):
 
 class Limits(Config):
     """What one replica accepts: prompt and completion lengths in tokens, requests in flight
-    (beyond them: 429), the request body in bytes (413), and the decode batch."""
+    (beyond them: 429, answered before the body is read), the request body in bytes (413) and
+    the seconds it may take to arrive (408), requests whose bodies are still arriving (beyond
+    them: 429, so that slow senders cannot hold every slot), and the decode batch."""
 
     max_prompt_tokens: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=256, ge=1)
     max_concurrent: int = Field(default=64, ge=1)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    body_timeout_s: float = Field(default=10.0, gt=0)
+    max_receiving: int = Field(default=256, ge=1)
     max_batch: int = Field(default=16, ge=1)
 
 

@@ -8,6 +8,7 @@ several actors; troupe.serving.deploy wires them)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -58,6 +59,7 @@ class ServeReplica:
                     else KeyDigest.of(key) if key else None)
         self.created = int(time.time())
         self.in_flight = 0
+        self.receiving = 0  # requests whose bodies are still arriving
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
@@ -87,7 +89,8 @@ class ServeReplica:
             raise RequestError(404, f"no route {path}; this server has /v1/completions, "
                                "/v1/chat/completions, /v1/models and /health")
         except RequestError as e:
-            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401 else
+                       {"Retry-After": "1"} if e.status == 429 else None)
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     # ---- checks -----------------------------------------------------------------------------
@@ -103,6 +106,22 @@ class ServeReplica:
     def _method(request, allowed: str) -> None:
         if request.method != allowed:
             raise RequestError(405, f"{request.url.path} takes {allowed}, not {request.method}")
+
+    async def _receive(self, request) -> bytes:
+        """The body, within ``limits.body_timeout_s`` (408), while at most
+        ``limits.max_receiving`` requests are still sending theirs (429)."""
+        lim = self.cfg.limits
+        if self.receiving >= lim.max_receiving:
+            raise RequestError(429, f"{self.receiving} requests are still sending their bodies, "
+                               "the limit of this replica; retry later", type="rate_limit_error")
+        self.receiving += 1
+        try:
+            return await asyncio.wait_for(self._body(request), lim.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request body did not arrive within "
+                               f"{lim.body_timeout_s:g}s") from None
+        finally:
+            self.receiving -= 1
 
     async def _body(self, request) -> bytes:
         limit = self.cfg.limits.max_body_bytes
@@ -144,11 +163,12 @@ class ServeReplica:
     async def _complete(self, request, chat: bool):
         from starlette.responses import JSONResponse, StreamingResponse
 
-        req = parse(ChatRequest if chat else CompletionRequest, await self._body(request))
-        ids, params = self._prompt(req, chat)
-        if self.in_flight >= self.cfg.limits.max_concurrent:
+        lim = self.cfg.limits
+        if self.in_flight >= lim.max_concurrent:  # refused before any reading or parsing
             raise RequestError(429, f"{self.in_flight} requests in flight, the limit of this "
                                "replica; retry later", type="rate_limit_error")
+        req = parse(ChatRequest if chat else CompletionRequest, await self._receive(request))
+        ids, params = self._prompt(req, chat)
         rid = completion_id(chat)
         if req.stream:  # counted in flight while it streams (see _stream)
             return StreamingResponse(self._stream(rid, ids, params, chat),
