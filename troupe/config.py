@@ -49,15 +49,18 @@ def _allowed_keys(cls: type[BaseModel], path: Sequence[str | int]) -> list[str] 
 
 
 def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
-    lines = [f"invalid config from {source}:"]
+    """One line per bad key (one line in all for a single one), each naming the key."""
+    lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(cls, e["loc"][:-1])
             msg = f"unknown key; allowed keys here: {', '.join(allowed or [])}"
-        lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
+        lines.append(f"{key}: {msg}")
+    if len(lines) == 1:
+        return f"invalid config from {source}: {lines[0]}"
+    return "\n".join([f"invalid config from {source}:"] + [f"  {line}" for line in lines])
 
 
 def validate(cls: type[C], data: dict[str, Any], source: str = "config") -> C:
