@@ -112,6 +112,7 @@ class RoleWorker:
         comm = collectives.find_group(group)
         c = self.context
         return {"seq": getattr(comm, "seq", -1), "in_op": getattr(comm, "in_op", None),
+                "timed_out_seq": getattr(comm, "timed_out_seq", -1),
                 "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
                           f"{self._stacks()}"}
 

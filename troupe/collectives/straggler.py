@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from troupe.errors import CollectiveTimeoutError
 
-# probe(group, ranks) -> {rank: {"seq": int, "in_op": str | None, "report": str}}
+# probe(group, ranks) -> {rank: {"seq": int, "in_op": str | None, "timed_out_seq": int,
+#                                 "report": str}}
 Probe = Callable[[str, list[int]], dict[int, dict[str, Any]]]
 _probe: Probe | None = None
 
@@ -39,7 +40,11 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
 
     def arrived(r: int) -> bool:
         s = states.get(r)
-        if s is None or s.get("in_op") is None:
+        if s is None:
+            return False
+        if peer is None and s.get("timed_out_seq") == comm.seq:
+            return True  # it waited here too, and gave up first
+        if s.get("in_op") is None:
             return False
         return peer is not None or s.get("seq") == comm.seq
 

@@ -1,7 +1,9 @@
 """troupe.init: join the cluster named by an address or RAY_ADDRESS, or start an embedded one.
 
-The embedded cluster listens on 127.0.0.1 only (dashboard included) and runs with Ray's token
-authentication on. Joining a cluster started with ``ray start`` first asks the cluster whether it
+The embedded cluster runs with Ray's token authentication on and its dashboard on 127.0.0.1;
+Ray's own gRPC servers listen on every interface (Ray resolves 127.0.0.1 to the routable
+address on purpose), and the token is what guards them. troupe's own sockets stay on loopback
+(see troupe.actors.store). Joining a cluster started with ``ray start`` first asks the cluster whether it
 wants a token, and then uses the token that Ray's client finds: ``RAY_AUTH_TOKEN``, the file named
 by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``.
 """
