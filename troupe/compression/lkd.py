@@ -68,8 +68,7 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
     student.requires_grad_(False)
     batches = list(batches)
     with torch.no_grad():  # the full-precision inputs of block 0
-        inputs = [teacher.drop(teacher.tok_emb(b) + teacher.pos_emb(torch.arange(b.shape[1])))
-                  for b in batches]
+        inputs = [teacher.embed(b) for b in batches]
     held = 1 if len(inputs) > 1 else 0
     report = []
     for t_block, s_block in zip(teacher.blocks, student.blocks):

@@ -19,7 +19,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from troupe.generation.sampling import SamplingParams, checked, sample
 from troupe.models import GPT, KVCache
@@ -193,7 +192,7 @@ class ContinuousBatcher:
         cache = KVCache.empty(self.cfg, len(seqs), self.cfg.seq_len, device=self.device,
                               dtype=self._dtype())
         h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
-        logits = F.linear(h[:, -1], self.model.tok_emb.weight)
+        logits = self.model.logits(h[:, -1])
         self._merge(cache, valid, seqs)
         return self._choose(seqs, logits)
 
@@ -203,7 +202,7 @@ class ContinuousBatcher:
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
         h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
-        return self._choose(seqs, F.linear(h[:, -1], self.model.tok_emb.weight))
+        return self._choose(seqs, self.model.logits(h[:, -1]))
 
     def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
         events = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -13,12 +14,18 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
+from troupe.models.layers import apply_rope, norm, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
 
 class GPTConfig(Config):
-    """Model shape. d_ff defaults to 4 * d_model; moe=None gives a dense model. n_head must
-    divide d_model; sizes are bounded so that a typo fails here, not as a 50 GB allocation."""
+    """One decoder for the GPT-2 and Llama families. d_ff defaults to 4 * d_model; moe=None
+    gives a dense model. n_head must divide d_model; sizes are bounded so that a typo fails
+    here, not as a 50 GB allocation. The defaults are troupe's own GPT; the family knobs:
+    norm (layernorm | rmsnorm, with norm_eps), positions (learned | rope, with rope_theta and
+    rope_scaling), mlp (gelu | gelu_tanh | swiglu), n_kv_head (grouped-query attention), the
+    biases of the attention's qkv and output and of the MLP, and tied embeddings.
+    troupe.models.from_pretrained builds it from a Hugging Face config.json."""
 
     vocab_size: int = Field(default=257, ge=2, le=1 << 22)
     seq_len: int = Field(default=128, ge=1, le=1 << 20)
@@ -28,12 +35,31 @@ class GPTConfig(Config):
     d_ff: int | None = Field(default=None, ge=1, le=1 << 18)
     dropout: float = Field(default=0.0, ge=0, lt=1)
     moe: MoEConfig | None = None
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = Field(default=1e-5, gt=0, lt=1)
+    positions: Literal["learned", "rope"] = "learned"
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: dict[str, Any] | None = None
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    n_kv_head: int | None = Field(default=None, ge=1, le=1024)
+    qkv_bias: bool = False
+    out_bias: bool = True
+    mlp_bias: bool = True
+    tie_embeddings: bool = True
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":
         if self.d_model % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide d_model={self.d_model}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
+        if self.positions == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError("positions=rope needs an even head size (d_model / n_head)")
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
 
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose feed-forward is MoE."""
@@ -55,32 +81,47 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: GPTConfig, batch: int, max_len: int, device=None,
               dtype: torch.dtype = torch.float32) -> "KVCache":
-        shape = (batch, cfg.n_head, max_len, cfg.d_model // cfg.n_head)
+        shape = (batch, cfg.kv_heads, max_len, cfg.d_model // cfg.n_head)
         return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
                    [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
 
 
 class Attention(nn.Module):
+    """Causal self-attention; q, k and v come from one projection (q heads, then k and v with
+    ``n_kv_head`` heads each); rotary positions when the config says so."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.d_model % cfg.n_head:
-            raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_head={cfg.n_head}")
-        self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        # no bias: a key bias gets exactly zero gradient (softmax ignores a shift shared by all
-        # keys), so its frozen variance would be zero and 1-bit momentum noise would blow it up
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.n_head, self.n_kv, self.dropout = cfg.n_head, cfg.kv_heads, cfg.dropout
+        self.head_dim = cfg.d_model // cfg.n_head
+        # troupe's own GPT has no qkv bias: a key bias gets exactly zero gradient (softmax
+        # ignores a shift shared by all keys), so its frozen variance would be zero and 1-bit
+        # momentum noise would blow it up. Qwen2 has one.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * self.n_kv) * self.head_dim,
+                             bias=cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.out_bias)
+        self.rope = cfg.positions == "rope"
+        if self.rope:
+            self.register_buffer("inv_freq", rope_frequencies(
+                self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x_BTC.shape
-        q, k, v = self.qkv(x_BTC).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, C/H)
+        H, Hkv, D = self.n_head, self.n_kv, self.head_dim
+        q, k, v = self.qkv(x_BTC).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if self.rope:
+            pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
+            q, k = apply_rope(q, pos, self.inv_freq), apply_rope(k, pos, self.inv_freq)
         if cache is not None:  # append this step's keys and values, attend over all so far
             L = cache.length
             cache.k[layer][:, :, L:L + T] = k
             cache.v[layer][:, :, L:L + T] = v
             k, v = cache.k[layer][:, :, :L + T], cache.v[layer][:, :, :L + T]
+        if Hkv != H:  # grouped-query attention: each k/v head serves H / Hkv query heads
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
@@ -90,24 +131,38 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, d_ff: int):
+    """GELU (exact or tanh) MLP, or SwiGLU with ``fc`` holding the gate and up projections
+    stacked (gate first)."""
+
+    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True):
         super().__init__()
-        self.fc, self.proj = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.kind = kind
+        width = 2 * d_ff if kind == "swiglu" else d_ff
+        self.fc, self.proj = nn.Linear(d_model, width, bias=bias), nn.Linear(d_ff, d_model,
+                                                                              bias=bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.proj(F.gelu(self.fc(x))), x.new_zeros(())
+        h = self.fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.proj(h), x.new_zeros(())
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, ffn: nn.Module):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.ln1 = norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.ln2 = norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn, self.ffn = Attention(cfg), ffn
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer))
+                cache: KVCache | None = None, layer: int = 0,
+                pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos))
         y, aux = self.ffn(self.ln2(x_BTC))
         return x_BTC + self.drop(y), aux
 
@@ -133,11 +188,14 @@ class GPT(nn.Module):
                 kind = ResidualMoE if cfg.moe.residual else MoE
                 blocks.append(Block(cfg, kind(cfg.d_model, d_ff, E, cfg.moe)))
             else:
-                blocks.append(Block(cfg, MLP(cfg.d_model, d_ff)))
+                blocks.append(Block(cfg, MLP(cfg.d_model, d_ff, cfg.mlp, cfg.mlp_bias)))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        if cfg.positions == "learned":
+            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(blocks)
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.init_weights(seed)
 
@@ -155,7 +213,7 @@ class GPT(nn.Module):
                     continue
                 if name.endswith("bias"):
                     p.zero_()
-                elif ".ln" in name or name.startswith("ln_"):
+                elif ".ln" in name or name.startswith("ln_"):  # norm weights
                     p.fill_(1.0)
                 else:
                     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
@@ -167,11 +225,33 @@ class GPT(nn.Module):
         """Logits (B, T, V), the mean next-token loss against ``targets_BT`` (None without),
         and the MoE auxiliary loss. Keywords as for ``hidden``."""
         h, aux = self.hidden(idx_BT, ltd=ltd, **kw)
-        logits = F.linear(h, self.tok_emb.weight)  # (B, T, V)
+        logits = self.logits(h)  # (B, T, V)
         loss = None
         if targets_BT is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BT.reshape(-1))
         return logits, loss, aux
+
+    def reset_buffers(self) -> None:
+        """Recompute the buffers that are not weights (rotary frequencies), e.g. after the
+        model was built on the meta device and moved with ``to_empty``."""
+        for m in self.modules():
+            if isinstance(m, Attention) and m.rope:
+                m.inv_freq = rope_frequencies(m.head_dim, self.cfg.rope_theta,
+                                              self.cfg.rope_scaling).to(m.inv_freq.device)
+
+    def embed(self, idx_BT: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The input of block 0 (B, T, C): token embeddings, plus learned position embeddings
+        at ``pos`` (default 0..T-1) when the model has them (rotary ones act in attention)."""
+        x = self.tok_emb(idx_BT)
+        if self.cfg.positions == "learned":
+            x = x + self.pos_emb(torch.arange(idx_BT.shape[1], device=idx_BT.device)
+                                 if pos is None else pos)
+        return self.drop(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of hidden states (..., C): the tied embedding or the lm_head."""
+        weight = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
+        return F.linear(h, weight)
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None, cache: KVCache | None = None):
@@ -194,13 +274,13 @@ class GPT(nn.Module):
         else:
             pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
             mask = attention_mask(valid_BS, T)
-        x = self.drop(self.tok_emb(idx_BT) + self.pos_emb(pos))  # (B, T, C)
+        x = self.embed(idx_BT, pos)  # (B, T, C)
         aux = x.new_zeros(())
         for i, block in enumerate(self.blocks):
             if ltd is not None and i in ltd[1] and ltd[0] < T:
                 x, a = _through_subset(block, x, ltd[0], ltd[2])
             else:
-                x, a = block(x, mask, cache, i)
+                x, a = block(x, mask, cache, i, pos)
             aux = aux + a
         if cache is not None:
             cache.length += T
@@ -223,7 +303,8 @@ def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
     B, T, C = x_BTC.shape
     idx_BK = torch.rand(B, T, generator=gen).argsort(dim=1)[:, :keep].sort(dim=1).values
     idx_BKC = idx_BK.to(x_BTC.device)[:, :, None].expand(B, keep, C)
-    y, aux = block(torch.gather(x_BTC, 1, idx_BKC))  # causal among the kept, in order
+    # causal among the kept, in order, each at its own position
+    y, aux = block(torch.gather(x_BTC, 1, idx_BKC), pos=idx_BK.to(x_BTC.device))
     return x_BTC.scatter(1, idx_BKC, y), aux
 
 

@@ -1,0 +1,121 @@
+"""Hugging Face checkpoints through troupe's decoder: the same logits as transformers (fp32)
+on tiny random Llama, Qwen2, Mistral and GPT-2 models built offline, and an export that
+transformers loads back to the same logits."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from troupe.models import GPT, GPTConfig, from_pretrained, save_pretrained  # noqa: E402
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64)
+
+
+def _llama(**over):
+    return transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 2, **over})
+
+
+CONFIGS = {
+    "llama-gqa": lambda: (transformers.LlamaForCausalLM, _llama()),
+    "llama3-rope-scaling-untied": lambda: (transformers.LlamaForCausalLM, _llama(
+        tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **TINY, num_key_value_heads=2, tie_word_embeddings=True)),
+    "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **TINY, num_key_value_heads=1, sliding_window=None)),
+    "gpt2": lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+}
+
+
+@pytest.fixture(params=list(CONFIGS))
+def hf_dir(request, tmp_path):
+    cls, cfg = CONFIGS[request.param]()
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that a mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf", model
+
+
+def _ids():
+    return torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(1))
+
+
+def test_same_logits_as_transformers(hf_dir):
+    path, reference = hf_dir
+    ours = from_pretrained(path)
+    ids = _ids()
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        got = ours(ids)[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_left_padded_batches_and_the_cache_agree_with_a_plain_forward(hf_dir):
+    """Positions count real tokens only (rotary too), and decoding with the KV cache gives
+    the logits of recomputing the whole sequence."""
+    from troupe.models.gpt import KVCache
+    path, _ = hf_dir
+    model = from_pretrained(path)
+    ids = _ids()[:1, :12]
+    with torch.no_grad():
+        plain = model(ids)[0][0, -1]
+        padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+        valid = torch.cat([torch.zeros(1, 5, dtype=torch.bool),
+                           torch.ones(1, 12, dtype=torch.bool)], 1)
+        left = model.logits(model.hidden(padded, valid_BS=valid)[0])[0, -1]
+        cache = KVCache.empty(model.cfg, 1, 32)
+        model.hidden(ids[:, :-1], cache=cache)
+        step = model.logits(model.hidden(ids[:, -1:], cache=cache)[0])[0, -1]
+    torch.testing.assert_close(left, plain, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(step, plain, atol=2e-5, rtol=1e-4)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(hf_dir, tmp_path):
+    path, _ = hf_dir
+    ours = from_pretrained(path)
+    save_pretrained(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, ours(ids)[0], atol=2e-5,
+                                   rtol=1e-4)
+
+
+def test_troupes_own_gpt_exports_as_gpt2(tmp_path):
+    model = GPT(GPTConfig(vocab_size=97, seq_len=32, n_layer=2, n_head=2, d_model=32), seed=3)
+    save_pretrained(model, tmp_path / "gpt")
+    assert json.loads((tmp_path / "gpt" / "config.json").read_text())["model_type"] == "gpt2"
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt").eval()
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, model(ids)[0], atol=2e-5,
+                                   rtol=1e-4)
+
+
+def test_errors_name_the_architecture_and_the_tensor(tmp_path, hf_dir):
+    path, _ = hf_dir
+    cfg = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
+    with pytest.raises(ValueError, match="model_type 'falcon' is not supported; troupe loads gpt2"):
+        from_pretrained(bad)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(ValueError, match="is in no safetensors file"):
+        from_pretrained(bad)

@@ -1,0 +1,261 @@
+"""Hugging Face checkpoints in and out of troupe's decoder: a local directory with config.json
+and *.safetensors (one file or shards with an index) becomes a GPT with the same logits, and a
+GPT becomes a directory that transformers loads. No hub access.
+
+Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM). Weights are read tensor by tensor into a model built on the meta device, so
+loading holds one copy of the model. A name map per family says which Hugging Face tensors make
+each troupe parameter: q, k and v concatenate into ``attn.qkv``, gate and up into ``ffn.fc``;
+GPT-2's Conv1D weights are transposed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from troupe.models.gpt import GPT, GPTConfig
+
+LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED = ("gpt2", *LLAMA_FAMILY)
+IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
+    """troupe's GPTConfig for a Hugging Face config.json (as a dict)."""
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"{where}: activation_function {act!r} is not supported")
+        return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
+                         n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
+                         d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                         mlp="gelu" if act == "gelu" else "gelu_tanh", qkv_bias=True)
+    if kind not in LLAMA_FAMILY:
+        raise ValueError(f"{where}: model_type {kind!r} is not supported; troupe loads "
+                         f"{', '.join(SUPPORTED)}")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, d // heads):
+        raise ValueError(f"{where}: head_dim={hf['head_dim']} differs from hidden_size / "
+                         "num_attention_heads, which troupe's attention assumes")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (silu is)")
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
+                                         else None)
+    seq_len = hf.get("max_position_embeddings", 2048)
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+        seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
+    bias = hf.get("attention_bias", False)
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
+        n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
+        n_kv_head=hf.get("num_key_value_heads") or heads, norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope",
+        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=scaling, mlp="swiglu", qkv_bias=bias or kind == "qwen2",
+        out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
+        tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"))
+
+
+def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
+    """troupe parameter name -> (Hugging Face tensor names, how to combine them)."""
+    out: dict[str, tuple[list[str], str]] = {}
+    if kind == "gpt2":
+        out["tok_emb.weight"] = (["wte.weight"], "one")
+        out["pos_emb.weight"] = (["wpe.weight"], "one")
+        out["ln_f.weight"], out["ln_f.bias"] = (["ln_f.weight"], "one"), (["ln_f.bias"], "one")
+        for i in range(cfg.n_layer):
+            h, b = f"h.{i}.", f"blocks.{i}."
+            for mine, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+                for p in ("weight", "bias"):
+                    out[f"{b}{mine}.{p}"] = ([f"{h}{theirs}.{p}"], "one")
+            for mine, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                                 ("ffn.fc", "mlp.c_fc"), ("ffn.proj", "mlp.c_proj")):
+                out[f"{b}{mine}.weight"] = ([f"{h}{theirs}.weight"], "transpose")
+                if mine != "attn.qkv" or cfg.qkv_bias:
+                    out[f"{b}{mine}.bias"] = ([f"{h}{theirs}.bias"], "one")
+        return out
+    out["tok_emb.weight"] = (["model.embed_tokens.weight"], "one")
+    out["ln_f.weight"] = (["model.norm.weight"], "one")
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (["lm_head.weight"], "one")
+    for i in range(cfg.n_layer):
+        h, b = f"model.layers.{i}.", f"blocks.{i}."
+        out[f"{b}ln1.weight"] = ([f"{h}input_layernorm.weight"], "one")
+        out[f"{b}ln2.weight"] = ([f"{h}post_attention_layernorm.weight"], "one")
+        qkv = [f"{h}self_attn.{x}_proj" for x in "qkv"]
+        out[f"{b}attn.qkv.weight"] = ([f"{n}.weight" for n in qkv], "concat")
+        if cfg.qkv_bias:
+            out[f"{b}attn.qkv.bias"] = ([f"{n}.bias" for n in qkv], "concat")
+        out[f"{b}attn.proj.weight"] = ([f"{h}self_attn.o_proj.weight"], "one")
+        if cfg.out_bias:
+            out[f"{b}attn.proj.bias"] = ([f"{h}self_attn.o_proj.bias"], "one")
+        mlp = [f"{h}mlp.gate_proj", f"{h}mlp.up_proj"]
+        out[f"{b}ffn.fc.weight"] = ([f"{n}.weight" for n in mlp], "concat")
+        out[f"{b}ffn.proj.weight"] = ([f"{h}mlp.down_proj.weight"], "one")
+        if cfg.mlp_bias:
+            out[f"{b}ffn.fc.bias"] = ([f"{n}.bias" for n in mlp], "concat")
+            out[f"{b}ffn.proj.bias"] = ([f"{h}mlp.down_proj.bias"], "one")
+    return out
+
+
+class _Tensors:
+    """The tensors of a checkpoint directory, read one at a time (safetensors, sharded or not)."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{directory}: no *.safetensors file (troupe reads "
+                                        "safetensors checkpoints only)")
+        self.handles = {f: safe_open(str(directory / f), framework="pt") for f in files}
+        self.where = {name: f for f, h in self.handles.items() for name in h.keys()}
+        self.prefix = ""
+        if "transformer.wte.weight" in self.where:  # GPT2LMHeadModel saves under transformer.
+            self.prefix = "transformer."
+        self.used: set[str] = set()
+
+    def get(self, name: str) -> torch.Tensor:
+        full = name if name in self.where else self.prefix + name
+        if full not in self.where:
+            raise KeyError(name)
+        self.used.add(full)
+        return self.handles[self.where[full]].get_tensor(full)
+
+    def unused(self) -> list[str]:
+        return sorted(n for n in self.where if n not in self.used and not n.endswith(IGNORED)
+                      and not (n == "lm_head.weight" and "transformer.wte.weight" in self.where))
+
+
+_COMBINE: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
+    "one": lambda ts: ts[0], "concat": lambda ts: torch.cat(ts, 0), "transpose": lambda ts: ts[0].t()}
+
+
+def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> GPT:
+    """troupe's GPT with the weights of the Hugging Face checkpoint in ``directory`` (local).
+    Errors name the file and tensor at fault, or the unsupported architecture."""
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face model "
+                                "directory)")
+    hf = json.loads(cfg_path.read_text())
+    cfg = config_from_hf(hf, str(cfg_path))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_buffers()
+    tensors = _Tensors(directory)
+    params = dict(model.named_parameters())
+    for name, (sources, how) in _weight_map(cfg, hf["model_type"]).items():
+        try:
+            value = _COMBINE[how]([tensors.get(s) for s in sources])
+        except KeyError as e:
+            raise ValueError(f"{directory}: tensor {e.args[0]!r} (for {name}) is in no "
+                             "safetensors file") from None
+        if value.shape != params[name].shape:
+            raise ValueError(f"{directory}: {', '.join(sources)} make a tensor of shape "
+                             f"{tuple(value.shape)}, {name} needs {tuple(params[name].shape)}")
+        with torch.no_grad():
+            params[name].copy_(value)
+        del params[name]
+    if params:
+        raise ValueError(f"{directory}: no weights for {sorted(params)[:3]}")
+    if tensors.unused():
+        raise ValueError(f"{directory}: tensors troupe does not know what to do with: "
+                         f"{tensors.unused()[:3]}")
+    return model.eval()
+
+
+def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    """The Hugging Face config.json of a GPTConfig: GPT-2 for learned positions, Llama (or
+    Qwen2, whose qkv has a bias and output projection none) for rotary ones."""
+    if cfg.moe is not None:
+        raise ValueError("save_pretrained: MoE models have no Hugging Face export yet")
+    if cfg.positions == "learned":
+        if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
+                cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias):
+            raise ValueError("save_pretrained: learned positions export as GPT-2, which needs "
+                             "LayerNorm, a GELU MLP with biases, tied embeddings, and no GQA")
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.d_model,
+                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
+                "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": True,
+                "activation_function": "gelu" if cfg.mlp == "gelu" else "gelu_new",
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "torch_dtype": "float32"}
+    if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
+        raise ValueError("save_pretrained: rotary positions export as Llama, which needs "
+                         "RMSNorm and a SwiGLU MLP")
+    qwen = cfg.qkv_bias and not cfg.out_bias
+    if cfg.qkv_bias != cfg.out_bias and not qwen:
+        raise ValueError("save_pretrained: an output bias without a qkv bias has no HF family")
+    kind = "qwen2" if qwen else "llama"
+    out = {"architectures": [LLAMA_FAMILY[kind]], "model_type": kind,
+           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+           "intermediate_size": cfg.d_ff or 4 * cfg.d_model, "num_hidden_layers": cfg.n_layer,
+           "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+           "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+           "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+           "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
+           "torch_dtype": "float32"}
+    if kind == "llama":
+        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    return out
+
+
+def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None
+                    ) -> Path:
+    """Write ``model`` as a Hugging Face directory (config.json, model.safetensors) that
+    transformers loads; the tokenizer files of ``tokenizer_from`` are copied beside it."""
+    from safetensors.torch import save_file
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = config_to_hf(model.cfg)
+    kind = hf["model_type"]
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (targets, how) in _weight_map(model.cfg, kind).items():
+        value = state.pop(name)
+        if how == "transpose":
+            value = value.t()
+        parts = value.split([_rows(model.cfg, t) for t in targets]) if how == "concat" else [value]
+        prefix = "transformer." if kind == "gpt2" else ""
+        for target, part in zip(targets, parts):
+            tensors[prefix + target] = part.contiguous().clone()
+    if kind == "gpt2" and not model.cfg.qkv_bias:  # troupe's GPT has none; GPT-2 a zero one
+        for i in range(model.cfg.n_layer):
+            tensors[f"transformer.h.{i}.attn.c_attn.bias"] = torch.zeros(3 * model.cfg.d_model)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_from) / name).is_file():
+                shutil.copy(Path(tokenizer_from) / name, directory / name)
+    return directory
+
+
+def _rows(cfg: GPTConfig, hf_name: str) -> int:
+    """Rows of one part of a concatenated tensor (q / k / v, gate / up)."""
+    D = cfg.d_model // cfg.n_head
+    if ".q_proj" in hf_name:
+        return cfg.n_head * D
+    if ".k_proj" in hf_name or ".v_proj" in hf_name:
+        return cfg.kv_heads * D
+    return cfg.d_ff or 4 * cfg.d_model  # gate_proj / up_proj

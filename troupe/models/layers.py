@@ -1,0 +1,63 @@
+"""The pieces that tell the decoder families apart: RMSNorm, rotary position embeddings (with
+Llama 3's frequency scaling), and the norm a config asks for."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (Llama, Qwen2, Mistral)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
+    """The normalisation layer ``kind`` ("layernorm" or "rmsnorm") of width ``dim``."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps)
+    return nn.LayerNorm(dim, eps=eps, bias=bias)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) of rotary embeddings; ``scaling`` with
+    rope_type "llama3" (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) stretches the long wavelengths as Llama 3.1 does."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (llama3 is)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_wavelen, high_wavelen = old / low, old / high
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, mid, scaled)
+
+
+def apply_rope(x_BHTD: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by positions ``pos`` ((T,) or (B, T)), half-split layout (the
+    first D/2 features pair with the last D/2, as in Hugging Face's Llama)."""
+    angles = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # (..., T, D/2)
+    cos, sin = angles.cos(), angles.sin()
+    if cos.dim() == 3:  # (B, T, D/2): one position row per sequence
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x_BHTD.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x_BHTD.dtype)
