@@ -189,16 +189,16 @@ class ContinuousBatcher:
             idx[i, P - len(s.prompt):] = torch.tensor(s.prompt)
             valid[i, P - len(s.prompt):] = True
         idx, valid = idx.to(self.device), valid.to(self.device)
-        cache = KVCache.empty(self.cfg, len(seqs), self.cfg.seq_len, device=self.device,
-                              dtype=self._dtype())
+        # room for the prompt and a few tokens; decoding grows it (see _make_room)
+        cache = KVCache.empty(self.cfg, len(seqs), min(P + 16, self.cfg.seq_len),
+                              device=self.device, dtype=self._dtype())
         h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         logits = self.model.logits(h[:, -1])
         self._merge(cache, valid, seqs)
         return self._choose(seqs, logits)
 
     def _decode(self, seqs: list[_Sequence]) -> list[Event]:
-        if self.cache.length + 1 > self.cfg.seq_len:
-            self._compact()
+        self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
         h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
@@ -244,14 +244,29 @@ class ContinuousBatcher:
     def _dtype(self) -> torch.dtype:
         return self.model.tok_emb.weight.dtype
 
+    def _make_room(self) -> None:
+        """A free column for the next token: the cache doubles its columns (up to the
+        model's context), and at the context drops the columns no sequence uses any more.
+        The cache holds as many columns as the batch needs, not the whole context: copying
+        it (retiring, merging) costs what the sequences use."""
+        capacity = self.cache.k[0].shape[2]
+        if self.cache.length + 1 <= capacity:
+            return
+        if capacity < self.cfg.seq_len:
+            grown = min(max(2 * capacity, self.cache.length + 1), self.cfg.seq_len)
+            self.cache, self.valid = _placed(self.cache, self.valid, self.cache.length, grown)
+        else:
+            self._compact()
+
     def _merge(self, cache: KVCache, valid: torch.Tensor, seqs: list[_Sequence]) -> None:
         if self.cache is None or not self.active:
             self.cache, self.valid = cache, valid
             self.active = list(seqs)
             return
         L = max(self.cache.length, cache.length)
-        old, old_valid = _shift_right(self.cache, self.valid, L)
-        new, new_valid = _shift_right(cache, valid, L)
+        C = max(self.cache.k[0].shape[2], cache.k[0].shape[2], L)
+        old, old_valid = _placed(self.cache, self.valid, L, C)
+        new, new_valid = _placed(cache, valid, L, C)
         self.cache = KVCache([torch.cat([a, b]) for a, b in zip(old.k, new.k)],
                              [torch.cat([a, b]) for a, b in zip(old.v, new.v)], L)
         self.valid = torch.cat([old_valid, new_valid])
@@ -282,16 +297,17 @@ class ContinuousBatcher:
         self.valid = self.valid.index_select(0, index)
 
 
-def _shift_right(cache: KVCache, valid: torch.Tensor, L: int) -> tuple[KVCache, torch.Tensor]:
-    """The cache with its columns moved right so that it ends at column L; new columns are
-    invalid."""
+def _placed(cache: KVCache, valid: torch.Tensor, L: int, C: int) -> tuple[KVCache, torch.Tensor]:
+    """The cache with C columns, its filled ones moved right to end at column L; the columns
+    before them are invalid (and zero: masked columns still enter the product, no NaN)."""
     d = L - cache.length
-    if d == 0:
+    if d == 0 and C == cache.k[0].shape[2]:
         return cache, valid
     k, v = [], []
     for src, dst in ((cache.k, k), (cache.v, v)):
         for t in src:
-            moved = torch.zeros_like(t)  # masked columns still enter the product: no NaN
+            B, H, _, D = t.shape
+            moved = t.new_zeros(B, H, C, D)
             moved[:, :, d:L] = t[:, :, :cache.length]
             dst.append(moved)
     pad = valid.new_zeros(valid.shape[0], d)

