@@ -153,3 +153,22 @@ def test_smollm2_logits_match_transformers(smollm2):
     engine = ContinuousBatcher(ours, tok.eos_token_id, max_batch=1)
     engine.add("q", ids[0].tolist(), SamplingParams(max_tokens=12))
     assert engine.run()["q"] == want.tolist()
+
+
+@pytest.mark.slow
+def test_smollm2_streams_whole_characters_through_the_engine(smollm2):
+    """With the model's tokenizer the engine's text deltas add up to the tokenizer's decode of
+    the tokens (stop at eos), each delta whole characters."""
+    from troupe.generation import ContinuousBatcher, SamplingParams
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    model = from_pretrained(smollm2)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Write café and 🎉 twice."}],
+                                     tokenize=True, add_generation_prompt=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+    engine = ContinuousBatcher(model, tok.eos_token_id, max_batch=1, tokenizer=tok)
+    engine.add("s", list(prompt), SamplingParams(max_tokens=24, temperature=0.7, seed=3))
+    events = engine.run_events()
+    tokens = [e.token for e in events if e.token is not None]
+    deltas = [e.delta for e in events]
+    assert "".join(deltas) == tok.decode(tokens, skip_special_tokens=True)
+    assert not any("\ufffd" in d for d in deltas)

@@ -13,13 +13,13 @@ when the columns run out, the ones that no sequence uses any more are dropped.
 
 from __future__ import annotations
 
-import codecs
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
 from troupe.generation.sampling import SamplingParams, checked, sample
 from troupe.models import GPT, KVCache
 
@@ -43,11 +43,10 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    detok: Detokenizer = field(default_factory=ByteDetokenizer)
     out: list[int] = field(default_factory=list)
     text: str = ""      # decoded output so far
     sent: int = 0       # characters of ``text`` already handed out
-    decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
 
 
 class ContinuousBatcher:
@@ -55,7 +54,8 @@ class ContinuousBatcher:
 
     ``add`` may be called from any thread; ``step`` (one thread at a time) admits waiting
     sequences, runs one decode step for the batch and returns an Event per sequence.
-    Tokens are bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence (None: only
+    Text comes from ``tokenizer`` (a Hugging Face tokenizer, detokenized incrementally) or,
+    without one, from bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence (None: only
     max_tokens and stop strings do, as benchmarks want).
 
     With ``lockstep`` every step runs exactly two forward passes (the decode and the prefill,
@@ -64,8 +64,8 @@ class ContinuousBatcher:
     """
 
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
-                 lockstep: bool = False):
-        self.lockstep = lockstep
+                 lockstep: bool = False, tokenizer=None):
+        self.lockstep, self.tokenizer = lockstep, tokenizer
         self.model = model.eval()
         self.cfg = model.cfg
         self.device = model.tok_emb.weight.device
@@ -94,7 +94,9 @@ class ContinuousBatcher:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                 else torch.seed())
         with self._lock:
-            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen))
+            detok = (ByteDetokenizer() if self.tokenizer is None
+                     else TextDetokenizer(self.tokenizer, list(prompt)))
+            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok))
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence (its client went away); it frees its slot at the next step."""
@@ -224,7 +226,7 @@ class ContinuousBatcher:
         if token == self.eos_id:
             finish = "stop"
         else:
-            s.text += s.decoder.decode(bytes([token]) if token < 256 else b"")
+            s.text += s.detok.add(token)
         stops = s.params.stop
         cut = min((i for i in (s.text.find(x) for x in stops) if i >= 0), default=-1)
         if cut >= 0:
@@ -232,7 +234,7 @@ class ContinuousBatcher:
         elif finish is None and len(s.out) >= s.params.max_tokens:
             finish = "length"
         if finish is not None:
-            s.text += s.decoder.decode(b"", final=True) if cut < 0 else ""
+            s.text += s.detok.finish() if cut < 0 else ""
             ready = len(s.text)
         else:
             ready = len(s.text) - max((len(x) - 1 for x in stops), default=0)
