@@ -43,7 +43,7 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    detok: Detokenizer = field(default_factory=ByteDetokenizer)
+    detok: Detokenizer
     out: list[int] = field(default_factory=list)
     text: str = ""      # decoded output so far
     sent: int = 0       # characters of ``text`` already handed out
@@ -93,9 +93,9 @@ class ContinuousBatcher:
         if params.temperature > 0:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None
                                                 else torch.seed())
+        detok = (ByteDetokenizer() if self.tokenizer is None
+                 else TextDetokenizer(self.tokenizer, list(prompt)))
         with self._lock:
-            detok = (ByteDetokenizer() if self.tokenizer is None
-                     else TextDetokenizer(self.tokenizer, list(prompt)))
             self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok))
 
     def cancel(self, seq_id: str) -> None:

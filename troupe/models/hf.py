@@ -143,14 +143,17 @@ class _Tensors:
 
 
 _COMBINE: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
-    "one": lambda ts: ts[0], "concat": lambda ts: torch.cat(ts, 0), "transpose": lambda ts: ts[0].t()}
+    "one": lambda ts: ts[0],
+    "concat": lambda ts: torch.cat(ts, 0),
+    "transpose": lambda ts: ts[0].t(),  # GPT-2's Conv1D stores (in, out)
+}
 
 
 def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> GPT:
     """troupe's GPT with the weights of the Hugging Face checkpoint in ``directory`` (local).
     Errors name the file and tensor at fault, or the unsupported architecture."""
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face model "
@@ -225,18 +228,18 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
     """Write ``model`` as a Hugging Face directory (config.json, model.safetensors) that
     transformers loads; the tokenizer files of ``tokenizer_from`` are copied beside it."""
     from safetensors.torch import save_file
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     hf = config_to_hf(model.cfg)
     kind = hf["model_type"]
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    prefix = "transformer." if kind == "gpt2" else ""
     tensors: dict[str, torch.Tensor] = {}
     for name, (targets, how) in _weight_map(model.cfg, kind).items():
-        value = state.pop(name)
+        value = state[name].detach()
         if how == "transpose":
             value = value.t()
         parts = value.split([_rows(model.cfg, t) for t in targets]) if how == "concat" else [value]
-        prefix = "transformer." if kind == "gpt2" else ""
         for target, part in zip(targets, parts):
             tensors[prefix + target] = part.contiguous().clone()
     if kind == "gpt2" and not model.cfg.qkv_bias:  # troupe's GPT has none; GPT-2 a zero one
@@ -245,9 +248,10 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer_from is not None:
+        source = Path(tokenizer_from).expanduser()
         for name in TOKENIZER_FILES:
-            if (Path(tokenizer_from) / name).is_file():
-                shutil.copy(Path(tokenizer_from) / name, directory / name)
+            if (source / name).is_file():
+                shutil.copy(source / name, directory / name)
     return directory
 
 

@@ -31,15 +31,16 @@ save(directory) writes the rank's file and returns its manifest entry and load(d
 reads it back; a bare RoleGroup stands for its methods named ``save`` and ``load``."""
 
 
-def _calls(parts: list[Part], which: int, directory: str) -> list[tuple[RoleGroup, Call]]:
-    """Start the save (which=1) or load (which=2) method on every rank of every part."""
+def _calls(parts: list[Part], what: str, directory: str) -> list[tuple[RoleGroup, Call]]:
+    """Start the ``what`` ("save" or "load") method on every rank of every part."""
     started = []
     for part in parts:
         if isinstance(part, RoleGroup):
-            name = ("save", "load")[which - 1]
-            started.append((part, Call(part, name, Dispatch.ALL, part.call_async(name, directory))))
+            started.append((part, Call(part, what, Dispatch.ALL, part.call_async(what, directory))))
         else:
-            started.append((part[0], part[0].invoke_async(part[which], directory)))
+            group, save, load = part
+            started.append((group, group.invoke_async(save if what == "save" else load,
+                                                      directory)))
     return started
 
 
@@ -51,7 +52,7 @@ def save(parts: list[Part], root: StorePath, step: int, keep: int = 2,
     in_place = storage.is_url(root)
     staging = directory if in_place else storage.join(root, f".step-{step:08d}.partial")
     storage.remove(staging)  # an earlier, interrupted save of this step (or, in place, a redo)
-    started = _calls(parts, 1, str(staging))
+    started = _calls(parts, "save", str(staging))
     files = [entry for _, call in started for entry in call.result()]
     ckpt.write_manifest(staging, files, step=step,
                         roles={group.name: group.world_size for group, _ in started}, **meta)
@@ -85,7 +86,7 @@ def restore(parts: list[Part], directory: StorePath) -> int:
                              f"role {role.name!r}; the graph has {role.world_size}")
     _check_files(parts, directory, manifest)
     try:
-        for _, call in _calls(parts, 2, str(directory)):
+        for _, call in _calls(parts, "load", str(directory)):
             call.result()
     except WorkerCallError as e:  # a rank's file is damaged: say which, not a traceback
         if isinstance(e.cause, ckpt.CheckpointError):
