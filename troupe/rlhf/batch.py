@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from troupe.rlhf.lm import Tokenizer
+if TYPE_CHECKING:  # lm.py pads with left_pad: the import goes one way at run time
+    from troupe.rlhf.lm import Tokenizer
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 from troupe.data import ByteTokenizer
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
+from troupe.rlhf.batch import left_pad
 
 
 class Tokenizer(Protocol):
@@ -133,7 +134,6 @@ class HFLM(CausalLM):
         """transformers' sampler (until issue 13 brings HF checkpoints into troupe's model and
         its engine): one batch, seeded from the first sequence's seed, temperature and top-p
         of the first sequence."""
-        from troupe.rlhf.batch import left_pad
         ids_BP, valid_BP = left_pad(prompts, eos_id)
         p, max_new = params[0], max(q.max_tokens for q in params)
         if p.seed is not None:
