@@ -112,3 +112,32 @@ def test_a_second_backward_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
+
+
+def loop_swiglu(x_AM, counts, w1, w2):
+    """Mixtral's experts, one at a time under autograd: silu(x @ gate) * (x @ up) @ down."""
+    outs = []
+    for e, x in enumerate(x_AM.split(counts)):
+        gate, up = (x @ w1[e]).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w2[e])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 1], [0, 0, 4]])
+def test_swiglu_without_biases_equals_the_per_expert_loop(counts):
+    g = torch.Generator().manual_seed(2)
+    E, A = len(counts), sum(counts)
+    x = torch.randn(A, M, generator=g)
+    w1, w2 = torch.randn(E, M, 2 * H, generator=g) * 0.3, torch.randn(E, H, M, generator=g) * 0.3
+    target = torch.randn(A, M, generator=g)
+    results = []
+    for fn in (lambda x, a, b: grouped_mlp(x, counts, a, None, b, None, swiglu=True),
+               lambda x, a, b: loop_swiglu(x, counts, a, b)):
+        ts = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        y = fn(*ts)
+        (y * target).sum().backward()
+        results.append((y.detach(), [t.grad for t in ts]))
+    (y, grads), (y_ref, grads_ref) = results
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -42,3 +42,40 @@ def test_wrong_splits_are_refused():
     with pytest.raises(ValueError, match="already expert-parallel"):
         apply_expert_parallel(model, Group(0, 2))
     assert apply_expert_parallel(GPT(CFG), None) is not None
+
+
+class MixtralRank:
+    """One expert-parallel rank of a Mixtral checkpoint loaded into troupe's decoder."""
+
+    def logits(self, path: str, ids: torch.Tensor) -> torch.Tensor:
+        from troupe import collectives
+        from troupe.models import from_pretrained
+        model = apply_expert_parallel(from_pretrained(path), collectives.get_group("ep"))
+        assert all(m.num_local == m.num_experts // 2 for m in model.modules()
+                   if isinstance(m, MoE))
+        with torch.no_grad():
+            return model(ids)[0]
+
+
+def test_mixtral_over_two_expert_parallel_actors_gives_transformers_logits(cluster, tmp_path):
+    """A Mixtral checkpoint split over 2 actors (2 of its 4 experts each, tokens exchanged
+    over gloo) gives transformers' single-process fp32 logits on each rank's own batch."""
+    transformers = pytest.importorskip("transformers")
+    from tests.models.test_hf import MIXTRAL
+    from troupe.runtime import ActorGraph
+    from troupe.actors import PerRank
+    torch.manual_seed(0)
+    reference = transformers.MixtralForCausalLM(MIXTRAL()).eval()
+    reference.save_pretrained(tmp_path / "mixtral")
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 97, (2, 13), generator=g) for _ in range(2)]
+    graph = (ActorGraph("mixtral-ep").role("w", MixtralRank, 2, num_cpus=0.5)
+             .collective("ep", ["w"], "gloo").build(timeout_s=120))
+    try:
+        got = graph["w"].invoke(MixtralRank.logits, str(tmp_path / "mixtral"), PerRank(batches))
+    finally:
+        graph.shutdown()
+    with torch.no_grad():
+        for ids, logits in zip(batches, got):
+            torch.testing.assert_close(logits, reference(input_ids=ids).logits, atol=1e-4,
+                                       rtol=0)

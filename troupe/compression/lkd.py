@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.compression.quantize import (QuantizedLinear, quantize_for, replace_linears,
-                                         replace_modules)
+from troupe.compression.quantize import (QuantizedLinear, gates_stay_fp32, quantize_experts,
+                                         quantize_for, replace_linears, replace_modules)
 from troupe.kernels.quant import dequantize_weight, quantize_tokens
 from troupe.models import GPT
 
@@ -60,10 +60,13 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
     each block distilled in order. With two or more batches the last one is held out: every
     ``check_every`` steps the block's held-out MSE is measured, and the block keeps the weights
     that scored best (the undistilled ones included), so distillation never makes a block
-    worse on data it did not train on. Returns (student, [(held-out mse before, after) per
-    block])."""
+    worse on data it did not train on. MoE gates stay fp32 (as in quantize_model); MoE
+    experts matched by a rule are quantized as they are, after the distillation (the integer
+    expert kernels have no backward), so the block's other layers are distilled around fp32
+    experts. Returns (student, [(held-out mse before, after) per block])."""
     teacher = teacher.eval()
     student = copy.deepcopy(teacher)
+    rules = gates_stay_fp32(student, rules)
     replace_linears(student, rules, lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
     student.requires_grad_(False)
     batches = list(batches)
@@ -101,6 +104,7 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
         report.append((before, best))
         inputs = targets  # the next block learns on the full-precision activations
     replace_modules(student, lambda _, m: m.freeze() if isinstance(m, FakeQuantLinear) else None)
+    quantize_experts(student, rules, group_size)
     return student, report
 
 

@@ -89,20 +89,32 @@ class QuantizedExperts(nn.Module):
     def __init__(self, experts: Experts, mode: str, group_size: int = 64, lorc_rank: int = 0):
         super().__init__()
         self.num_local, self.first, self.mode = experts.num_local, experts.first, mode
+        self.mlp = experts.mlp
 
-        def linear(w_IO: torch.Tensor, b_O: torch.Tensor) -> QuantizedLinear:
-            lin = nn.Linear(*w_IO.shape, device="meta")  # the expert computes x @ w + b
+        def linear(w_IO: torch.Tensor, b_O: torch.Tensor | None) -> QuantizedLinear:
+            lin = nn.Linear(*w_IO.shape, bias=b_O is not None, device="meta")  # x @ w + b
             lin.weight = nn.Parameter(w_IO.detach().t(), requires_grad=False)
-            lin.bias = nn.Parameter(b_O.detach(), requires_grad=False)
+            if b_O is not None:
+                lin.bias = nn.Parameter(b_O.detach(), requires_grad=False)
             return QuantizedLinear(lin, mode, group_size, lorc_rank)
 
-        self.up = nn.ModuleList(linear(experts.w1[e], experts.b1[e]) for e in range(self.num_local))
-        self.down = nn.ModuleList(linear(experts.w2[e], experts.b2[e])
+        def bias(b: torch.Tensor | None, e: int) -> torch.Tensor | None:
+            return None if b is None else b[e]
+
+        self.up = nn.ModuleList(linear(experts.w1[e], bias(experts.b1, e))
+                                for e in range(self.num_local))
+        self.down = nn.ModuleList(linear(experts.w2[e], bias(experts.b2, e))
                                   for e in range(self.num_local))
 
     def forward(self, x_AM: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = [self.down[e](F.gelu(self.up[e](x))) for e, x in enumerate(x_AM.split(counts))]
+        outs = [self.down[e](self._act(self.up[e](x))) for e, x in enumerate(x_AM.split(counts))]
         return torch.cat(outs) if outs else x_AM
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mlp == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h)
 
 
 def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> QuantizedWeight:
@@ -133,10 +145,23 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8).
     MoE gates stay fp32 whatever the rules say: they are tiny, and routing is where a small
     error changes a token's whole path."""
-    gates = {f"{name}.wg": "fp32" for name, m in model.named_modules() if isinstance(m, TopKGate)}
-    rules = {**gates, **rules}
+    rules = gates_stay_fp32(model, rules)
     done = replace_linears(model, rules,
                            lambda lin, mode: QuantizedLinear(lin, mode, group_size, lorc_rank))
+    done.update(quantize_experts(model, rules, group_size, lorc_rank))
+    return done
+
+
+def gates_stay_fp32(model: nn.Module, rules: dict[str, str]) -> dict[str, str]:
+    """``rules`` with an "fp32" rule for every MoE gate put first."""
+    gates = {f"{name}.wg": "fp32" for name, m in model.named_modules() if isinstance(m, TopKGate)}
+    return {**gates, **rules}
+
+
+def quantize_experts(model: nn.Module, rules: dict[str, str], group_size: int = 64,
+                     lorc_rank: int = 0) -> dict[str, str]:
+    """Replace each MoE Experts module that a rule matches by QuantizedExperts."""
+    done: dict[str, str] = {}
 
     def pick(name: str, module: nn.Module) -> nn.Module | None:
         if not isinstance(module, Experts):

@@ -1,12 +1,14 @@
-"""Two-layer GELU MLPs of many experts over rows grouped by expert, with a hand-written backward.
+"""Two-layer MLPs of many experts over rows grouped by expert, with a hand-written backward.
 
-    y[rows of e] = gelu(x[rows of e] @ w1[e] + b1[e]) @ w2[e] + b2[e]
+    GELU:   y[rows of e] = gelu(x[rows of e] @ w1[e] + b1[e]) @ w2[e] + b2[e]
+    SwiGLU: g | u = x[rows of e] @ w1[e] (gate and up stacked, w1 is (M, 2H)),
+            y[rows of e] = (silu(g) * u) @ w2[e]            (Mixtral's experts; biases optional)
 
 Indexing stacked weights per expert under autograd (``w1[e]`` in a loop) makes every index's
 backward allocate a zero gradient of the whole stack and autograd add them up: E^2 work. Here
 the backward writes each expert's gradient straight into its slice of one buffer per stacked
 weight, so time follows the tokens. Only x and each expert's pre-activation are kept for the
-backward (the GELU output is recomputed one expert at a time), and the backward releases each
+backward (the activation's output is recomputed one expert at a time), and the backward releases each
 pre-activation once its expert is done while that expert's gradients fill in, so the two never
 peak together; per-expert temporaries live for one expert. A second backward through the same
 graph (retain_graph=True) is therefore refused.
@@ -32,18 +34,23 @@ from torch.autograd.graph import get_gradient_edge
 class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_AM, w1_EMH, b1_EH, w2_EHM, b2_EM, counts: list[int], accumulators):
+    def forward(ctx, x_AM, w1_EMH, b1_EH, w2_EHM, b2_EM, counts: list[int], swiglu: bool,
+                accumulators):
         y_AM = x_AM.new_empty(x_AM.shape[0], w2_EHM.shape[2])
         h_pre = []  # each expert's (n_e, H) pre-activation, kept for the backward; one tensor
         # per expert rather than one (A, H) buffer, so that the allocator can reuse its blocks
         for e, (lo, hi) in enumerate(_spans(counts)):
-            h = torch.addmm(b1_EH[e], x_AM[lo:hi], w1_EMH[e])
-            torch.addmm(b2_EM[e], F.gelu(h), w2_EHM[e], out=y_AM[lo:hi])
+            h = _linear(x_AM[lo:hi], w1_EMH[e], None if b1_EH is None else b1_EH[e])
+            a = _activation(h, swiglu)
+            if b2_EM is None:
+                torch.mm(a, w2_EHM[e], out=y_AM[lo:hi])
+            else:
+                torch.addmm(b2_EM[e], a, w2_EHM[e], out=y_AM[lo:hi])
             h_pre.append(h)
         ctx.save_for_backward(x_AM, w1_EMH, w2_EHM)
         ctx.h_pre = h_pre  # intermediates: released expert by expert in the backward
         ctx.weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
-        ctx.counts, ctx.accumulators = counts, accumulators
+        ctx.counts, ctx.swiglu, ctx.accumulators = counts, swiglu, accumulators
         return y_AM
 
     @staticmethod
@@ -66,27 +73,49 @@ class _GroupedMLP(torch.autograd.Function):
                     if g is not None and not adds:
                         g[e].zero_()
                 continue
-            x, h, gy = x_AM[lo:hi], h_pre[e], gy_AM[lo:hi]  # (n, M), (n, H), (n, M)
+            x, h, gy = x_AM[lo:hi], h_pre[e], gy_AM[lo:hi]  # (n, M), (n, H | 2H), (n, M)
             h_pre[e] = None  # freed once h is
             if gw2 is not None:
-                _mm_into(gw2[e], F.gelu(h).t(), gy, add2)  # (H, M)
+                _mm_into(gw2[e], _activation(h, ctx.swiglu).t(), gy, add2)  # (H, M)
             if gb2 is not None:
                 _sum_into(gb2[e], gy, addb2)
-            gh = torch.ops.aten.gelu_backward(gy @ w2_EHM[e].t(), h)  # (n, H)
+            gh = _activation_backward(gy @ w2_EHM[e].t(), h, ctx.swiglu)  # like h
             if gw1 is not None:
-                _mm_into(gw1[e], x.t(), gh, add1)  # (M, H)
+                _mm_into(gw1[e], x.t(), gh, add1)  # (M, H | 2H)
             if gb1 is not None:
                 _sum_into(gb1[e], gh, addb1)
             if gx_AM is not None:
                 torch.mm(gh, w1_EMH[e].t(), out=gx_AM[lo:hi])
         w1g, b1g, w2g, b2g = (None if adds else g for g, adds in grads)
-        return gx_AM, w1g, b1g, w2g, b2g, None, None
+        return gx_AM, w1g, b1g, w2g, b2g, None, None, None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x @ w if b is None else torch.addmm(b, x, w)
+
+
+def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    if not swiglu:
+        return F.gelu(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _activation_backward(ga: torch.Tensor, h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """The gradient at the pre-activation ``h`` from the gradient ``ga`` at its output."""
+    if not swiglu:
+        return torch.ops.aten.gelu_backward(ga, h)
+    gate, up = h.chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    silu = gate * s
+    # d silu(g) / dg = s * (1 + g * (1 - s))
+    return torch.cat([ga * up * s * (1 + gate * (1 - s)), ga * silu], dim=-1)
 
 
 def _grad_buffer(w: torch.Tensor, node, needed: bool) -> tuple[torch.Tensor | None, bool]:
     """``(w.grad, True)`` when this backward will accumulate into ``w.grad`` anyway, else a new
     buffer; ``(None, True)`` when ``w`` needs no gradient (nothing is written)."""
-    if not needed:
+    if not needed or w is None:
         return None, True
     g = w.grad if node is not None else None  # node: the leaf's AccumulateGrad
     if (g is not None and not torch.is_grad_enabled() and g.shape == w.shape
@@ -128,14 +157,17 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
 
 
 def grouped_mlp(x_AM: torch.Tensor, counts: list[int], w1_EMH: torch.Tensor,
-                b1_EH: torch.Tensor, w2_EHM: torch.Tensor, b2_EM: torch.Tensor) -> torch.Tensor:
-    """Each expert's GELU MLP on its rows: ``x_AM`` holds ``counts[e]`` rows for expert e, in
-    expert order (sum(counts) == A); returns (A, M_out)."""
+                b1_EH: torch.Tensor | None, w2_EHM: torch.Tensor, b2_EM: torch.Tensor | None,
+                swiglu: bool = False) -> torch.Tensor:
+    """Each expert's MLP on its rows: ``x_AM`` holds ``counts[e]`` rows for expert e, in
+    expert order (sum(counts) == A); returns (A, M_out). GELU by default; ``swiglu`` reads
+    w1 as the gate and up projections stacked along its last dimension (M, 2H). Biases may be
+    None."""
     if len(counts) != w1_EMH.shape[0] or sum(counts) != x_AM.shape[0]:
         raise ValueError(f"counts {counts} do not fit {x_AM.shape[0]} rows of "
                          f"{w1_EMH.shape[0]} experts")
     weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
     track = torch.is_grad_enabled()
-    accumulators = tuple(get_gradient_edge(w).node if track and w.requires_grad and w.is_leaf
-                         else None for w in weights)
-    return _GroupedMLP.apply(x_AM.contiguous(), *weights, counts, accumulators)
+    accumulators = tuple(get_gradient_edge(w).node if track and w is not None and
+                         w.requires_grad and w.is_leaf else None for w in weights)
+    return _GroupedMLP.apply(x_AM.contiguous(), *weights, counts, swiglu, accumulators)

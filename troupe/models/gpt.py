@@ -23,8 +23,9 @@ class GPTConfig(Config):
     gives a dense model. n_head must divide d_model; sizes are bounded so that a typo fails
     here, not as a 50 GB allocation. The defaults are troupe's own GPT; the family knobs:
     norm (layernorm | rmsnorm, with norm_eps), positions (learned | rope, with rope_theta and
-    rope_scaling), mlp (gelu | gelu_tanh | swiglu), n_kv_head (grouped-query attention), the
-    biases of the attention's qkv and output and of the MLP, and tied embeddings.
+    rope_scaling), mlp (gelu | gelu_tanh | swiglu; MoE experts follow it, as in Mixtral),
+    n_kv_head (grouped-query attention), the biases of the attention's qkv and output and of
+    the MLP (and experts), and tied embeddings.
     troupe.models.from_pretrained builds it from a Hugging Face config.json."""
 
     vocab_size: int = Field(default=257, ge=2, le=1 << 22)
@@ -55,6 +56,10 @@ class GPTConfig(Config):
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.positions == "rope" and (self.d_model // self.n_head) % 2:
             raise ValueError("positions=rope needs an even head size (d_model / n_head)")
+        if self.moe is not None and self.mlp == "gelu_tanh":
+            raise ValueError("MoE experts are exact-GELU or SwiGLU MLPs: mlp=gelu_tanh has none")
+        if self.moe is not None and self.moe.residual and self.mlp != "gelu":
+            raise ValueError("moe.residual (Residual MoE) is built with GELU MLPs only")
         return self
 
     @property
@@ -185,8 +190,11 @@ class GPT(nn.Module):
         for i in range(cfg.n_layer):
             if i in moe_layers:
                 E = counts[moe_layers.index(i)]
-                kind = ResidualMoE if cfg.moe.residual else MoE
-                blocks.append(Block(cfg, kind(cfg.d_model, d_ff, E, cfg.moe)))
+                if cfg.moe.residual:
+                    ffn = ResidualMoE(cfg.d_model, d_ff, E, cfg.moe)
+                else:
+                    ffn = MoE(cfg.d_model, d_ff, E, cfg.moe, cfg.mlp, cfg.mlp_bias)
+                blocks.append(Block(cfg, ffn))
             else:
                 blocks.append(Block(cfg, MLP(cfg.d_model, d_ff, cfg.mlp, cfg.mlp_bias)))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -250,8 +258,9 @@ class GPT(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states (..., C): the tied embedding or the lm_head."""
-        weight = self.tok_emb.weight if self.cfg.tie_embeddings else self.lm_head.weight
-        return F.linear(h, weight)
+        if self.cfg.tie_embeddings:
+            return F.linear(h, self.tok_emb.weight)
+        return self.lm_head(h)  # a Linear, or what quantization made of it
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None, cache: KVCache | None = None):

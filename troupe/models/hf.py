@@ -3,10 +3,14 @@ and *.safetensors (one file or shards with an index) becomes a GPT with the same
 GPT becomes a directory that transformers loads. No hub access.
 
 Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM). Weights are read tensor by tensor into a model built on the meta device, so
-loading holds one copy of the model. A name map per family says which Hugging Face tensors make
-each troupe parameter: q, k and v concatenate into ``attn.qkv``, gate and up into ``ffn.fc``;
-GPT-2's Conv1D weights are transposed.
+Qwen2ForCausalLM, and MixtralForCausalLM, whose sparse blocks become troupe MoE layers: the
+router is the gate, dropless softmax top-k renormalised, and the experts troupe's stacked
+SwiGLU experts, so expert parallelism and quantization apply to them). Weights are read tensor
+by tensor into a model built on the meta device, so loading holds one copy of the model. A name
+map per family says which Hugging Face tensors make each troupe parameter: q, k and v
+concatenate into ``attn.qkv``, gate and up into ``ffn.fc``, a Mixtral layer's per-expert w1
+(gate), w3 (up) and w2 (down) stack into ``ffn.experts.w1`` / ``w2``; GPT-2's Conv1D weights are
+transposed.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from typing import Any, Callable
 import torch
 
 from troupe.models.gpt import GPT, GPTConfig
+from troupe.models.moe import MoEConfig
 
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -56,6 +61,13 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
     if hf.get("sliding_window") and hf.get("use_sliding_window", True):
         seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
     bias = hf.get("attention_bias", False)
+    moe = None
+    if kind == "mixtral":
+        jitter = hf.get("router_jitter_noise") or 0.0
+        moe = MoEConfig(num_experts=hf["num_local_experts"], expert_interval=1,
+                        top_k=hf["num_experts_per_tok"], dropless=True,
+                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                        noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
         n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
@@ -64,7 +76,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
         rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling=scaling, mlp="swiglu", qkv_bias=bias or kind == "qwen2",
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
-        tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"))
+        tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
 
 
 def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
@@ -89,6 +101,7 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
     out["ln_f.weight"] = (["model.norm.weight"], "one")
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (["lm_head.weight"], "one")
+    moe_layers = cfg.moe_layers()
     for i in range(cfg.n_layer):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
         out[f"{b}ln1.weight"] = ([f"{h}input_layernorm.weight"], "one")
@@ -100,6 +113,14 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
         out[f"{b}attn.proj.weight"] = ([f"{h}self_attn.o_proj.weight"], "one")
         if cfg.out_bias:
             out[f"{b}attn.proj.bias"] = ([f"{h}self_attn.o_proj.bias"], "one")
+        if i in moe_layers:  # Mixtral's sparse block
+            moe, E = f"{h}block_sparse_moe.", cfg.moe.experts_per_layer(len(moe_layers))[0]
+            out[f"{b}ffn.gate.wg.weight"] = ([f"{moe}gate.weight"], "one")
+            out[f"{b}ffn.experts.w1"] = ([f"{moe}experts.{e}.{w}.weight" for e in range(E)
+                                          for w in ("w1", "w3")], "experts_up")
+            out[f"{b}ffn.experts.w2"] = ([f"{moe}experts.{e}.w2.weight" for e in range(E)],
+                                         "experts_down")
+            continue
         mlp = [f"{h}mlp.gate_proj", f"{h}mlp.up_proj"]
         out[f"{b}ffn.fc.weight"] = ([f"{n}.weight" for n in mlp], "concat")
         out[f"{b}ffn.proj.weight"] = ([f"{h}mlp.down_proj.weight"], "one")
@@ -146,7 +167,25 @@ _COMBINE: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
     "one": lambda ts: ts[0],
     "concat": lambda ts: torch.cat(ts, 0),
     "transpose": lambda ts: ts[0].t(),  # GPT-2's Conv1D stores (in, out)
+    # Mixtral: per expert, w1 (gate) and w3 (up) as (H, M) Linears -> (E, M, 2H), gate first
+    "experts_up": lambda ts: torch.stack([torch.cat([g.t(), u.t()], 1)
+                                          for g, u in zip(ts[0::2], ts[1::2])]),
+    "experts_down": lambda ts: torch.stack([t.t() for t in ts]),  # w2 (M, H) -> (E, H, M)
 }
+
+
+def _split_for_export(value: torch.Tensor, targets: list[str], how: str,
+                      cfg: GPTConfig) -> list[torch.Tensor]:
+    """The inverse of _COMBINE: troupe's tensor as the Hugging Face tensors ``targets``."""
+    if how == "transpose":
+        return [value.t()]
+    if how == "concat":
+        return list(value.split([_rows(cfg, t) for t in targets]))
+    if how == "experts_up":
+        return [half.t() for e in range(value.shape[0]) for half in value[e].chunk(2, dim=1)]
+    if how == "experts_down":
+        return [value[e].t() for e in range(value.shape[0])]
+    return [value]
 
 
 def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
@@ -188,9 +227,10 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
 
 def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     """The Hugging Face config.json of a GPTConfig: GPT-2 for learned positions, Llama (or
-    Qwen2, whose qkv has a bias and output projection none) for rotary ones."""
-    if cfg.moe is not None:
-        raise ValueError("save_pretrained: MoE models have no Hugging Face export yet")
+    Qwen2, whose qkv has a bias and output projection none) for rotary ones, Mixtral for MoE."""
+    if cfg.moe is not None and (cfg.positions, cfg.norm, cfg.mlp) != ("rope", "rmsnorm", "swiglu"):
+        raise ValueError("save_pretrained: MoE models export as Mixtral, which needs rotary "
+                         "positions, RMSNorm and SwiGLU experts (troupe's PR-MoE GPT has none)")
     if cfg.positions == "learned":
         if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
                 cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias):
@@ -210,6 +250,8 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     if cfg.qkv_bias != cfg.out_bias and not qwen:
         raise ValueError("save_pretrained: an output bias without a qkv bias has no HF family")
     kind = "qwen2" if qwen else "llama"
+    if cfg.moe is not None:
+        kind = _mixtral_compatible(cfg)
     out = {"architectures": [LLAMA_FAMILY[kind]], "model_type": kind,
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
            "intermediate_size": cfg.d_ff or 4 * cfg.d_model, "num_hidden_layers": cfg.n_layer,
@@ -220,7 +262,29 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
            "torch_dtype": "float32"}
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if kind == "mixtral":
+        out.update(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
+                   router_aux_loss_coef=cfg.moe.aux_loss_coef, sliding_window=None,
+                   router_jitter_noise=cfg.moe.jitter_eps if cfg.moe.noisy_gate == "jitter"
+                   else 0.0)
     return out
+
+
+def _mixtral_compatible(cfg: GPTConfig) -> str:
+    """"mixtral" when an MoE GPTConfig is one Mixtral describes, else a ValueError saying why."""
+    moe = cfg.moe
+    why = [reason for bad, reason in (
+        (moe.expert_interval != 1, "an MoE layer in every block (moe.expert_interval=1)"),
+        (not isinstance(moe.num_experts, int), "one expert count for all layers"),
+        (not moe.dropless, "dropless routing"),
+        (moe.residual, "no Residual MoE"),
+        (moe.noisy_gate == "rsample", "no rsample gate noise"),
+        (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias, "no biases"))
+        if bad]
+    if why:
+        raise ValueError("save_pretrained: MoE models export as Mixtral, which needs "
+                         + ", ".join(why))
+    return "mixtral"
 
 
 def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None
@@ -236,10 +300,7 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
     prefix = "transformer." if kind == "gpt2" else ""
     tensors: dict[str, torch.Tensor] = {}
     for name, (targets, how) in _weight_map(model.cfg, kind).items():
-        value = state[name].detach()
-        if how == "transpose":
-            value = value.t()
-        parts = value.split([_rows(model.cfg, t) for t in targets]) if how == "concat" else [value]
+        parts = _split_for_export(state[name].detach(), targets, how, model.cfg)
         for target, part in zip(targets, parts):
             tensors[prefix + target] = part.contiguous().clone()
     if kind == "gpt2" and not model.cfg.qkv_bias:  # troupe's GPT has none; GPT-2 a zero one

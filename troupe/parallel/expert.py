@@ -39,9 +39,9 @@ def apply_expert_parallel(model: nn.Module, group: Communicator | None) -> nn.Mo
 
 def _slice(whole: Experts, first: int, n: int) -> Experts:
     """Experts ``first`` .. ``first + n - 1`` of ``whole`` as a module of their own."""
-    _, d_model, d_ff = whole.w1.shape
     with torch.device(whole.w1.device):
-        part = Experts(n, whole.first + first, d_model, d_ff).to(whole.w1.dtype)
+        part = Experts(n, whole.first + first, whole.w1.shape[1], whole.d_ff, whole.mlp,
+                       whole.bias).to(whole.w1.dtype)
     with torch.no_grad():
         for mine, theirs in zip(part.parameters(), whole.parameters()):
             mine.copy_(theirs[first:first + n])

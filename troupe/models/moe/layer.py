@@ -18,17 +18,19 @@ from troupe.models.moe.gate import Routing, TopKGate
 class MoE(nn.Module):
     """``num_experts`` experts behind a top-k gate. Built whole; after
     ``troupe.parallel.apply_expert_parallel`` this rank holds experts [rank * E/P,
-    (rank + 1) * E/P) and exchanges tokens with the other ranks of ``group``.
+    (rank + 1) * E/P) and exchanges tokens with the other ranks of ``group``. The experts are
+    GELU MLPs with biases (troupe's PR-MoE) or, with ``mlp="swiglu", bias=False``, Mixtral's.
 
     forward(x) returns (y, aux_loss) with y of x's shape.
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig):
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
+                 mlp: str = "gelu", bias: bool = True):
         super().__init__()
         self.num_experts, self.num_local = num_experts, num_experts
         self.group: Communicator | None = None  # set by apply_expert_parallel
         self.gate = TopKGate(d_model, num_experts, cfg)
-        self.experts = Experts(num_experts, 0, d_model, d_ff)
+        self.experts = Experts(num_experts, 0, d_model, d_ff, mlp, bias)
         self.last_routing: Routing | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
