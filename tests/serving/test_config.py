@@ -16,8 +16,18 @@ ROOT = Path(__file__).parents[2]
 
 @pytest.mark.parametrize("model", [{}, {"file": "a.trp", "checkpoint": "runs/x"}])
 def test_model_needs_exactly_one_source(model):
-    with pytest.raises(ConfigError, match="model: .*exactly one of checkpoint and file"):
+    with pytest.raises(ConfigError, match="model: .*exactly one of pretrained, checkpoint and file"):
         validate(ServeConfig, {"model": model}, "serve config")
+
+
+def test_pretrained_overrides_the_recipes_source(tmp_path):
+    """``model.pretrained=DIR`` on the command line wins over a recipe's checkpoint, and a
+    directory without config.json is named before anything starts."""
+    cfg = validate(ServeConfig, {"model": {"checkpoint": "runs/x", "pretrained": str(tmp_path)}},
+                   "c")
+    assert cfg.model.pretrained == str(tmp_path) and cfg.model.checkpoint is None
+    with pytest.raises(FileNotFoundError, match="model.pretrained=.*no config.json there"):
+        locate(cfg.model)
 
 
 def test_missing_model_is_named(tmp_path):

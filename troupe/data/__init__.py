@@ -1,10 +1,10 @@
-"""Pretraining data: corpora, the byte tokenizer, deterministic batches, and the
-data-efficiency schedules (curriculum learning, random-LTD)."""
+"""Pretraining data: corpora, tokenizers (troupe's bytes, a Hugging Face model's), deterministic
+batches, and the data-efficiency schedules (curriculum learning, random-LTD)."""
 
 from troupe.data.corpus import file_documents, stdlib_documents
 from troupe.data.dataset import DataConfig, TokenDataset
 from troupe.data.schedules import CurriculumConfig, RandomLTDConfig
-from troupe.data.tokenizer import ByteTokenizer
+from troupe.data.tokenizer import ByteTokenizer, ByteTokens, HFTokens, Tokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "CurriculumConfig", "DataConfig", "RandomLTDConfig", "TokenDataset",
+__all__ = ["ByteTokenizer", "ByteTokens", "HFTokens", "Tokenizer", "load_tokenizer", "CurriculumConfig", "DataConfig", "RandomLTDConfig", "TokenDataset",
            "file_documents", "stdlib_documents"]

@@ -1,6 +1,11 @@
-"""Byte-level tokenizer: UTF-8 bytes are the tokens 0..255, 256 ends a document."""
+"""Tokenizers. ByteTokenizer: UTF-8 bytes are the tokens 0..255, 256 ends a document (troupe's
+bundled models and datasets). The applications use the ``Tokenizer`` interface: ByteTokens for
+troupe's models, HFTokens for a Hugging Face model directory (``load_tokenizer``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,3 +23,84 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         data = bytes(int(i) for i in ids if int(i) < 256)
         return data.decode("utf-8", errors="replace")
+
+
+class Tokenizer(Protocol):
+    """What the applications need of a tokenizer: ids of text and of a chat, text of ids, the
+    end and padding ids, and (``hf``) the Hugging Face tokenizer the generation engine
+    detokenizes with incrementally (None: byte-level)."""
+
+    eos_id: int
+    pad_id: int
+    vocab_size: int
+    hf: Any
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+
+class ByteTokens:
+    """troupe's byte tokenizer with the end-of-text id doubling as padding. A chat is one
+    "role: content" line per message, then "assistant:" for the reply."""
+
+    hf = None
+
+    def __init__(self) -> None:
+        self._tok = ByteTokenizer()
+        self.eos_id = self.pad_id = ByteTokenizer.eos_id
+        self.vocab_size = ByteTokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).tolist()
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return self.encode("\n".join(lines) + "\nassistant:")
+
+
+class HFTokens:
+    """The tokenizer of a Hugging Face model directory (tokenizer.json and its config), with
+    the model's chat template."""
+
+    def __init__(self, path: str | Path):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError("a Hugging Face model's tokenizer needs transformers: "
+                              "pip install 'troupe[hf]'") from None
+        path = Path(path).expanduser()
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json (the model directory must hold "
+                                    "its tokenizer)")
+        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if self.hf.eos_token_id is None:
+            raise ValueError(f"{path}: the tokenizer has no eos token")
+        self.eos_id = self.hf.eos_token_id
+        self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(self.hf)
+        self.path = path
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids of ``messages`` through the model's chat template, ready for the reply."""
+        if not self.hf.chat_template:
+            raise ValueError(f"{self.path}: the tokenizer has no chat template")
+        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def load_tokenizer(pretrained: str | Path | None) -> ByteTokens | HFTokens:
+    """The tokenizer of the Hugging Face model directory ``pretrained``, or troupe's byte
+    tokenizer for troupe's own models (None)."""
+    return ByteTokens() if pretrained is None else HFTokens(pretrained)

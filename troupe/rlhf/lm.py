@@ -14,53 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.data import ByteTokenizer
+from troupe.data import ByteTokenizer, ByteTokens, HFTokens, Tokenizer  # noqa: F401
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
 from troupe.rlhf.batch import left_pad
-
-
-class Tokenizer(Protocol):
-    eos_id: int
-    pad_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class ByteTokens:
-    """troupe's byte tokenizer with the end-of-text id doubling as padding."""
-
-    def __init__(self) -> None:
-        self._tok = ByteTokenizer()
-        self.eos_id = self.pad_id = ByteTokenizer.eos_id
-        self.vocab_size = ByteTokenizer.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).tolist()
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
-
-
-class HFTokens:
-    """A Hugging Face tokenizer loaded from the model's directory."""
-
-    def __init__(self, path: str | Path):
-        from transformers import AutoTokenizer
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"tokenizer in {path} has no eos token")
-        self.eos_id = self._tok.eos_token_id
-        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
-        self.vocab_size = len(self._tok)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
 
 
 class CausalLM(nn.Module):

@@ -1,5 +1,6 @@
-"""The model a server holds: loaded from a pretraining checkpoint or a model file, then
-quantized per ServeConfig.quantize (ZeroQuant post-training quantization)."""
+"""The model a server holds: loaded from a Hugging Face model directory, a pretraining
+checkpoint or a model file, then quantized per ServeConfig.quantize (ZeroQuant post-training
+quantization)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
 from troupe.compression.quantize import unmatched_patterns
 from troupe.config import ConfigError, validate
-from troupe.models import GPT, GPTConfig
+from troupe.models import GPT, GPTConfig, from_pretrained
+from troupe.models.hf import config_from_hf
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
@@ -55,6 +57,12 @@ def locate(src: ModelSource) -> StorePath:
     """The model file or checkpoint directory ``src`` names; FileNotFoundError or ConfigError
     naming the config key when there is none or it cannot be read (checked on the driver
     before any replica starts)."""
+    if src.pretrained is not None:
+        path = Path(src.pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.pretrained={src.pretrained!r}: no config.json there "
+                                    "(a Hugging Face model directory, local)")
+        return path
     if src.file is not None:
         if not Path(src.file).is_file():
             raise FileNotFoundError(f"model.file={src.file!r} does not exist; write one with "
@@ -72,7 +80,13 @@ def check_source(cfg: ServeConfig) -> None:
     path = locate(cfg.model)
     if not cfg.quantize:
         return
-    if cfg.model.file is not None:
+    if cfg.model.pretrained is not None:
+        try:
+            model_cfg = config_from_hf(json.loads((path / "config.json").read_text()),
+                                       str(path / "config.json")).model_dump()
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"model.pretrained: {e}") from None
+    elif cfg.model.file is not None:
         meta, _ = read_module_file(path)
         model_cfg = meta.get("config")
         model_cfg = json.loads(model_cfg) if isinstance(model_cfg, str) else None
@@ -93,7 +107,10 @@ def load_source(src: ModelSource) -> GPT:
     """The fp32 model ``src`` names. MoE layers are rebuilt dropless: a served token's
     output must not depend on which other requests share its batch."""
     path = locate(src)
-    model = load_model(path) if src.file is not None else load_full_model(path)
+    if src.pretrained is not None:
+        model = from_pretrained(path)
+    else:
+        model = load_model(path) if src.file is not None else load_full_model(path)
     if model.cfg.moe is not None and not model.cfg.moe.dropless:
         cfg = model.cfg.model_copy(update={"moe": model.cfg.moe.model_copy(
             update={"dropless": True})})

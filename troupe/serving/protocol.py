@@ -18,19 +18,29 @@ from troupe.generation import SamplingParams
 
 
 class ModelSource(Config):
-    """Where the served model comes from: a pretraining checkpoint (sharded, as
-    apps/pretrain.py writes it: a step directory, or a run or checkpoints directory whose
-    newest complete checkpoint is used; a local path or an fsspec URL such as s3://...) or a
-    single model file written by ``troupe.serving.save_model``."""
+    """Where the served model comes from: a Hugging Face model directory (``pretrained``:
+    config.json, safetensors, tokenizer and chat template; it takes precedence over the other
+    two, so that ``model.pretrained=DIR`` overrides any recipe), a pretraining checkpoint
+    (sharded, as apps/pretrain.py writes it: a step directory, or a run or checkpoints
+    directory whose newest complete checkpoint is used; a local path or an fsspec URL such as
+    s3://...) or a single model file written by ``troupe.serving.save_model``."""
 
+    pretrained: str | None = None
     checkpoint: str | None = None
     file: str | None = None
     name: str = "troupe-gpt"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("pretrained") is not None:
+            return {k: v for k, v in data.items() if k not in ("checkpoint", "file")}
+        return data
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSource":
-        if (self.checkpoint is None) == (self.file is None):
-            raise ValueError("give exactly one of checkpoint and file")
+        if self.pretrained is None and (self.checkpoint is None) == (self.file is None):
+            raise ValueError("give exactly one of pretrained, checkpoint and file")
         return self
 
 
@@ -152,11 +162,9 @@ class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
-    def prompt(self) -> str:
-        """The conversation as the byte-level model sees it: one "role: content" line per
-        message, then "assistant:" for the reply."""
-        lines = [f"{m.role}: {m.content}" for m in self.messages]
-        return "\n".join(lines) + "\nassistant:"
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the tokenizer's chat template takes them."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
 
     def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
         if self.max_completion_tokens is not None and self.max_tokens is None:

@@ -20,7 +20,7 @@ import torch
 from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
-from troupe.data import ByteTokenizer
+from troupe.data import load_tokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
@@ -49,7 +49,7 @@ class ServeReplica:
     def __init__(self, config: dict[str, Any], key_digest: dict[str, str] | None = None):
         self.cfg = validate(ServeConfig, config, "serve config")
         torch.set_num_threads(self.cfg.threads)
-        self.tok = ByteTokenizer()
+        self.tok = load_tokenizer(self.cfg.model.pretrained)
         self.batcher, self.details = self._make_batcher()
         self.seq_len = self.details["seq_len"]
         self.engine = AsyncBatcher(self.batcher)
@@ -63,7 +63,8 @@ class ServeReplica:
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
         model, modes = load_served_model(self.cfg)
-        batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch)
+        batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch,
+                                    tokenizer=self.tok.hf)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1}
 
@@ -141,7 +142,10 @@ class ServeReplica:
             raise RequestError(404, f"model {req.model!r} is not served here; GET /v1/models "
                                f"lists {self.cfg.model.name!r}", "model", "model_not_found")
         field = "messages" if chat else "prompt"
-        ids = self.tok.encode(req.prompt() if chat else req.prompt).tolist()
+        try:
+            ids = self.tok.chat(req.conversation()) if chat else self.tok.encode(req.prompt)
+        except Exception as e:  # the model's chat template refused the conversation
+            raise RequestError(400, f"{field}: {e}", field) from None
         if not ids:
             raise RequestError(400, f"{field}: the prompt is empty", field)
         if len(ids) > lim.max_prompt_tokens:
@@ -230,8 +234,9 @@ class ServeRank:
     def setup(self) -> RankModel:
         model = apply_expert_parallel(load_source(self.cfg.model), collectives.get_group("ep"))
         modes = quantize_served(model, self.cfg)
-        self.batcher = ContinuousBatcher(model, ByteTokenizer.eos_id, self.cfg.limits.max_batch,
-                                         lockstep=True)
+        tok = load_tokenizer(self.cfg.model.pretrained)
+        self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
+                                         lockstep=True, tokenizer=tok.hf)
         return RankModel(model.cfg.seq_len, weight_bytes(model), modes)
 
     @dispatch(Dispatch.ALL)

@@ -1,0 +1,38 @@
+"""A real model behind the OpenAI API: SmolLM2-135M-Instruct from its Hugging Face directory,
+quantized W8A8, answering the official client through its own chat template."""
+
+import openai
+import pytest
+
+from troupe.config import load_app_config
+from troupe.serving import deploy as serve
+from troupe.serving.protocol import ServeConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(cluster, serve_port, smollm2):
+    cfg = load_app_config(ServeConfig, "apps/configs/serve-smollm2.yaml",
+                          [f"model.pretrained={smollm2}", f"port={serve_port}",
+                           "api_key_env=TROUPE_TEST_NO_KEY", "threads=1"])
+    url = serve.deploy(cfg)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300), cfg
+    serve.shutdown()
+
+
+def test_the_capital_of_france_is_paris_streamed_or_not(client):
+    client, cfg = client
+    name = cfg.model.name
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=name, messages=messages, max_tokens=40,
+                                           temperature=0)
+    text = whole.choices[0].message.content
+    assert "Paris" in text, text
+    assert whole.choices[0].finish_reason == "stop"  # ended on <|im_end|>, not the limit
+    parts = client.chat.completions.create(model=name, messages=messages, max_tokens=40,
+                                           temperature=0, stream=True)
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == text
+    plain = client.completions.create(model=name, prompt="The capital of France is",
+                                      max_tokens=8, temperature=0)
+    assert plain.usage.prompt_tokens == 5 and plain.choices[0].text.strip()
