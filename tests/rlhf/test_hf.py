@@ -1,5 +1,5 @@
-"""A Hugging Face causal LM from a local directory in every role: a tiny GPT-2 and a word-level
-tokenizer that the test builds and saves itself (no hub access)."""
+"""A Hugging Face model directory in every role (model.pretrained): a tiny random Llama and a
+character-level tokenizer with a chat template, both built and saved by the test (no hub)."""
 
 import pytest
 import torch
@@ -10,41 +10,66 @@ tokenizers = pytest.importorskip("tokenizers")
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
 from troupe.rlhf.data import SortTask  # noqa: E402
 from troupe.rlhf.experience import RolloutRequest  # noqa: E402
-from troupe.rlhf.roles import Critic, Policy, Reward  # noqa: E402
+from troupe.rlhf.roles import Critic, Policy, Reference, Reward  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<end>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-gpt2")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
     chars = list("0123456789sort: ")
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<eos>"))
+    specials = ["<end>", "<user>", "<assistant>"]
+    vocab = {**{t: i for i, t in enumerate(specials)},
+             **{c: i + len(specials) for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<end>"))
+    tok.add_special_tokens(specials)
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
     tok.decoder = tokenizers.decoders.Fuse()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
-                                                pad_token="<eos>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end>",
+                                                pad_token="<end>")
+    fast.chat_template = TEMPLATE
     fast.save_pretrained(path)
-    cfg = transformers.GPT2Config(vocab_size=len(vocab), n_positions=32, n_embd=32, n_layer=2,
-                                  n_head=2, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
 
-def test_hf_model_trains_generates_and_scores(tiny_hf):
-    cfg = RLHFConfig(model=dict(kind="hf", path=str(tiny_hf)), sft=dict(steps=20),
+def test_every_role_runs_on_the_pretrained_model(tiny_llama, tmp_path):
+    cfg = RLHFConfig(model=dict(pretrained=str(tiny_llama)), sft=dict(steps=20),
                      reward=dict(steps=5), ppo=dict(max_new_tokens=6))
     policy = Policy(cfg, None, 0)
-    assert policy.tok.encode("sort 31:") == [policy.tok.encode(c)[0] for c in "sort 31:"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    assert policy.tok.prompt("sort 31:") == hf_tok.encode("<user>sort 31:<end><assistant>",
+                                                          add_special_tokens=False)
     policy.train.use_optimizer(cfg.sft.optimizer, 20)
     demos = SortTask().demonstrations(32, 0)
     losses = [policy.sft_step(demos, s).loss for s in range(1, 21)]
     assert losses[-1] < losses[0]
     g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1]))
-    assert g.ids.shape[1] == len(policy.tok.encode("sort 321:")) + 6
-    reward, critic = Reward(cfg, None, 0), Critic(cfg, None, 0)
+    assert g.ids.shape[1] == len(policy.tok.prompt("sort 321:")) + 6
+    reward, critic, reference = Reward(cfg, None, 0), Critic(cfg, None, 0), Reference(cfg, 0)
     reward.train.use_optimizer(cfg.reward.optimizer, 5)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in SortTask().preferences(8, 0)]
     assert reward.rm_step(pairs, 1).loss > 0
+    reward.save(str(tmp_path / "reward.trp"))
+    reward.load(str(tmp_path / "reward.trp"))  # frozen for PPO: no gradients, no optimizer
+    assert all(p.grad is None and not p.requires_grad for p in reward.model.parameters())
+    assert reward.train.opt is None and reward.train.flat.grad.numel() == 0
     assert reward.score(g.ids, g.valid).shape == (2,)
     assert critic.values(g.ids, g.valid).shape == g.action.shape
+    assert not any(p.requires_grad for p in reference.lm.parameters())
+    # the policy's logits are the transformers model's on the same (trained) weights
+    policy.export(str(tmp_path / "policy-hf"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy-hf").eval()
+    ids = torch.tensor([policy.tok.prompt("sort 4021:")])
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits,
+                                   policy.lm.logits(ids, torch.ones_like(ids, dtype=torch.bool)),
+                                   atol=1e-4, rtol=1e-4)
+    assert (tmp_path / "policy-hf" / "tokenizer.json").is_file()

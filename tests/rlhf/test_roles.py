@@ -46,6 +46,8 @@ def test_batch_masks():
         def encode(self, t):
             return [ord(c) for c in t]
 
+        prompt = encode
+
     ids, valid, mask = completions(Tok(), ["ab", "c"], ["x", "yz"])
     # row 0 is a b x eos: x and eos are predicted at positions 1 and 2; row 1 is c y z eos
     assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]

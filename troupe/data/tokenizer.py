@@ -41,6 +41,10 @@ class Tokenizer(Protocol):
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
+    def prompt(self, text: str) -> list[int]:
+        """The ids a task's prompt is given to the model as (a chat turn, or plain text)."""
+        ...
+
 
 class ByteTokens:
     """troupe's byte tokenizer with the end-of-text id doubling as padding. A chat is one
@@ -63,12 +67,16 @@ class ByteTokens:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return self.encode("\n".join(lines) + "\nassistant:")
 
+    def prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
 
 class HFTokens:
     """The tokenizer of a Hugging Face model directory (tokenizer.json and its config), with
-    the model's chat template."""
+    the model's chat template. ``use_chat``: a task's prompts go in as a user turn through
+    the chat template (when the tokenizer has one), as instruction-tuned models expect."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, use_chat: bool = True):
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -84,7 +92,7 @@ class HFTokens:
         self.eos_id = self.hf.eos_token_id
         self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.hf)
-        self.path = path
+        self.path, self.use_chat = path, use_chat and bool(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
@@ -99,8 +107,11 @@ class HFTokens:
         ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
+    def prompt(self, text: str) -> list[int]:
+        return self.chat([{"role": "user", "content": text}]) if self.use_chat else self.encode(text)
 
-def load_tokenizer(pretrained: str | Path | None) -> ByteTokens | HFTokens:
+
+def load_tokenizer(pretrained: str | Path | None, use_chat: bool = True) -> ByteTokens | HFTokens:
     """The tokenizer of the Hugging Face model directory ``pretrained``, or troupe's byte
     tokenizer for troupe's own models (None)."""
-    return ByteTokens() if pretrained is None else HFTokens(pretrained)
+    return ByteTokens() if pretrained is None else HFTokens(pretrained, use_chat)

@@ -287,16 +287,18 @@ def _mixtral_compatible(cfg: GPTConfig) -> str:
     return "mixtral"
 
 
-def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None
-                    ) -> Path:
+def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None,
+                    state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``model`` as a Hugging Face directory (config.json, model.safetensors) that
-    transformers loads; the tokenizer files of ``tokenizer_from`` are copied beside it."""
+    transformers loads; the tokenizer files of ``tokenizer_from`` are copied beside it.
+    ``state``: the weights to write instead of ``model.state_dict()`` (e.g. LoRA adapters
+    folded in by troupe.models.lora.merged_state_dict)."""
     from safetensors.torch import save_file
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     hf = config_to_hf(model.cfg)
     kind = hf["model_type"]
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     prefix = "transformer." if kind == "gpt2" else ""
     tensors: dict[str, torch.Tensor] = {}
     for name, (targets, how) in _weight_map(model.cfg, kind).items():

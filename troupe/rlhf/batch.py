@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # lm.py pads with left_pad: the import goes one way at run time
-    from troupe.rlhf.lm import Tokenizer
+from troupe.data import Tokenizer
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,7 +20,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def prompts(tok: Tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    return left_pad([tok.encode(t) for t in texts], tok.pad_id)
+    """The prompts as the model sees them (through its chat template, if it uses one)."""
+    return left_pad([tok.prompt(t) for t in texts], tok.pad_id)
 
 
 def completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
@@ -31,7 +29,7 @@ def completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
     (B, S-1) marks the next-token targets that belong to the response (its eos included)."""
     seqs, starts = [], []
     for p, r in zip(prompt_texts, responses):
-        pi = tok.encode(p)
+        pi = tok.prompt(p)
         seqs.append(pi + tok.encode(r) + [tok.eos_id])
         starts.append(len(pi))
     ids, valid = left_pad(seqs, tok.pad_id)

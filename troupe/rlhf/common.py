@@ -8,19 +8,23 @@ from torch import nn
 
 from troupe.collectives import Communicator
 from troupe.optim import FlatParams, Optimizer, OptimizerConfig, build_optimizer
+from troupe.data import ByteTokens, Tokenizer, load_tokenizer
+from troupe.models import GPT, from_pretrained
 from troupe.rlhf.config import ModelConfig
-from troupe.rlhf.lm import GPTLM, HFLM, ByteTokens, CausalLM, HFTokens, Tokenizer
+from troupe.rlhf.lm import GPTLM
 
 
-def build_lm(cfg: ModelConfig, seed: int) -> tuple[CausalLM, Tokenizer]:
-    """The language model and tokenizer a recipe names."""
-    if cfg.kind == "hf":
-        return HFLM(cfg.path), HFTokens(cfg.path)
+def build_lm(cfg: ModelConfig, seed: int) -> tuple[GPTLM, Tokenizer]:
+    """The language model and tokenizer a recipe names: the Hugging Face directory
+    ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed``."""
+    if cfg.pretrained is not None:
+        return (GPTLM(from_pretrained(cfg.pretrained).train()),
+                load_tokenizer(cfg.pretrained, cfg.chat_template))
     tok = ByteTokens()
     if cfg.gpt.vocab_size != tok.vocab_size:
         raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer has "
                          f"{tok.vocab_size} tokens")
-    return GPTLM(cfg.gpt, seed=seed), tok
+    return GPTLM(GPT(cfg.gpt, seed=seed)), tok
 
 
 class Trainable:
@@ -57,6 +61,15 @@ class Trainable:
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
         self.flat.data.copy_(state["params"])
+
+    def release(self) -> None:
+        """Freeze the module for good: its gradients and optimizer state are freed (a frozen
+        role holds neither); the weights stay where they are."""
+        for p in self.flat.params:
+            p.grad = None
+            p.requires_grad_(False)
+        self.flat.grad = torch.empty(0)
+        self.opt = None
 
     def step(self, loss: torch.Tensor, step: int) -> float:
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"

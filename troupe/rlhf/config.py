@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from troupe.config import Config
 from troupe.models import GPTConfig
@@ -12,23 +10,21 @@ from troupe.optim import OptimizerConfig
 
 
 class ModelConfig(Config):
-    """kind "gpt": troupe's GPT of shape ``gpt``; kind "hf": a Hugging Face causal LM and its
-    tokenizer loaded from the local directory ``path`` (no hub access)."""
+    """The model every role starts from: ``pretrained``, a local Hugging Face directory
+    (Llama, Qwen2, Mistral, Mixtral, GPT-2; loaded into troupe's decoder, its tokenizer with
+    it; reward and critic are the same body with a value head), or else troupe's byte-level
+    GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
+    as a user turn through the model's chat template (when its tokenizer has one)."""
 
-    kind: Literal["gpt", "hf"] = "gpt"
+    pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
-    path: str | None = None
-
-    @model_validator(mode="after")
-    def _path(self) -> "ModelConfig":
-        if self.kind == "hf" and not self.path:
-            raise ValueError("model.path: a local directory is required for kind 'hf'")
-        return self
+    chat_template: bool = True
 
 
 class TaskConfig(Config):
     """The bundled sorting task (used when ``data.path`` is unset): digits per prompt,
-    the share of flawed SFT demonstrations, and how many examples each step gets."""
+    the share of flawed SFT demonstrations, how many examples each step gets, and how a
+    prompt is phrased (``template`` holds {digits}, and no other digit)."""
 
     min_digits: int = Field(default=3, ge=1)
     max_digits: int = Field(default=5, ge=1)
@@ -36,6 +32,14 @@ class TaskConfig(Config):
     sft_examples: int = Field(default=20000, ge=1)
     preference_examples: int = Field(default=20000, ge=1)
     eval_examples: int = Field(default=256, ge=8)
+    template: str = "sort {digits}:"
+
+    @field_validator("template")
+    @classmethod
+    def _has_digits(cls, v: str) -> str:
+        if v.count("{digits}") != 1 or any(c.isdigit() for c in v.replace("{digits}", "")):
+            raise ValueError("holds {digits} once and no other digit")
+        return v
 
 
 class DataConfig(Config):
@@ -93,7 +97,7 @@ class PPOConfig(Config):
 
 class RLHFConfig(Config):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). workers: data-parallel workers per role;
-    colocate: the four roles share the policy's bundles (else each role is placed on its own);
+    threads: torch threads of each worker; colocate: the four roles share the policy's bundles (else each role is placed on its own);
     max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
     every role goes back to the last PPO checkpoint) before the run fails."""
 
@@ -104,6 +108,7 @@ class RLHFConfig(Config):
     reward: StepConfig = StepConfig(steps=400)
     ppo: PPOConfig = PPOConfig()
     workers: int = Field(default=2, ge=1)
+    threads: int = Field(default=1, ge=1)
     colocate: bool = True
     num_cpus: float = Field(default=0.25, gt=0)
     max_restarts: int = Field(default=2, ge=0)

@@ -53,22 +53,26 @@ def write_jsonl(path: str | Path, examples: list[Example]) -> Path:
 class SortTask:
     """"sort 7391:" -> "1379": sort a few digits. The gold reward of a response is 1 for the
     exact answer, else the fraction of positions that match it, minus a length penalty.
+    ``template`` phrases the prompt (for chat models, e.g. "Sort these digits: {digits}");
+    the digits are the only ones in it.
 
     Demonstrations for SFT are noisy (``noise`` of them carry one mistake), so the SFT policy
     inherits mistakes that the reward model and PPO can remove. Preference pairs put the exact
     answer (or the better of two flawed ones) first.
     """
 
-    def __init__(self, min_digits: int = 3, max_digits: int = 5, noise: float = 0.5):
+    def __init__(self, min_digits: int = 3, max_digits: int = 5, noise: float = 0.5,
+                 template: str = "sort {digits}:"):
         self.min_digits, self.max_digits, self.noise = min_digits, max_digits, noise
+        self.template = template
 
     def prompt(self, rng: random.Random) -> str:
         n = rng.randint(self.min_digits, self.max_digits)
-        return "sort " + "".join(rng.choice("0123456789") for _ in range(n)) + ":"
+        return self.template.format(digits="".join(rng.choice("0123456789") for _ in range(n)))
 
     @staticmethod
     def answer(prompt: str) -> str:
-        return "".join(sorted(prompt[len("sort "):-1]))
+        return "".join(sorted(c for c in prompt if c.isdigit()))
 
     def gold(self, prompt: str, response: str) -> float:
         want = self.answer(prompt)
@@ -147,7 +151,7 @@ def prepare_data(cfg: RLHFConfig) -> Data:
                     [(e.prompt, e.chosen, e.rejected) for e in held],
                     [e.prompt for e in train], [e.prompt for e in held], None)
     t, s = cfg.task, cfg.seed
-    task = SortTask(t.min_digits, t.max_digits, t.noise)
+    task = SortTask(t.min_digits, t.max_digits, t.noise, t.template)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(
         t.preference_examples + t.eval_examples, s + 2)]
     return Data(task.demonstrations(t.sft_examples, s + 1), pairs[:-t.eval_examples],

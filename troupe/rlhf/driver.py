@@ -2,7 +2,7 @@
 critic roles (colocated on the same bundles by default), then step 1 (SFT) and step 2 (reward
 model) from troupe.rlhf.stages and step 3 (PPO) from troupe.rlhf.ppo. Metrics go to JSON
 lines, plots to rlhf.png, weights after each step and every ``ppo.checkpoint_every`` PPO
-iterations."""
+iterations, and the final policy to out_dir/policy-hf as a Hugging Face directory."""
 
 from __future__ import annotations
 
@@ -74,6 +74,9 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -
         if "ppo" in steps:
             summary["ppo"] = run_ppo(graph, cfg, data, log, out, sft_path, reward_path,
                                      resume=resume)
+            if cfg.model.pretrained is not None or cfg.model.gpt.moe is None:
+                summary["exported"] = graph["policy"].invoke(PolicyActor.export,
+                                                             str(out / "policy-hf"))
     finally:
         graph.shutdown()
     plot(log.records(), out / "rlhf.png")

@@ -17,7 +17,8 @@ from troupe.collectives import Communicator
 from troupe.compression import quantize_model
 from troupe.generation import SamplingParams
 from troupe.models.io import load_module, save_module
-from troupe.models.lora import fuse_lora, inject_lora, unfuse_lora
+from troupe.models import save_pretrained
+from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
 from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions, prompts, response_mask
 from troupe.rlhf.common import Trainable, build_lm
@@ -76,7 +77,7 @@ class Policy:
         engine = self._int8_copy(model) if p.int8_generation else model
         params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp, top_p=p.top_p,
                                  seed=seed) for seed in request.seeds]
-        tokens = engine.generate([self.tok.encode(t) for t in request.prompts], params,
+        tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
                                  self.tok.eos_id)
         if fused:
             unfuse_lora(model)
@@ -133,6 +134,13 @@ class Policy:
     def save(self, path: str, ema: bool = False) -> str:
         save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
         return path
+
+    def export(self, directory: str) -> str:
+        """The policy as a Hugging Face directory (adapters folded in), with the tokenizer
+        files of the model it started from."""
+        save_pretrained(self.lm.gpt, directory, self.cfg.model.pretrained,
+                        state=merged_state_dict(self.lm.gpt))
+        return directory
 
     def state_dict(self) -> dict:
         """What PPO needs to go on exactly from here (after ``begin_ppo``): trainable weights,
@@ -222,7 +230,10 @@ class Reward:
         return path
 
     def load(self, path: str) -> None:
+        """The trained reward model, frozen from here on (its gradients and optimizer state
+        are freed)."""
         load_module(path, self.model)
+        self.train.release()
 
 
 class Critic:

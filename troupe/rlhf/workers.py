@@ -36,6 +36,7 @@ class _Shell:
 
     def __init__(self, config: dict | RLHFConfig):
         self.cfg = _config(config)
+        torch.set_num_threads(self.cfg.threads)
         self.role = None
 
     @dispatch(Dispatch.ALL)
@@ -99,6 +100,10 @@ class PolicyActor(_TrainedShell):
     def save(self, path: str, ema: bool = False) -> str:
         return self.role.save(path, ema)
 
+    @dispatch(Dispatch.RANK0)
+    def export(self, directory: str) -> str:
+        """The policy as a Hugging Face directory that transformers loads."""
+        return self.role.export(directory)
 
 
 class ReferenceActor(_Shell):
