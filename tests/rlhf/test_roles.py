@@ -99,7 +99,7 @@ def test_ppo_step_on_own_samples():
     critic.train.use_optimizer(cfg.ppo.critic, 5)
     g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1]))
     assert g.ids.shape[1] == g.valid.shape[1] == g.action.shape[1] + 1
-    old = policy.logprobs(g.ids, g.valid)
+    old = policy.logprobs(g.ids, g.valid, g.action)
     values = critic.values(g.ids, g.valid)
     assert old.shape == values.shape == g.action.shape
     adv = torch.ones_like(old) * g.action
@@ -122,7 +122,7 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
     trainable = [n for n, p in policy.lm.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     g = policy.generate(RolloutRequest(["sort 321:", "sort 90:"], [0, 1]))
-    old = policy.logprobs(g.ids, g.valid)
+    old = policy.logprobs(g.ids, g.valid, g.action)
     exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=torch.zeros_like(old),
                      advantages=torch.randn_like(old) * g.action, returns=torch.zeros_like(old))
     demos = SortTask().demonstrations(4, 0)
@@ -135,8 +135,8 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
     policy.save(str(tmp_path / "ppo.trp"))
     plain = Policy(cfg, None, 0)
     plain.load(str(tmp_path / "ppo.trp"))
-    torch.testing.assert_close(plain.logprobs(g.ids, g.valid),
-                               policy.logprobs(g.ids, g.valid), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain.logprobs(g.ids, g.valid, g.action),
+                               policy.logprobs(g.ids, g.valid, g.action), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_generation_layout():
@@ -156,3 +156,37 @@ def test_int8_generation_layout():
     assert agree > 0.9
     assert all(isinstance(m, torch.nn.Linear) or "Quantized" not in type(m).__name__
                for m in policy.lm.modules())
+
+
+def test_micro_batches_give_the_whole_batch_step():
+    """Gradient accumulation over micro-batches of one sequence gives the weights of one step
+    on the whole batch (SFT, PPO policy and critic); log-probabilities computed on the response
+    positions only equal those of the full logits there."""
+    def run(micro):
+        cfg = RLHFConfig(**{**SMALL, "sft": dict(micro_batch_size=micro),
+                            "ppo": dict(max_new_tokens=6, micro_batch_size=micro)})
+        policy, critic = Policy(cfg, None, 0), Critic(cfg, None, 0)
+        policy.train.use_optimizer(cfg.sft.optimizer, 5)
+        sft = policy.sft_step(SortTask().demonstrations(5, 0), 1)
+        policy.train.use_optimizer(cfg.ppo.actor, 5)
+        critic.train.use_optimizer(cfg.ppo.critic, 5)
+        g = policy.generate(RolloutRequest(["sort 321:", "sort 9:", "sort 4410:"], [0, 1, 2]))
+        old = policy.logprobs(g.ids, g.valid, g.action)
+        values = critic.values(g.ids, g.valid)
+        adv = torch.linspace(-1, 1, old.numel()).view_as(old) * g.action
+        exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=values,
+                         advantages=adv, returns=adv)
+        losses = (sft.loss, policy.ppo_step(exp, 1, None).policy_loss,
+                  critic.critic_step(exp, 1).value_loss)
+        return losses, policy.train.flat.data.clone(), critic.train.flat.data.clone(), g, policy
+
+    whole, micro = run(None), run(1)
+    assert whole[0] == pytest.approx(micro[0], abs=1e-6)
+    torch.testing.assert_close(micro[1], whole[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(micro[2], whole[2], atol=1e-6, rtol=0)
+    g, policy = whole[3], whole[4]
+    with torch.no_grad():
+        full = torch.log_softmax(policy.lm.logits(g.ids, g.valid)[:, :-1], -1)
+        full = full.gather(-1, g.ids[:, 1:, None]).squeeze(-1) * g.action
+    torch.testing.assert_close(policy.logprobs(g.ids, g.valid, g.action), full, atol=1e-5,
+                               rtol=0)

@@ -14,17 +14,26 @@ from troupe.rlhf.config import ModelConfig
 from troupe.rlhf.lm import GPTLM
 
 
-def build_lm(cfg: ModelConfig, seed: int) -> tuple[GPTLM, Tokenizer]:
+def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
+             ) -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
-    ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed``."""
+    ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed``. Roles
+    that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
+    tokenizer costs a process more than 100 MB)."""
     if cfg.pretrained is not None:
         return (GPTLM(from_pretrained(cfg.pretrained).train()),
-                load_tokenizer(cfg.pretrained, cfg.chat_template))
+                load_tokenizer(cfg.pretrained, cfg.chat_template) if tokenizer else None)
     tok = ByteTokens()
     if cfg.gpt.vocab_size != tok.vocab_size:
         raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer has "
                          f"{tok.vocab_size} tokens")
     return GPTLM(GPT(cfg.gpt, seed=seed)), tok
+
+
+def micro_batches(n: int, size: int | None) -> list[slice]:
+    """Row slices of a batch of ``n`` rows, ``size`` rows each (None: one slice)."""
+    size = size or n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 class Trainable:
@@ -71,9 +80,10 @@ class Trainable:
         self.flat.grad = torch.empty(0)
         self.opt = None
 
-    def step(self, loss: torch.Tensor, step: int) -> float:
+    def step(self, step: int) -> float:
+        """One optimizer step on the gradients accumulated since the last (the callers run
+        ``backward`` once per micro-batch, each loss scaled to its share of the batch)."""
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
-        loss.backward()
         lr = self.opt_cfg.lr_at(step, self.total_steps)
         self.opt.step(lr)
         self.flat.zero_grad()

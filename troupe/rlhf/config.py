@@ -53,11 +53,14 @@ class DataConfig(Config):
 
 class StepConfig(Config):
     """A supervised step (SFT or reward model). init_from_sft (reward model only): start the
-    reward model's body from the SFT policy's weights instead of from scratch."""
+    reward model's body from the SFT policy's weights instead of from scratch.
+    micro_batch_size: examples per forward/backward, gradients accumulated over the batch
+    (the same step in less activation memory; None: the whole batch at once)."""
 
     steps: int = Field(default=600, ge=0)
     init_from_sft: bool = True
     batch_size: int = Field(default=32, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
     optimizer: OptimizerConfig = OptimizerConfig(name="adamw", lr=2e-3, min_lr=2e-4,
                                                  warmup_steps=20)
 
@@ -72,8 +75,12 @@ class LoRAConfig(Config):
 
 
 class PPOConfig(Config):
+    """Step 3. micro_batch_size: sequences per forward (scoring) and forward/backward (policy
+    and critic updates) on each worker, gradients accumulated (None: all at once)."""
+
     iterations: int = Field(default=120, ge=0)
     prompts_per_iter: int = Field(default=32, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)

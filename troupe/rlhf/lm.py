@@ -30,6 +30,18 @@ class GPTLM(nn.Module):
         """Final hidden states (B, S, C): no vocabulary projection (the value head reads them)."""
         return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
 
+    def token_logprobs(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
+                       where_BR: torch.Tensor) -> torch.Tensor:
+        """log p(ids[:, t+1] | ids[:, :t+1]) at the positions t where ``where_BR`` (B, S-1) is
+        nonzero, 0 elsewhere: the vocabulary projection and its softmax run on those positions
+        only (a 49k-word vocabulary on every prompt token costs as much as a few layers)."""
+        h_BRC = self.hidden(ids_BS, valid_BS)[:, :-1]
+        at = where_BR.bool()
+        logp_NV = F.log_softmax(self.gpt.logits(h_BRC[at]).float(), dim=-1)
+        out = torch.zeros(where_BR.shape, dtype=logp_NV.dtype, device=logp_NV.device)
+        out[at] = logp_NV.gather(-1, ids_BS[:, 1:][at][:, None]).squeeze(-1)
+        return out
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int) -> list[list[int]]:
@@ -55,9 +67,3 @@ class ValueModel(nn.Module):
 
     def forward(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         return self.head(self.lm.hidden(ids_BS, valid_BS)).squeeze(-1)  # (B, S)
-
-
-def token_logprobs(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
-    """log p(ids[:, t+1] | ids[:, :t+1]) for t < S-1: shape (B, S-1)."""
-    logp = F.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
-    return logp.gather(-1, ids_BS[:, 1:, None]).squeeze(-1)

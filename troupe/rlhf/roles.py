@@ -21,7 +21,7 @@ from troupe.models import save_pretrained
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
 from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions, prompts, response_mask
-from troupe.rlhf.common import Trainable, build_lm
+from troupe.rlhf.common import Trainable, build_lm, micro_batches
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
@@ -33,7 +33,7 @@ from troupe.rlhf.experience import (
     RolloutRequest,
     SFTStats,
 )
-from troupe.rlhf.lm import ValueModel, token_logprobs
+from troupe.rlhf.lm import GPTLM, ValueModel
 
 
 class Policy:
@@ -47,11 +47,20 @@ class Policy:
     # step 1 ---------------------------------------------------------------------------------
     def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
         self.lm.train()
+        loss = self._lm_loss(pairs, self.cfg.sft.micro_batch_size)
+        return SFTStats(loss, self.train.step(step))
+
+    def _lm_loss(self, pairs: list[tuple[str, str]], micro: int | None,
+                 coef: float = 1.0) -> float:
+        """Backward of ``coef`` x the mean next-token loss on the responses of (prompt,
+        response) pairs, micro-batch by micro-batch; returns the loss."""
         ids, valid, mask = completions(self.tok, [p for p, _ in pairs], [r for _, r in pairs])
-        logp = token_logprobs(self.lm.logits(ids, valid), ids)
-        loss = -algorithms.masked_mean(logp, mask)
-        lr = self.train.step(loss, step)
-        return SFTStats(loss.item(), lr)
+        total, loss = mask.sum().clamp_min(1), 0.0
+        for s in micro_batches(len(ids), micro):
+            part = -(self.lm.token_logprobs(ids[s], valid[s], mask[s]) * mask[s]).sum() / total
+            (coef * part).backward()
+            loss += part.item()
+        return loss
 
     # step 3 ---------------------------------------------------------------------------------
     def begin_ppo(self, sft_path: str) -> None:
@@ -108,25 +117,25 @@ class Policy:
         quantize_model(engine, {"*": "w8a8"})
         return engine
 
-    @torch.no_grad()
-    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        self.lm.eval()
-        return token_logprobs(self.lm.logits(ids, valid), ids)
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor,
+                 action: torch.Tensor) -> torch.Tensor:
+        return action_logprobs(self.lm, ids, valid, action, self.cfg.ppo.micro_batch_size)
 
     def ppo_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None) -> PolicyStats:
         self.lm.train()
-        logp = token_logprobs(self.lm.logits(exp.ids, exp.valid), exp.ids)
-        loss = algorithms.policy_loss(logp, exp.old_logp, exp.advantages, exp.action,
-                                      self.cfg.ppo.policy_clip)
-        policy_loss, ptx_loss = loss.item(), None
-        if ptx and self.cfg.ppo.ptx_coef > 0:
-            ids, valid, mask = completions(self.tok, [p for p, _ in ptx], [r for _, r in ptx])
-            lm_loss = -algorithms.masked_mean(token_logprobs(self.lm.logits(ids, valid), ids),
-                                              mask)
-            loss = loss + self.cfg.ppo.ptx_coef * lm_loss
-            ptx_loss = lm_loss.item()
-        self.train.step(loss, iteration)
+        p = self.cfg.ppo
+        total, policy_loss, ptx_loss = exp.action.sum().clamp_min(1), 0.0, None
+        for s in micro_batches(len(exp.ids), p.micro_batch_size):
+            logp = self.lm.token_logprobs(exp.ids[s], exp.valid[s], exp.action[s])
+            share = exp.action[s].sum() / total  # of the batch's masked mean
+            loss = share * algorithms.policy_loss(logp, exp.old_logp[s], exp.advantages[s],
+                                                  exp.action[s], p.policy_clip)
+            loss.backward()
+            policy_loss += loss.item()
+        if ptx and p.ptx_coef > 0:
+            ptx_loss = self._lm_loss(ptx, p.micro_batch_size, p.ptx_coef)
+        self.train.step(iteration)
         if self.ema is not None:
             algorithms.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
         return PolicyStats(policy_loss, ptx_loss)
@@ -168,16 +177,16 @@ class Reference:
     """The frozen SFT policy, for the KL penalty."""
 
     def __init__(self, cfg: RLHFConfig, rank: int):
-        self.lm, _ = build_lm(cfg.model, cfg.seed)
+        self.lm, _ = build_lm(cfg.model, cfg.seed, tokenizer=False)
         self.lm.requires_grad_(False)
+        self.micro = cfg.ppo.micro_batch_size
 
     def load(self, path: str) -> None:
         load_module(path, self.lm)
 
-    @torch.no_grad()
-    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        self.lm.eval()
-        return token_logprobs(self.lm.logits(ids, valid), ids)
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor,
+                 action: torch.Tensor) -> torch.Tensor:
+        return action_logprobs(self.lm, ids, valid, action, self.micro)
 
 
 class Reward:
@@ -196,30 +205,41 @@ class Reward:
                                     + [e[2] for e in examples])
         return ids, valid
 
-    def _loss(self, examples):
-        ids, valid = self._pairs(examples)
-        values = self.model(ids, valid)
-        B = len(examples)
-        end = last_real(valid)
-        return algorithms.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:], end[:B], end[B:])
+    def _loss(self, examples, backward: bool) -> tuple[float, int]:
+        """The mean pairwise loss over ``examples`` (and its backward, micro-batch by
+        micro-batch, when asked) and how many pairs the model ranks right."""
+        loss, right = 0.0, 0
+        for s in micro_batches(len(examples), self.cfg.reward.micro_batch_size):
+            part = examples[s]
+            ids, valid = self._pairs(part)
+            values, B, end = self.model(ids, valid), len(part), last_real(valid)
+            lo, sc, sr = algorithms.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:],
+                                                  end[:B], end[B:])
+            lo = lo * B / len(examples)
+            if backward:
+                lo.backward()
+            loss, right = loss + lo.item(), right + int((sc > sr).sum())
+        return loss, right
 
     def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
         self.model.train()
-        loss, sc, sr = self._loss(examples)
-        lr = self.train.step(loss, step)
-        return RewardStats(loss.item(), (sc > sr).float().mean().item(), lr)
+        loss, right = self._loss(examples, backward=True)
+        return RewardStats(loss, right / len(examples), self.train.step(step))
 
     @torch.no_grad()
     def evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
         self.model.eval()
-        loss, sc, sr = self._loss(examples)
-        return RewardEval(loss.item(), int((sc > sr).sum()), len(examples))
+        loss, right = self._loss(examples, backward=False)
+        return RewardEval(loss, right, len(examples))
 
     @torch.no_grad()
     def score(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        values = self.model(ids, valid)
-        return values[torch.arange(len(ids)), last_real(valid)]
+        out = []
+        for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size):
+            values = self.model(ids[s], valid[s])
+            out.append(values[torch.arange(len(values)), last_real(valid[s])])
+        return torch.cat(out)
 
     def init_from_policy(self, path: str) -> None:
         """Start the body from a policy checkpoint (the value head stays at zero)."""
@@ -241,7 +261,7 @@ class Critic:
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
-        lm, _ = build_lm(cfg.model, cfg.seed + 1)
+        lm, _ = build_lm(cfg.model, cfg.seed + 1, tokenizer=False)
         self.model = ValueModel(lm)
         self.train = Trainable(self.model, group)
 
@@ -253,15 +273,21 @@ class Critic:
     @torch.no_grad()
     def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        return self.model(ids, valid)[:, :-1]  # value of the state before each target
+        return torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
+                          for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size)])
 
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         self.model.train()
-        values = self.model(exp.ids, exp.valid)[:, :-1]
-        loss = algorithms.value_loss(values, exp.old_values, exp.returns, exp.action,
-                                     self.cfg.ppo.value_clip)
-        self.train.step(loss, iteration)
-        return CriticStats(loss.item())
+        p = self.cfg.ppo
+        total, value_loss = exp.action.sum().clamp_min(1), 0.0
+        for s in micro_batches(len(exp.ids), p.micro_batch_size):
+            values = self.model(exp.ids[s], exp.valid[s])[:, :-1]
+            loss = exp.action[s].sum() / total * algorithms.value_loss(
+                values, exp.old_values[s], exp.returns[s], exp.action[s], p.value_clip)
+            loss.backward()
+            value_loss += loss.item()
+        self.train.step(iteration)
+        return CriticStats(value_loss)
 
     def save(self, path: str) -> str:
         save_module(path, self.model, kind="critic")
@@ -277,6 +303,16 @@ class Critic:
 
     def load(self, path: str) -> None:
         load_module(path, self.model)
+
+
+@torch.no_grad()
+def action_logprobs(lm: GPTLM, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
+                    micro: int | None) -> torch.Tensor:
+    """(B, S-1) log-probabilities of a rollout's response tokens (0 elsewhere), in eval mode,
+    ``micro`` sequences at a time."""
+    lm.eval()
+    return torch.cat([lm.token_logprobs(ids[s], valid[s], action[s])
+                      for s in micro_batches(len(ids), micro)])
 
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:

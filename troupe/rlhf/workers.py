@@ -88,8 +88,8 @@ class PolicyActor(_TrainedShell):
 
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """(B, S-1) log-probabilities of the rollout's tokens."""
-        return self.role.logprobs(rollout.ids, rollout.valid)
+        """(B, S-1) log-probabilities of the rollout's response tokens (0 elsewhere)."""
+        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action)
 
     @dispatch(Dispatch.SHARD)
     def ppo_step(self, exp: Experience, iteration: int,
@@ -114,8 +114,8 @@ class ReferenceActor(_Shell):
 
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """(B, S-1) log-probabilities of the rollout's tokens under the reference."""
-        return self.role.logprobs(rollout.ids, rollout.valid)
+        """(B, S-1) log-probabilities of the rollout's response tokens under the reference."""
+        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action)
 
 
 class RewardActor(_Shell):

@@ -1,0 +1,64 @@
+"""Peak memory of a command's whole process tree (the command, and for an embedded Ray cluster
+its GCS, raylet and every worker, all descendants of the driver), sampled while it runs.
+
+    python benchmarks/process_memory.py -- python apps/rlhf.py --config apps/configs/rlhf-smollm2.yaml
+
+Prints one JSON line: wall seconds, exit code, peak sum of PSS (each shared page counted once,
+split among the processes that map it: the fair total) and peak sum of RSS (shared pages counted
+in every process: an upper bound), in GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+
+
+def tree_memory(root: psutil.Process) -> tuple[int, int]:
+    """(sum of PSS, sum of RSS) in bytes over ``root`` and its descendants."""
+    pss = rss = 0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            info = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        pss += getattr(info, "pss", info.rss)
+        rss += info.rss
+    return pss, rss
+
+
+def measure(cmd: list[str], every_s: float = 0.5) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    root = psutil.Process(proc.pid)
+    peak_pss = peak_rss = 0
+    while proc.poll() is None:
+        try:
+            pss, rss = tree_memory(root)
+        except psutil.NoSuchProcess:
+            break
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        time.sleep(every_s)
+    return {"cmd": " ".join(cmd), "exit": proc.wait(), "wall_s": round(time.perf_counter() - t0, 1),
+            "peak_pss_gb": round(peak_pss / 1e9, 2), "peak_rss_gb": round(peak_rss / 1e9, 2)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--every", type=float, default=0.5, help="seconds between samples")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    args = p.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("give the command after --")
+    print(json.dumps(measure(cmd, args.every)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
