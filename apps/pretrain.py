@@ -3,8 +3,14 @@
     python apps/pretrain.py --config apps/configs/moe-tiny.yaml [key=value ...]
     python apps/pretrain.py --config apps/configs/moe-tiny.yaml optimizer.name=onebit_adam
 
+Continued pretraining of a Hugging Face model (its tokenizer tokenizes the data):
+
+    python -m troupe.models.smollm2                                     # SmolLM2, offline
+    python apps/pretrain.py --config apps/configs/pretrain-smollm2.yaml  # or model.pretrained=DIR
+
 Metrics go to <train.out_dir>/metrics.jsonl, the loss curve to loss.png, checkpoints to
-checkpoints/step-N (one file per rank and a manifest). Running the same command again resumes
+checkpoints/step-N (one file per rank and a manifest), the trained model to hf/ as a Hugging
+Face directory (when it has that form). Running the same command again resumes
 from the newest checkpoint; --no-resume starts over.
 """
 
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import troupe  # noqa: E402
 from troupe.checkpoint import CheckpointError  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
+from troupe.models.hf import check_pretrained  # noqa: E402
 from troupe.pretrain import PretrainConfig  # noqa: E402
 from troupe.pretrain import driver as pretrain  # noqa: E402
 
@@ -35,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(PretrainConfig, args.config, args.overrides)
+    cfg = load_app_config(PretrainConfig, args.config, args.overrides,
+                          lambda c: check_pretrained(c.model.pretrained))
     troupe.init()
     try:
         records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)

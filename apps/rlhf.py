@@ -4,10 +4,12 @@
     python apps/rlhf.py --step ppo                       # one step, using earlier outputs
     python apps/rlhf.py --step ppo --resume              # PPO from its latest checkpoint
     python apps/rlhf.py --config apps/configs/rlhf-sort.yaml data.path=my_pairs.jsonl
+    python apps/rlhf.py --config apps/configs/rlhf-smollm2.yaml       # a Hugging Face model
 
 Step 1 fine-tunes the policy on demonstrations, step 2 trains a pairwise reward model, step 3
 runs PPO against it with a KL penalty to the SFT policy. Outputs in <out_dir>: metrics.jsonl,
-rlhf.png, summary.json, sft/, reward/, ppo/iter-N/ weights, ppo/checkpoints/ (full PPO state).
+rlhf.png, summary.json, sft/, reward/, ppo/iter-N/ weights, ppo/checkpoints/ (full PPO state),
+policy-hf/ (the final policy as a Hugging Face directory).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import troupe  # noqa: E402
 from troupe.checkpoint import CheckpointError  # noqa: E402
 from troupe.config import load_app_config  # noqa: E402
+from troupe.models.hf import check_pretrained  # noqa: E402
 from troupe.rlhf import driver as rlhf  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
 
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.iterations=50")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(RLHFConfig, args.config, args.overrides)
+    cfg = load_app_config(RLHFConfig, args.config, args.overrides,
+                          lambda c: check_pretrained(c.model.pretrained))
     steps = tuple(s for s in rlhf.STEPS if s in (args.step or rlhf.STEPS))
     if args.resume and steps != ("ppo",):
         print("--resume continues PPO from its checkpoint: use it with --step ppo alone",

@@ -12,12 +12,13 @@ from pydantic import Field
 
 from troupe.config import Config
 from troupe.data.corpus import file_documents, stdlib_documents
-from troupe.data.tokenizer import ByteTokenizer
+from troupe.data.tokenizer import ByteTokenizer, HFTokens
 
 
 class DataConfig(Config):
     """source: "stdlib" (docstrings of Python's standard library) or a list of .txt/.jsonl
-    files; val_fraction of the documents (at least one) is held out for validation."""
+    files; val_fraction of the documents (at least one) is held out for validation;
+    max_chars: keep at most this many tokens of each stream (bytes, for the byte tokenizer)."""
 
     source: str | list[str] = "stdlib"
     val_fraction: float = Field(default=0.05, gt=0, lt=1)
@@ -26,9 +27,10 @@ class DataConfig(Config):
 
 
 class TokenDataset:
-    """Train and validation token streams of one corpus."""
+    """Train and validation token streams of one corpus, tokenized by troupe's byte tokenizer
+    or a Hugging Face model's (HFTokens), each document ending with the end-of-text token."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: ByteTokenizer | None = None):
+    def __init__(self, cfg: DataConfig, tokenizer: ByteTokenizer | HFTokens | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer or ByteTokenizer()
         docs = stdlib_documents() if cfg.source == "stdlib" else file_documents(
             [cfg.source] if isinstance(cfg.source, str) else [Path(p) for p in cfg.source])
@@ -41,7 +43,13 @@ class TokenDataset:
         self.val = self._stream(val)
 
     def _stream(self, docs: list[str]) -> np.ndarray:
-        ids = np.concatenate([self.tokenizer.encode(d, eos=True) for d in docs])
+        tok = self.tokenizer
+        if isinstance(tok, HFTokens):  # the fast tokenizer encodes the batch in parallel
+            eos = [tok.eos_id]
+            ids = np.concatenate([np.asarray(d + eos, dtype=np.int32) for d in
+                                  tok.hf(docs, add_special_tokens=False)["input_ids"]])
+        else:
+            ids = np.concatenate([tok.encode(d, eos=True) for d in docs])
         return ids[:self.cfg.max_chars] if self.cfg.max_chars else ids
 
     def train_batch(self, step: int, batch_size: int, seq_len: int, rank: int = 0,

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from troupe.config import ConfigError
 from troupe.models.gpt import GPT, GPTConfig
 from troupe.models.moe import MoEConfig
 
@@ -77,6 +78,29 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
         rope_scaling=scaling, mlp="swiglu", qkv_bias=bias or kind == "qwen2",
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
+
+
+def read_config(directory: str | Path) -> GPTConfig:
+    """The GPTConfig of the Hugging Face model directory ``directory`` (its config.json)."""
+    path = Path(directory).expanduser() / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent}: no config.json (not a Hugging Face model "
+                                "directory)")
+    return config_from_hf(json.loads(path.read_text()), str(path))
+
+
+def check_pretrained(directory: str | None, key: str = "model.pretrained") -> None:
+    """What an app checks before anything starts: ``directory`` (the config key ``key``) is a
+    Hugging Face directory of an architecture troupe loads; FileNotFoundError or ConfigError
+    naming the key otherwise."""
+    if directory is None:
+        return
+    try:
+        read_config(directory)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{key}={directory!r}: {e}") from None
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{key}={directory!r}: {e}") from None
 
 
 def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
@@ -193,12 +217,8 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     """troupe's GPT with the weights of the Hugging Face checkpoint in ``directory`` (local).
     Errors name the file and tensor at fault, or the unsupported architecture."""
     directory = Path(directory).expanduser()
-    cfg_path = directory / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{directory}: no config.json (not a Hugging Face model "
-                                "directory)")
-    hf = json.loads(cfg_path.read_text())
-    cfg = config_from_hf(hf, str(cfg_path))
+    cfg = read_config(directory)
+    hf = json.loads((directory / "config.json").read_text())
     with torch.device("meta"):
         model = GPT(cfg)
     model = model.to_empty(device=device).to(dtype)

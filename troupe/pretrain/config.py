@@ -10,7 +10,27 @@ from pydantic import Field, model_validator
 from troupe.config import Config
 from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
 from troupe.models import GPTConfig
+from troupe.models.hf import read_config
 from troupe.optim import OptimizerConfig
+
+
+class ModelConfig(GPTConfig):
+    """troupe's GPT of this shape, or, with ``pretrained``, the local Hugging Face directory
+    whose config.json gives the architecture (the shape fields here are then not used) and
+    whose weights the run starts from; its tokenizer tokenizes the data. ``seq_len`` is the
+    training window either way (for a pretrained model, at most its context)."""
+
+    pretrained: str | None = None
+
+    def architecture(self) -> GPTConfig:
+        """The configuration the model is built with."""
+        if self.pretrained is None:
+            return GPTConfig.model_validate(self.model_dump(exclude={"pretrained"}))
+        return read_config(self.pretrained)
+
+    def window(self, arch: GPTConfig) -> int:
+        """Tokens per training sequence for a model of ``arch``."""
+        return min(self.seq_len, arch.seq_len)
 
 
 class TrainConfig(Config):
@@ -46,7 +66,7 @@ class TrainConfig(Config):
 class PretrainConfig(Config):
     """A pretraining recipe (apps/configs/*.yaml)."""
 
-    model: GPTConfig = GPTConfig()
+    model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
@@ -66,3 +86,4 @@ class PretrainConfig(Config):
             raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
                              f"train.num_workers={W}")
         return self
+

@@ -2,6 +2,8 @@
 expert-data-parallel groups in DeepSpeed's layout; shard owners with offload), the step loop,
 evaluation, metrics and checkpoints with exact resume.
 
+At the end the model is exported as a Hugging Face directory, out_dir/hf, where it has one.
+
 Failures follow troupe.runtime.recovery (train.max_restarts): the run goes back to its last
 complete checkpoint and the losses it logs are the uninterrupted run's; past the restarts it
 stops with RunFailedError and out_dir/failure.json.
@@ -17,10 +19,14 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
 from troupe.errors import WorkerCallError, WorkerDiedError
+from troupe.models import save_pretrained
+from troupe.models.hf import config_to_hf
 from troupe.parallel import expert_layout
 from troupe.pretrain.config import PretrainConfig
+from troupe.pretrain.export import load_full_model
 from troupe.pretrain.rank import StepStats
 from troupe.pretrain.workers import ParameterShardRank, PretrainRank, RankInfo
 from troupe.runtime import checkpoint
@@ -61,7 +67,7 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1
         g.collective("offload", ["trainer", "shard"], backend="gloo")
         if cfg.optimizer.name == "lamb" and W > 1:
             g.collective("owners", ["shard"], backend="gloo")
-    moe = cfg.model.moe
+    moe = cfg.model.architecture().moe
     if moe is not None:
         layout = expert_layout(W, moe.ep_size)
         if moe.ep_size > 1:
@@ -113,9 +119,32 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
         records = _train(built.graph, cfg, resume, stop_after, progress, on_step)
         plot_losses(MetricsLog(out / "metrics.jsonl").records(), out / "loss.png",
                     f"{out.name}: {cfg.optimizer.name}")
-        return records
     finally:
         built.shutdown()
+    if (stop_after is None or stop_after >= cfg.train.steps) and exportable(cfg):
+        export_hf(cfg, out / "hf")
+    return records
+
+
+def exportable(cfg: PretrainConfig) -> bool:
+    """Whether the trained model has a Hugging Face form (troupe.models.save_pretrained):
+    dense GPTs and the Llama family (Mixtral for MoE), not offloaded checkpoints."""
+    try:
+        config_to_hf(cfg.model.architecture())
+    except ValueError as e:
+        log.info("no Hugging Face export: %s", e)
+        return False
+    return not cfg.train.offload
+
+
+def export_hf(cfg: PretrainConfig, directory: Path) -> Path:
+    """The newest checkpoint's model as a Hugging Face directory (with the pretrained model's
+    tokenizer files, when the run started from one)."""
+    newest = ckpt.latest(checkpoint_root(cfg))
+    model = load_full_model(newest, cfg)
+    save_pretrained(model, directory, cfg.model.pretrained)
+    log.info("exported %s as a Hugging Face directory: %s", newest, directory)
+    return directory
 
 
 def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: int | None,

@@ -31,14 +31,15 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     if "shard" in manifest["roles"]:
         raise ValueError(f"{directory}: offloaded checkpoints are not supported here")
     states = [ckpt.read_rank(directory, r, manifest) for r in range(W)]
-    moe = cfg.model.moe
+    arch = cfg.model.architecture()
+    moe = arch.moe
     P = moe.ep_size if moe else 1
-    full = GPT(cfg.model.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
+    full = GPT(arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
     dense, experts = expert_parameters(full)
     sharded = cfg.optimizer.sharded  # ZeRO-1 shards; the 1-bit optimizers keep whole copies
     _fill(dense, _bucket(states, "dense", range(W), sharded), W if sharded else 1,
           f"{directory}: dense parameters")
-    for e in range(P):  # expert-parallel slice e lives on ranks e, e + P, ... (strided)
+    for e in range(P if experts else 0):  # slice e lives on ranks e, e + P, ... (strided)
         # slice e's expert bucket holds, parameter by parameter, experts e*n .. (e+1)*n - 1
         # (see troupe.parallel.apply_expert_parallel)
         part = [p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in experts]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from troupe.collectives import Communicator
-from troupe.data import TokenDataset
-from troupe.models import GPT, expert_parameters
+from troupe.data import TokenDataset, load_tokenizer
+from troupe.models import GPT, expert_parameters, from_pretrained
 from troupe.optim import (
     CommCounter,
     FlatParams,
@@ -95,8 +95,11 @@ class PretrainWorker:
                  offload: Communicator | None = None):
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
-        self.data = TokenDataset(cfg.data)
-        self.model = apply_expert_parallel(GPT(cfg.model, seed=cfg.train.seed), ep)
+        self.arch = cfg.model.architecture()
+        self.window = cfg.model.window(self.arch)
+        pretrained = cfg.model.pretrained
+        self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
+        self.model = apply_expert_parallel(build_model(cfg), ep)
         dense, expert = expert_parameters(self.model)
         self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
         if offload is not None:
@@ -109,7 +112,7 @@ class PretrainWorker:
     def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
-        full = cfg.model.seq_len
+        full = self.window
         seq_len = cfg.curriculum.seq_len_at(step, full)
         x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.rank, self.world)
         x, y = x[:, :seq_len], y[:, :seq_len]
@@ -117,11 +120,11 @@ class PretrainWorker:
         ltd = None
         if cfg.random_ltd.enabled and keep < seq_len:
             gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + step * 131 + self.rank)
-            ltd = (keep, cfg.random_ltd.layers(cfg.model.n_layer), gen)
+            ltd = (keep, cfg.random_ltd.layers(self.arch.n_layer), gen)
         self.model.train()
         _, lm_loss, aux = self.model(x, y, ltd=ltd)
         lm_loss_value = lm_loss.item()
-        coef = cfg.model.moe.aux_loss_coef if cfg.model.moe else 0.0
+        coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
         (lm_loss + coef * aux).backward()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         for b in self.buckets:
@@ -138,7 +141,7 @@ class PretrainWorker:
         self.model.eval()
         c = self.cfg
         losses = [self.model(x, y)[1].item() for x, y in self.data.val_batches(
-            c.train.eval_batches, c.train.batch_size, c.model.seq_len, self.rank, self.world)]
+            c.train.eval_batches, c.train.batch_size, self.window, self.rank, self.world)]
         return sum(losses) / len(losses)
 
     def memory(self) -> dict:
@@ -164,6 +167,13 @@ class PretrainWorker:
         self.step = int(state["step"])
 
 
+def build_model(cfg: PretrainConfig) -> GPT:
+    """The whole model a run starts from: the pretrained checkpoint, or troupe's GPT seeded."""
+    if cfg.model.pretrained is not None:
+        return from_pretrained(cfg.model.pretrained).train()
+    return GPT(cfg.model.architecture(), seed=cfg.train.seed)
+
+
 class ShardOwner:
     """A ParameterShard owner of the dense parameters (train.offload): index ``index`` of W.
     ``offload`` is the trainers + owners group; ``owners`` the owners among themselves (LAMB's
@@ -172,7 +182,7 @@ class ShardOwner:
     def __init__(self, cfg: PretrainConfig, offload: Communicator,
                  owners: Communicator | None):
         with torch.device("meta"):  # shapes only: the owner never holds a model
-            dense, _ = expert_parameters(GPT(cfg.model, seed=cfg.train.seed))
+            dense, _ = expert_parameters(GPT(cfg.model.architecture(), seed=cfg.train.seed))
         numels = [p.numel() for p in dense if p.requires_grad]
         W = cfg.train.num_workers
         padded = padded_size(numels, W)

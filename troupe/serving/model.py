@@ -16,7 +16,7 @@ from troupe.compression import quantize_model
 from troupe.compression.quantize import unmatched_patterns
 from troupe.config import ConfigError, validate
 from troupe.models import GPT, GPTConfig, from_pretrained
-from troupe.models.hf import config_from_hf
+from troupe.models.hf import read_config
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
@@ -82,8 +82,7 @@ def check_source(cfg: ServeConfig) -> None:
         return
     if cfg.model.pretrained is not None:
         try:
-            model_cfg = config_from_hf(json.loads((path / "config.json").read_text()),
-                                       str(path / "config.json")).model_dump()
+            model_cfg = read_config(path).model_dump()
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.pretrained: {e}") from None
     elif cfg.model.file is not None:

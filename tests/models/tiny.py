@@ -1,0 +1,32 @@
+"""Tiny Hugging Face model directories that tests build offline."""
+
+import torch
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<end>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def save_tiny_llama(path):
+    """A tiny random Llama (2 layers, GQA) and a character-level tokenizer for digits and
+    "sort: " with a chat template, saved as a Hugging Face directory at ``path``."""
+    import tokenizers
+    import transformers
+    chars = list("0123456789sort: ")
+    specials = ["<end>", "<user>", "<assistant>"]
+    vocab = {**{t: i for i, t in enumerate(specials)},
+             **{c: i + len(specials) for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<end>"))
+    tok.add_special_tokens(specials)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tok.decoder = tokenizers.decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end>",
+                                                pad_token="<end>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
