@@ -136,3 +136,46 @@ def test_lkd_reduces_the_w4_gap():
     assert all(not isinstance(m, torch.nn.Linear) or m is student.tok_emb
                for n, m in student.named_modules() if ".attn." in n or ".ffn." in n)
     assert random_batches(257, 2, 4, 8)[0].shape == (4, 8)
+
+
+def test_outlier_channels_stay_fp32_and_save_the_other_channels():
+    """A channel 300x the others sets every token's INT8 scale; kept in fp32 (found by
+    calibration), the rest quantize finely and the layer's error falls by far."""
+    from troupe.compression.quantize import outlier_channels
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(40, 64)
+    x[:, 5] *= 300
+    model = torch.nn.Sequential(lin)
+    found = outlier_channels(model, [x], 1)
+    assert found["0"].tolist() == [5]
+    with torch.no_grad():
+        want = lin(x)
+        plain = QuantizedLinear(lin, "w8a8")(x)
+        kept = QuantizedLinear(lin, "w8a8", outliers=found["0"])(x)
+    err = lambda y: (y - want).abs().max().item()  # noqa: E731
+    assert err(kept) < err(plain) / 20
+    assert QuantizedLinear(lin, "w8a8", outliers=found["0"]).weight_nbytes > \
+        QuantizedLinear(lin, "w8a8").weight_nbytes
+
+
+@pytest.mark.slow
+def test_smollm2_w8a8_perplexity_within_one_percent(smollm2):
+    """ZeroQuant W8A8 on a real model, held-out real text: per-output-channel INT8 weights,
+    token-wise INT8 activations, 16 calibrated outlier channels per layer in fp32 (as served)."""
+    import math
+    from troupe.compression.quantize import outlier_channels
+    from troupe.data import DataConfig, TokenDataset, load_tokenizer
+    from troupe.models import from_pretrained
+    model = from_pretrained(smollm2)
+    data = TokenDataset(DataConfig(), load_tokenizer(smollm2))
+
+    def perplexity(m):
+        with torch.no_grad():
+            losses = [m(x, y)[1].item() for x, y in data.val_batches(4, 8, 256)]
+        return math.exp(sum(losses) / len(losses))
+
+    base = perplexity(model)
+    calibration = [data.train_batch(10_000 + i, 4, 256)[0] for i in range(2)]
+    quantize_model(model, {"*": "w8a8"}, outliers=outlier_channels(model, calibration, 16))
+    assert perplexity(model) / base - 1 < 0.01

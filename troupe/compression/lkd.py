@@ -67,7 +67,7 @@ def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[tor
     teacher = teacher.eval()
     student = copy.deepcopy(teacher)
     rules = gates_stay_fp32(student, rules)
-    replace_linears(student, rules, lambda lin, mode: FakeQuantLinear(lin, mode, group_size))
+    replace_linears(student, rules, lambda lin, mode, _: FakeQuantLinear(lin, mode, group_size))
     student.requires_grad_(False)
     batches = list(batches)
     with torch.no_grad():  # the full-precision inputs of block 0

@@ -6,7 +6,8 @@ Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, Mistr
 Qwen2ForCausalLM, and MixtralForCausalLM, whose sparse blocks become troupe MoE layers: the
 router is the gate, dropless softmax top-k renormalised, and the experts troupe's stacked
 SwiGLU experts, so expert parallelism and quantization apply to them). Weights are read tensor
-by tensor into a model built on the meta device, so loading holds one copy of the model. A name
+by tensor (plain reads, no memory map) into a model built on the meta device, so loading holds
+one copy of the model and one tensor. A name
 map per family says which Hugging Face tensors make each troupe parameter: q, k and v
 concatenate into ``attn.qkv``, gate and up into ``ffn.fc``, a Mixtral layer's per-expert w1
 (gate), w3 (up) and w2 (down) stack into ``ffn.experts.w1`` / ``w2``; GPT-2's Conv1D weights are
@@ -154,11 +155,53 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
     return out
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _SafetensorsFile:
+    """One .safetensors file read with plain file reads, a tensor at a time: unlike a memory
+    map, nothing of the file stays resident in the process once a tensor is copied where it
+    belongs, so loading holds the model plus one tensor, not the model twice."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            try:
+                header = json.loads(f.read(size))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: not a safetensors file ({e})") from None
+        self.base = 8 + size
+        self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def keys(self):
+        return self.meta.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        info = self.meta[name]
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
+                             f"which troupe does not read")
+        out = torch.empty(info["shape"], dtype=dtype)
+        start, end = info["data_offsets"]
+        nbytes = out.numel() * out.element_size()
+        if end - start != nbytes:
+            raise ValueError(f"{self.path}: tensor {name!r} of shape {info['shape']} needs "
+                             f"{nbytes} bytes, the header gives {end - start}")
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.base + start)
+            if nbytes and f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != nbytes:
+                raise ValueError(f"{self.path}: tensor {name!r} is cut short (damaged file)")
+        return out
+
+
 class _Tensors:
     """The tensors of a checkpoint directory, read one at a time (safetensors, sharded or not)."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -168,7 +211,7 @@ class _Tensors:
             if not files:
                 raise FileNotFoundError(f"{directory}: no *.safetensors file (troupe reads "
                                         "safetensors checkpoints only)")
-        self.handles = {f: safe_open(str(directory / f), framework="pt") for f in files}
+        self.handles = {f: _SafetensorsFile(directory / f) for f in files}
         self.where = {name: f for f, h in self.handles.items() for name in h.keys()}
         self.prefix = ""
         if "transformer.wte.weight" in self.where:  # GPT2LMHeadModel saves under transformer.
@@ -180,7 +223,7 @@ class _Tensors:
         if full not in self.where:
             raise KeyError(name)
         self.used.add(full)
-        return self.handles[self.where[full]].get_tensor(full)
+        return self.handles[self.where[full]].get(full)
 
     def unused(self) -> list[str]:
         return sorted(n for n in self.where if n not in self.used and not n.endswith(IGNORED)
@@ -221,7 +264,7 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     hf = json.loads((directory / "config.json").read_text())
     with torch.device("meta"):
         model = GPT(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated once, in the dtype asked for
     model.reset_buffers()
     tensors = _Tensors(directory)
     params = dict(model.named_parameters())

@@ -13,8 +13,9 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
-from troupe.compression.quantize import unmatched_patterns
+from troupe.compression.quantize import outlier_channels, unmatched_patterns
 from troupe.config import ConfigError, validate
+from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf import read_config
 from troupe.models.io import load_state, read_module_file, save_module
@@ -119,16 +120,35 @@ def load_source(src: ModelSource) -> GPT:
     return model.eval().requires_grad_(False)
 
 
-def load_served_model(cfg: ServeConfig) -> tuple[GPT, dict[str, str]]:
+def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
+                      ) -> tuple[GPT, dict[str, str]]:
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
-    each quantized Linear (or MoE experts module, quantized expert by expert) got."""
+    each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
+    the model's tokenizer (default: loaded from the source)."""
     model = load_source(cfg.model)
-    return model, quantize_served(model, cfg)
+    tok = tok or load_tokenizer(cfg.model.pretrained)
+    return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
 
 
-def quantize_served(model: GPT, cfg: ServeConfig) -> dict[str, str]:
+def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.Tensor] | None:
+    """The outlier input channels the W8A8 layers keep in fp32 (``cfg.outlier_channels`` per
+    layer, from 2 x 4 windows of the standard library's docstrings); None when there are
+    none to find. Run on the whole model (before an expert-parallel split), so that every
+    rank finds the same channels."""
+    if not cfg.outlier_channels or "w8a8" not in cfg.quantize.values():
+        return None
+    data = TokenDataset(DataConfig(), tok if isinstance(tok, HFTokens) else None)
+    T = min(256, model.cfg.seq_len)
+    batches = [data.train_batch(10_000 + i, 4, T)[0] for i in range(2)]
+    return outlier_channels(model, batches, cfg.outlier_channels)
+
+
+def quantize_served(model: GPT, cfg: ServeConfig,
+                    outliers: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Quantize ``model`` in place per ``cfg.quantize`` ({}: fp32); returns the modes."""
-    return quantize_model(model, cfg.quantize, cfg.group_size) if cfg.quantize else {}
+    if not cfg.quantize:
+        return {}
+    return quantize_model(model, cfg.quantize, cfg.group_size, outliers=outliers)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -61,7 +61,9 @@ class Limits(Config):
 
 class ServeConfig(Config):
     """apps/serve.py's configuration. quantize: module-name patterns to modes (w8a8, w8a16,
-    w4a16; see troupe.compression), {} to serve fp32. api_key_env: the environment variable
+    w4a16; see troupe.compression), {} to serve fp32. outlier_channels: the W8A8 layers keep
+    this many input channels in fp32, those with the largest activations on a few calibration
+    windows of text (the standard library's docstrings, in the model's tokenizer); 0: none. api_key_env: the environment variable
     holding the bearer token clients must send (unset or empty: no authentication).
     expert_parallel: for MoE models, spread each replica's experts over this many expert
     actors, which exchange tokens with all_to_all (1: the replica holds every expert)."""
@@ -69,6 +71,7 @@ class ServeConfig(Config):
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
     group_size: int = Field(default=64, ge=2)
+    outlier_channels: int = Field(default=16, ge=0)
     limits: Limits = Limits()
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, gt=0)

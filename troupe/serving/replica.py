@@ -24,7 +24,8 @@ from troupe.data import load_tokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
-from troupe.serving.model import load_served_model, load_source, quantize_served, weight_bytes
+from troupe.serving.model import (calibrate, load_served_model, load_source, quantize_served,
+                                  weight_bytes)
 from troupe.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -62,7 +63,7 @@ class ServeReplica:
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
-        model, modes = load_served_model(self.cfg)
+        model, modes = load_served_model(self.cfg, self.tok)
         batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch,
                                     tokenizer=self.tok.hf)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
@@ -232,9 +233,11 @@ class ServeRank:
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> RankModel:
-        model = apply_expert_parallel(load_source(self.cfg.model), collectives.get_group("ep"))
-        modes = quantize_served(model, self.cfg)
         tok = load_tokenizer(self.cfg.model.pretrained)
+        model = load_source(self.cfg.model)
+        outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
+        model = apply_expert_parallel(model, collectives.get_group("ep"))
+        modes = quantize_served(model, self.cfg, outliers)
         self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
                                          lockstep=True, tokenizer=tok.hf)
         return RankModel(model.cfg.seq_len, weight_bytes(model), modes)
