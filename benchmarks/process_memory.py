@@ -15,8 +15,20 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
+
+
+def _pss(pid: int) -> int | None:
+    """Proportional set size in bytes from /proc/PID/smaps_rollup (Linux), None elsewhere."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
@@ -24,11 +36,11 @@ def tree_memory(root: psutil.Process) -> tuple[int, int]:
     pss = rss = 0
     for p in [root, *root.children(recursive=True)]:
         try:
-            info = p.memory_full_info()
+            r = p.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        pss += getattr(info, "pss", info.rss)
-        rss += info.rss
+        rss += r
+        pss += _pss(p.pid) or r
     return pss, rss
 
 

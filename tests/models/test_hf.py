@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from troupe.models import GPT, GPTConfig, from_pretrained, save_pretrained  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=64)
+            num_attention_heads=4, max_position_embeddings=128)
 
 
 def _llama(**over):
@@ -30,7 +30,7 @@ CONFIGS = {
     "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
         **TINY, num_key_value_heads=1, sliding_window=None)),
     "gpt2": lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
-        vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4)),
+        vocab_size=97, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "mixtral": lambda: (transformers.MixtralForCausalLM, MIXTRAL()),
 }
 
@@ -87,6 +87,22 @@ def test_left_padded_batches_and_the_cache_agree_with_a_plain_forward(hf_dir):
     torch.testing.assert_close(step, plain, atol=2e-5, rtol=1e-4)
 
 
+def test_greedy_generation_of_64_tokens_equals_transformers(hf_dir):
+    """troupe's engine (KV cache, its sampler at temperature 0) and transformers' generate
+    choose the same 64 tokens after the same prompt."""
+    from troupe.generation import ContinuousBatcher, SamplingParams
+    path, reference = hf_dir
+    prompt = _ids()[0, :9]
+    reference.generation_config.eos_token_id = None  # 64 tokens whatever they are
+    with torch.no_grad():
+        want = reference.generate(prompt[None], attention_mask=torch.ones(1, 9, dtype=torch.long),
+                                  max_new_tokens=64, do_sample=False, pad_token_id=0)[0, 9:]
+    assert len(want) == 64
+    engine = ContinuousBatcher(from_pretrained(path), None, max_batch=1)
+    engine.add("g", prompt.tolist(), SamplingParams(max_tokens=64))
+    assert engine.run()["g"] == want.tolist()
+
+
 def test_export_loads_in_transformers_with_the_same_logits(hf_dir, tmp_path):
     path, _ = hf_dir
     ours = from_pretrained(path)
@@ -130,21 +146,24 @@ def test_errors_name_the_architecture_and_the_tensor(tmp_path, hf_dir):
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2):
     """A real pretrained model (Llama architecture, GQA 9/3 heads, rope theta 1e5, tied
-    embeddings): troupe's decoder gives transformers' fp32 logits, and greedy generation
-    through troupe's engine gives transformers' greedy tokens."""
+    embeddings): troupe's decoder gives transformers' fp32 logits, and greedy generation of 64
+    tokens through troupe's engine gives transformers' greedy tokens."""
     from troupe.generation import ContinuousBatcher, SamplingParams
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "Tell me a story about a "
+                                     "lighthouse keeper."}], tokenize=False,
+                                   add_generation_prompt=True)
     ids = torch.tensor([tok.encode(text)])
     ours = from_pretrained(smollm2)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids)[0], theirs(input_ids=ids).logits, atol=1e-4,
                                    rtol=1e-4)
-        want = theirs.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+        want = theirs.generate(ids, max_new_tokens=64, do_sample=False,
+                               pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+    assert len(want) == 64 and tok.eos_token_id not in want.tolist()  # a long answer
     engine = ContinuousBatcher(ours, tok.eos_token_id, max_batch=1)
-    engine.add("q", ids[0].tolist(), SamplingParams(max_tokens=12))
+    engine.add("q", ids[0].tolist(), SamplingParams(max_tokens=64))
     assert engine.run()["q"] == want.tolist()
 
 

@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
-from troupe.models.layers import apply_rope, norm, rope_frequencies
+from troupe.models.layers import apply_rope, norm, rope_angles, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
 
@@ -112,26 +112,32 @@ class Attention(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, angles=None) -> torch.Tensor:
+        """``angles``: the rotary cos and sin of ``pos`` when the caller computed them once
+        for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
         B, T, C = x_BTC.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_dim
         q, k, v = self.qkv(x_BTC).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.rope:
-            pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
-            q, k = apply_rope(q, pos, self.inv_freq), apply_rope(k, pos, self.inv_freq)
+            if angles is None:
+                pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
+                angles = rope_angles(pos, self.inv_freq)
+            q, k = apply_rope(q, angles), apply_rope(k, angles)
         if cache is not None:  # append this step's keys and values, attend over all so far
             L = cache.length
             cache.k[layer][:, :, L:L + T] = k
             cache.v[layer][:, :, L:L + T] = v
             k, v = cache.k[layer][:, :, :L + T], cache.v[layer][:, :, :L + T]
-        if Hkv != H:  # grouped-query attention: each k/v head serves H / Hkv query heads
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
         dropout = self.dropout if self.training else 0.0
+        gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
+        # read in place by the attention kernel (no copy of the cache per step)
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout,
+                                               enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                               enable_gqa=gqa)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -166,8 +172,8 @@ class Block(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos))
+                pos: torch.Tensor | None = None, angles=None) -> tuple[torch.Tensor, torch.Tensor]:
+        x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos, angles))
         y, aux = self.ffn(self.ln2(x_BTC))
         return x_BTC + self.drop(y), aux
 
@@ -284,12 +290,15 @@ class GPT(nn.Module):
             pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
             mask = attention_mask(valid_BS, T)
         x = self.embed(idx_BT, pos)  # (B, T, C)
+        angles = None
+        if self.cfg.positions == "rope":  # shared by every layer (the same frequencies)
+            angles = rope_angles(pos, self.blocks[0].attn.inv_freq)
         aux = x.new_zeros(())
         for i, block in enumerate(self.blocks):
             if ltd is not None and i in ltd[1] and ltd[0] < T:
                 x, a = _through_subset(block, x, ltd[0], ltd[2])
             else:
-                x, a = block(x, mask, cache, i, pos)
+                x, a = block(x, mask, cache, i, pos, angles)
             aux = aux + a
         if cache is not None:
             cache.length += T

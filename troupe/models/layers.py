@@ -51,13 +51,20 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     return torch.where(between, mid, scaled)
 
 
-def apply_rope(x_BHTD: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by positions ``pos`` ((T,) or (B, T)), half-split layout (the
-    first D/2 features pair with the last D/2, as in Hugging Face's Llama)."""
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions ``pos`` ((T,) or (B, T)) times the frequencies, shaped to
+    broadcast over (B, H, T, D/2); computed once per forward and shared by every layer."""
     angles = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # (..., T, D/2)
     cos, sin = angles.cos(), angles.sin()
     if cos.dim() == 3:  # (B, T, D/2): one position row per sequence
         cos, sin = cos[:, None], sin[:, None]
+    return cos, sin
+
+
+def apply_rope(x_BHTD: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by ``rope_angles``, half-split layout (the first D/2 features
+    pair with the last D/2, as in Hugging Face's Llama)."""
+    cos, sin = angles
     x1, x2 = x_BHTD.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x_BHTD.dtype)
