@@ -76,9 +76,12 @@ class LoRAConfig(Config):
 
 class PPOConfig(Config):
     """Step 3. micro_batch_size: sequences per forward (scoring) and forward/backward (policy
-    and critic updates) on each worker, gradients accumulated (None: all at once)."""
+    and critic updates) on each worker, gradients accumulated (None: all at once). threads:
+    torch threads of each worker in this step, where all four roles compute at once (more
+    threads than cores in all makes every role spin-wait for the others)."""
 
     iterations: int = Field(default=120, ge=0)
+    threads: int = Field(default=1, ge=1)
     prompts_per_iter: int = Field(default=32, ge=1)
     micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
@@ -104,7 +107,8 @@ class PPOConfig(Config):
 
 class RLHFConfig(Config):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). workers: data-parallel workers per role;
-    threads: torch threads of each worker; colocate: the four roles share the policy's bundles (else each role is placed on its own);
+    threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
+    has its own, ppo.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
     max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
     every role goes back to the last PPO checkpoint) before the run fails."""
 

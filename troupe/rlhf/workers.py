@@ -36,11 +36,13 @@ class _Shell:
 
     def __init__(self, config: dict | RLHFConfig):
         self.cfg = _config(config)
-        torch.set_num_threads(self.cfg.threads)
+        torch.set_num_threads(self.cfg.ppo.threads)  # reference and critic work in step 3 only
         self.role = None
 
     @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
+        """Weights for step 3 (where the roles compute side by side: ppo.threads)."""
+        torch.set_num_threads(self.cfg.ppo.threads)
         self.role.load(path)
 
 
@@ -72,6 +74,7 @@ class PolicyActor(_TrainedShell):
 
     @dispatch(Dispatch.ALL)
     def start_sft(self, total_steps: int) -> None:
+        torch.set_num_threads(self.cfg.threads)  # the policy computes alone in step 1
         self.role.train.use_optimizer(self.cfg.sft.optimizer, total_steps)
 
     @dispatch(Dispatch.SHARD)
@@ -80,6 +83,7 @@ class PolicyActor(_TrainedShell):
 
     @dispatch(Dispatch.ALL)
     def begin_ppo(self, sft_path: str) -> None:
+        torch.set_num_threads(self.cfg.ppo.threads)
         self.role.begin_ppo(sft_path)
 
     @dispatch(Dispatch.SHARD)
@@ -126,6 +130,7 @@ class RewardActor(_Shell):
 
     @dispatch(Dispatch.ALL)
     def start_training(self, total_steps: int, init_path: str | None = None) -> None:
+        torch.set_num_threads(self.cfg.threads)  # the reward model computes alone in step 2
         if init_path is not None:
             self.role.init_from_policy(init_path)
         self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
