@@ -1,5 +1,5 @@
 """Hugging Face checkpoints through troupe's decoder: the same logits as transformers (fp32)
-on tiny random Llama, Qwen2, Mistral, GPT-2 and Mixtral models built offline, and an export that
+on tiny random Llama, Qwen2, Mistral, GPT-2, Mixtral and Qwen2-MoE models built offline, and an export that
 transformers loads back to the same logits."""
 
 import json
@@ -32,6 +32,11 @@ CONFIGS = {
     "gpt2": lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=97, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "mixtral": lambda: (transformers.MixtralForCausalLM, MIXTRAL()),
+    # a shared expert, top-k weights not renormalised, block 1 dense, narrower experts
+    "qwen2-moe": lambda: (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+        **{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
 }
 
 

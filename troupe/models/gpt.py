@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
-from troupe.models.layers import apply_rope, norm, rope_angles, rope_frequencies
+from troupe.models.layers import MLP, apply_rope, norm, rope_angles, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
 
@@ -71,7 +71,8 @@ class GPTConfig(Config):
         if self.moe is None:
             return []
         k = self.moe.expert_interval
-        return [i for i in range(self.n_layer) if (i + 1) % k == 0]
+        return [i for i in range(self.n_layer)
+                if (i + 1) % k == 0 and i not in self.moe.dense_layers]
 
 
 @dataclass
@@ -141,27 +142,6 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MLP(nn.Module):
-    """GELU (exact or tanh) MLP, or SwiGLU with ``fc`` holding the gate and up projections
-    stacked (gate first)."""
-
-    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True):
-        super().__init__()
-        self.kind = kind
-        width = 2 * d_ff if kind == "swiglu" else d_ff
-        self.fc, self.proj = nn.Linear(d_model, width, bias=bias), nn.Linear(d_ff, d_model,
-                                                                              bias=bias)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.fc(x)
-        if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
-        return self.proj(h), x.new_zeros(())
-
-
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, ffn: nn.Module):
         super().__init__()
@@ -199,7 +179,8 @@ class GPT(nn.Module):
                 if cfg.moe.residual:
                     ffn = ResidualMoE(cfg.d_model, d_ff, E, cfg.moe)
                 else:
-                    ffn = MoE(cfg.d_model, d_ff, E, cfg.moe, cfg.mlp, cfg.mlp_bias)
+                    ffn = MoE(cfg.d_model, cfg.moe.expert_d_ff or d_ff, E, cfg.moe, cfg.mlp,
+                              cfg.mlp_bias)
                 blocks.append(Block(cfg, ffn))
             else:
                 blocks.append(Block(cfg, MLP(cfg.d_model, d_ff, cfg.mlp, cfg.mlp_bias)))

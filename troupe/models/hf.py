@@ -3,9 +3,10 @@ and *.safetensors (one file or shards with an index) becomes a GPT with the same
 GPT becomes a directory that transformers loads. No hub access.
 
 Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, and MixtralForCausalLM, whose sparse blocks become troupe MoE layers: the
-router is the gate, dropless softmax top-k renormalised, and the experts troupe's stacked
-SwiGLU experts, so expert parallelism and quantization apply to them). Weights are read tensor
+Qwen2ForCausalLM, and MixtralForCausalLM and Qwen2MoeForCausalLM, whose sparse blocks become
+troupe MoE layers: the router is the gate, dropless softmax top-k (renormalised or not), the
+experts troupe's stacked SwiGLU experts, Qwen2-MoE's gated shared expert a dense MLP beside
+them; expert parallelism and quantization apply to them). Weights are read tensor
 by tensor (plain reads, no memory map) into a model built on the meta device, so loading holds
 one copy of the model and one tensor. A name
 map per family says which Hugging Face tensors make each troupe parameter: q, k and v
@@ -28,7 +29,8 @@ from troupe.models.gpt import GPT, GPTConfig
 from troupe.models.moe import MoEConfig
 
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM"}
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -70,13 +72,22 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
                         top_k=hf["num_experts_per_tok"], dropless=True,
                         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                         noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
+    elif kind == "qwen2_moe":
+        moe = MoEConfig(num_experts=hf["num_experts"], expert_interval=hf["decoder_sparse_step"],
+                        top_k=hf["num_experts_per_tok"], dropless=True,
+                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                        dense_layers=hf.get("mlp_only_layers") or [],
+                        expert_d_ff=hf["moe_intermediate_size"],
+                        normalize_top_k=hf.get("norm_topk_prob", False),
+                        shared_expert_d_ff=hf.get("shared_expert_intermediate_size") or None)
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
         n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
         n_kv_head=hf.get("num_key_value_heads") or heads, norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope",
         rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling=scaling, mlp="swiglu", qkv_bias=bias or kind == "qwen2",
+        rope_scaling=scaling, mlp="swiglu",
+        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
 
@@ -138,13 +149,8 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
         out[f"{b}attn.proj.weight"] = ([f"{h}self_attn.o_proj.weight"], "one")
         if cfg.out_bias:
             out[f"{b}attn.proj.bias"] = ([f"{h}self_attn.o_proj.bias"], "one")
-        if i in moe_layers:  # Mixtral's sparse block
-            moe, E = f"{h}block_sparse_moe.", cfg.moe.experts_per_layer(len(moe_layers))[0]
-            out[f"{b}ffn.gate.wg.weight"] = ([f"{moe}gate.weight"], "one")
-            out[f"{b}ffn.experts.w1"] = ([f"{moe}experts.{e}.{w}.weight" for e in range(E)
-                                          for w in ("w1", "w3")], "experts_up")
-            out[f"{b}ffn.experts.w2"] = ([f"{moe}experts.{e}.w2.weight" for e in range(E)],
-                                         "experts_down")
+        if i in moe_layers:
+            out.update(_moe_weights(cfg, kind, h, b))
             continue
         mlp = [f"{h}mlp.gate_proj", f"{h}mlp.up_proj"]
         out[f"{b}ffn.fc.weight"] = ([f"{n}.weight" for n in mlp], "concat")
@@ -158,6 +164,29 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _moe_weights(cfg: GPTConfig, kind: str, h: str, b: str) -> dict[str, tuple[list[str], str]]:
+    """A sparse block's tensors: Mixtral's block_sparse_moe (experts' w1 = gate, w3 = up,
+    w2 = down), or Qwen2-MoE's mlp (experts' gate/up/down_proj, the shared expert and its
+    gate)."""
+    E = cfg.moe.experts_per_layer(len(cfg.moe_layers()))[0]
+    if kind == "mixtral":
+        moe, (gate, up, down) = f"{h}block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        moe, (gate, up, down) = f"{h}mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {f"{b}ffn.gate.wg.weight": ([f"{moe}gate.weight"], "one"),
+           f"{b}ffn.experts.w1": ([f"{moe}experts.{e}.{w}.weight" for e in range(E)
+                                   for w in (gate, up)], "experts_up"),
+           f"{b}ffn.experts.w2": ([f"{moe}experts.{e}.{down}.weight" for e in range(E)],
+                                  "experts_down")}
+    if cfg.moe.shared_expert_d_ff:
+        shared = f"{moe}shared_expert."
+        out[f"{b}ffn.shared.fc.weight"] = ([f"{shared}gate_proj.weight",
+                                            f"{shared}up_proj.weight"], "concat")
+        out[f"{b}ffn.shared.proj.weight"] = ([f"{shared}down_proj.weight"], "one")
+        out[f"{b}ffn.shared_gate.weight"] = ([f"{moe}shared_expert_gate.weight"], "one")
+    return out
 
 
 class _SafetensorsFile:
@@ -314,7 +343,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         raise ValueError("save_pretrained: an output bias without a qkv bias has no HF family")
     kind = "qwen2" if qwen else "llama"
     if cfg.moe is not None:
-        kind = _mixtral_compatible(cfg)
+        kind = _moe_family(cfg)
     out = {"architectures": [LLAMA_FAMILY[kind]], "model_type": kind,
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
            "intermediate_size": cfg.d_ff or 4 * cfg.d_model, "num_hidden_layers": cfg.n_layer,
@@ -325,29 +354,43 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
            "torch_dtype": "float32"}
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    moe = cfg.moe
     if kind == "mixtral":
-        out.update(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.top_k,
-                   router_aux_loss_coef=cfg.moe.aux_loss_coef, sliding_window=None,
-                   router_jitter_noise=cfg.moe.jitter_eps if cfg.moe.noisy_gate == "jitter"
-                   else 0.0)
+        out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None,
+                   router_jitter_noise=moe.jitter_eps if moe.noisy_gate == "jitter" else 0.0)
+    if kind == "qwen2_moe":
+        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                   router_aux_loss_coef=moe.aux_loss_coef, decoder_sparse_step=moe.expert_interval,
+                   mlp_only_layers=moe.dense_layers, norm_topk_prob=moe.normalize_top_k,
+                   moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"],
+                   shared_expert_intermediate_size=moe.shared_expert_d_ff,
+                   qkv_bias=cfg.qkv_bias, use_sliding_window=False)
     return out
 
 
-def _mixtral_compatible(cfg: GPTConfig) -> str:
-    """"mixtral" when an MoE GPTConfig is one Mixtral describes, else a ValueError saying why."""
+def _moe_family(cfg: GPTConfig) -> str:
+    """The Hugging Face family of an MoE GPTConfig: Qwen2-MoE with a shared expert, else
+    Mixtral; a ValueError saying what neither can describe."""
     moe = cfg.moe
+    qwen = moe.shared_expert_d_ff is not None
     why = [reason for bad, reason in (
-        (moe.expert_interval != 1, "an MoE layer in every block (moe.expert_interval=1)"),
         (not isinstance(moe.num_experts, int), "one expert count for all layers"),
         (not moe.dropless, "dropless routing"),
         (moe.residual, "no Residual MoE"),
         (moe.noisy_gate == "rsample", "no rsample gate noise"),
-        (cfg.qkv_bias or cfg.out_bias or cfg.mlp_bias, "no biases"))
+        (cfg.out_bias or cfg.mlp_bias, "no output or MLP biases"),
+        (not qwen and cfg.qkv_bias, "no qkv bias (Mixtral)"),
+        (not qwen and (moe.expert_interval != 1 or moe.dense_layers),
+         "an MoE layer in every block (Mixtral)"),
+        (not qwen and not moe.normalize_top_k, "renormalised top-k weights (Mixtral)"),
+        (not qwen and moe.expert_d_ff not in (None, cfg.d_ff or 4 * cfg.d_model),
+         "experts as wide as d_ff (Mixtral)"))
         if bad]
     if why:
-        raise ValueError("save_pretrained: MoE models export as Mixtral, which needs "
-                         + ", ".join(why))
-    return "mixtral"
+        raise ValueError("save_pretrained: MoE models export as Mixtral or Qwen2-MoE (with a "
+                         "shared expert), which need " + ", ".join(why))
+    return "qwen2_moe" if qwen else "mixtral"
 
 
 def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None,
@@ -388,4 +431,6 @@ def _rows(cfg: GPTConfig, hf_name: str) -> int:
         return cfg.n_head * D
     if ".k_proj" in hf_name or ".v_proj" in hf_name:
         return cfg.kv_heads * D
+    if ".shared_expert." in hf_name:  # Qwen2-MoE's shared expert
+        return cfg.moe.shared_expert_d_ff
     return cfg.d_ff or 4 * cfg.d_model  # gate_proj / up_proj

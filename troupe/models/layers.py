@@ -1,11 +1,12 @@
 """The pieces that tell the decoder families apart: RMSNorm, rotary position embeddings (with
-Llama 3's frequency scaling), and the norm a config asks for."""
+Llama 3's frequency scaling), the norm a config asks for, and the MLP (GELU or SwiGLU)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -68,3 +69,24 @@ def apply_rope(x_BHTD: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) 
     x1, x2 = x_BHTD.float().chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x_BHTD.dtype)
+
+
+class MLP(nn.Module):
+    """GELU (exact or tanh) MLP, or SwiGLU with ``fc`` holding the gate and up projections
+    stacked (gate first)."""
+
+    def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True):
+        super().__init__()
+        self.kind = kind
+        width = 2 * d_ff if kind == "swiglu" else d_ff
+        self.fc, self.proj = nn.Linear(d_model, width, bias=bias), nn.Linear(d_ff, d_model,
+                                                                              bias=bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
+        return self.proj(h), x.new_zeros(())

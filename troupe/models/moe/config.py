@@ -25,6 +25,12 @@ class MoEConfig(Config):
     residual: Residual MoE, out = mlp(x) * a1 + moe(x) * a0 with a = softmax(Linear(M, 2)(x)).
     aux_loss_coef: weight of the load-balancing loss in the training loss.
     ep_size: expert-parallel group size; each rank of a group holds num_experts / ep_size.
+    dense_layers: blocks that stay dense where expert_interval would make them MoE (Qwen2-MoE's
+        mlp_only_layers). expert_d_ff: each expert's hidden width (default: the model's d_ff).
+    normalize_top_k: a token's kept top-k weights are renormalised to sum to 1 (Mixtral);
+        false keeps the softmax probabilities (Qwen1.5-MoE's norm_topk_prob=false).
+    shared_expert_d_ff: Qwen2-MoE's shared expert, an MLP of this width that every token goes
+        through, scaled by sigmoid(Linear(M, 1)(x)) and added to the experts' output.
     """
 
     num_experts: int | list[int] = 4
@@ -41,6 +47,10 @@ class MoEConfig(Config):
     residual: bool = False
     aux_loss_coef: float = Field(default=0.01, ge=0)
     ep_size: int = Field(default=1, ge=1)
+    dense_layers: list[int] = Field(default_factory=list)
+    expert_d_ff: int | None = Field(default=None, ge=1)
+    normalize_top_k: bool = True
+    shared_expert_d_ff: int | None = Field(default=None, ge=1)
 
     @field_validator("num_experts")
     @classmethod

@@ -84,7 +84,7 @@ class TopKGate(nn.Module):
             cap = capacity(S, E, cfg.top_k, factor, cfg.min_capacity)
             kept_SK = keep_within_capacity(experts_SK, self._priority(probs_SK), E, cap)
         weights_SK = probs_SK * kept_SK
-        if cfg.top_k > 1:  # the kept choices of a token share weight 1
+        if cfg.top_k > 1 and cfg.normalize_top_k:  # the kept choices of a token share weight 1
             weights_SK = weights_SK / weights_SK.sum(-1, keepdim=True).clamp_min(
                 torch.finfo(weights_SK.dtype).eps)
         return Routing(experts_SK, weights_SK, kept_SK, aux_loss, cap)

@@ -10,6 +10,7 @@ from torch import nn
 
 from troupe.collectives import Communicator, all_to_all
 from troupe.kernels.moe import permute, unpermute
+from troupe.models.layers import MLP
 from troupe.models.moe.config import MoEConfig
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import Routing, TopKGate
@@ -19,7 +20,8 @@ class MoE(nn.Module):
     """``num_experts`` experts behind a top-k gate. Built whole; after
     ``troupe.parallel.apply_expert_parallel`` this rank holds experts [rank * E/P,
     (rank + 1) * E/P) and exchanges tokens with the other ranks of ``group``. The experts are
-    GELU MLPs with biases (troupe's PR-MoE) or, with ``mlp="swiglu", bias=False``, Mixtral's.
+    GELU MLPs with biases (troupe's PR-MoE) or, with ``mlp="swiglu", bias=False``, Mixtral's;
+    ``cfg.shared_expert_d_ff`` adds Qwen2-MoE's gated shared expert (a dense MLP, replicated).
 
     forward(x) returns (y, aux_loss) with y of x's shape.
     """
@@ -32,6 +34,11 @@ class MoE(nn.Module):
         self.gate = TopKGate(d_model, num_experts, cfg)
         self.experts = Experts(num_experts, 0, d_model, d_ff, mlp, bias)
         self.last_routing: Routing | None = None
+        self.shared: MLP | None = None
+        self.shared_gate: nn.Linear | None = None
+        if cfg.shared_expert_d_ff:  # Qwen2-MoE: one more MLP for every token, gated
+            self.shared = MLP(d_model, cfg.shared_expert_d_ff, mlp, bias)
+            self.shared_gate = nn.Linear(d_model, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_SM = x.reshape(-1, x.shape[-1])
@@ -40,7 +47,10 @@ class MoE(nn.Module):
         x_AM, plan = permute(x_SM, routing.experts_SK, routing.weights_SK, routing.kept_SK,
                              self.num_experts)
         y_AM = self._run_experts(x_AM, plan.counts_E)
-        return unpermute(y_AM, plan).view_as(x), routing.aux_loss
+        y = unpermute(y_AM, plan).view_as(x)
+        if self.shared is not None:
+            y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)[0]
+        return y, routing.aux_loss
 
     def _run_experts(self, x_AM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if self.group is None:
