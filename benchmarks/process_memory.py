@@ -4,8 +4,8 @@ its GCS, raylet and every worker, all descendants of the driver), sampled while 
     python benchmarks/process_memory.py -- python apps/rlhf.py --config apps/configs/rlhf-smollm2.yaml
 
 Prints one JSON line: wall seconds, exit code, peak sum of PSS (each shared page counted once,
-split among the processes that map it: the fair total) and peak sum of RSS (shared pages counted
-in every process: an upper bound), in GB.
+split among the processes that map it: the fair total), peak sum of RSS (shared pages counted
+in every process: an upper bound), in GB, and the biggest processes' PSS at the PSS peak.
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ def _pss(pid: int) -> int | None:
     return None
 
 
-def tree_memory(root: psutil.Process) -> tuple[int, int]:
-    """(sum of PSS, sum of RSS) in bytes over ``root`` and its descendants."""
+def tree_memory(root: psutil.Process) -> tuple[int, int, dict[str, int]]:
+    """(sum of PSS, sum of RSS, PSS by process "pid name") in bytes over ``root`` and its
+    descendants."""
     pss = rss = 0
+    each: dict[str, int] = {}
     for p in [root, *root.children(recursive=True)]:
         try:
-            r = p.memory_info().rss
+            r, name = p.memory_info().rss, " ".join(p.cmdline()[:2])[-60:]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         rss += r
-        pss += _pss(p.pid) or r
-    return pss, rss
+        each[f"{p.pid} {name}"] = _pss(p.pid) or r
+        pss += each[f"{p.pid} {name}"]
+    return pss, rss, each
 
 
 def measure(cmd: list[str], every_s: float = 0.5) -> dict:
@@ -49,15 +52,20 @@ def measure(cmd: list[str], every_s: float = 0.5) -> dict:
     proc = subprocess.Popen(cmd)
     root = psutil.Process(proc.pid)
     peak_pss = peak_rss = 0
+    at_peak: dict[str, int] = {}
     while proc.poll() is None:
         try:
-            pss, rss = tree_memory(root)
+            pss, rss, each = tree_memory(root)
         except psutil.NoSuchProcess:
             break
-        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        if pss > peak_pss:
+            peak_pss, at_peak = pss, each
+        peak_rss = max(peak_rss, rss)
         time.sleep(every_s)
+    biggest = sorted(at_peak.items(), key=lambda kv: -kv[1])[:8]
     return {"cmd": " ".join(cmd), "exit": proc.wait(), "wall_s": round(time.perf_counter() - t0, 1),
-            "peak_pss_gb": round(peak_pss / 1e9, 2), "peak_rss_gb": round(peak_rss / 1e9, 2)}
+            "peak_pss_gb": round(peak_pss / 1e9, 2), "peak_rss_gb": round(peak_rss / 1e9, 2),
+            "at_peak_pss_gb": {k: round(v / 1e9, 2) for k, v in biggest}}
 
 
 def main() -> int:

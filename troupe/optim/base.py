@@ -60,9 +60,12 @@ class Optimizer:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.state_tensors().values())
 
-    def state_dict(self) -> dict:
+    def state_dict(self, copy: bool = True) -> dict:
+        """The optimizer's state; ``copy=False`` hands out the live tensors (for a caller that
+        writes them out at once, as a checkpoint does: no second copy of the state in memory)."""
+        tensors = self.state_tensors()
         return {"t": self.t, "bytes_sent": self.comm.bytes_sent,
-                "tensors": {k: v.clone() for k, v in self.state_tensors().items()},
+                "tensors": {k: v.clone() for k, v in tensors.items()} if copy else dict(tensors),
                 "extra": self._extra_state()}
 
     def load_state_dict(self, state: dict) -> None:

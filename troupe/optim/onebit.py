@@ -36,9 +36,9 @@ class _Compressed(Optimizer):
                   for t in st.state_dict().values() if t is not None]
         return super().state_bytes() + sum(t.numel() * t.element_size() for t in errors)
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["onebit"] = {name: [{k: v.clone() for k, v in st.state_dict().items()
+    def state_dict(self, copy: bool = True) -> dict:
+        state = super().state_dict(copy)
+        state["onebit"] = {name: [{k: v.clone() if copy else v for k, v in st.state_dict().items()
                                    if v is not None} for st in states]
                            for name, states in self.onebit.items()}
         return state

@@ -68,7 +68,8 @@ class Bucket:
 
     def state_dict(self) -> dict:
         lo, hi = self.owned()
-        return {"params": self.flat.data[lo:hi].clone(), "optimizer": self.optimizer.state_dict()}
+        # live tensors, written out at once by the checkpoint (no second copy in memory)
+        return {"params": self.flat.data[lo:hi], "optimizer": self.optimizer.state_dict(copy=False)}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         lo, hi = self.owned()
