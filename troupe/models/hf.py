@@ -399,7 +399,6 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
     transformers loads; the tokenizer files of ``tokenizer_from`` are copied beside it.
     ``state``: the weights to write instead of ``model.state_dict()`` (e.g. LoRA adapters
     folded in by troupe.models.lora.merged_state_dict)."""
-    from safetensors.torch import save_file
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     hf = config_to_hf(model.cfg)
@@ -410,11 +409,11 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
     for name, (targets, how) in _weight_map(model.cfg, kind).items():
         parts = _split_for_export(state[name].detach(), targets, how, model.cfg)
         for target, part in zip(targets, parts):
-            tensors[prefix + target] = part.contiguous().clone()
+            tensors[prefix + target] = part.contiguous()  # views of the weights where it can
     if kind == "gpt2" and not model.cfg.qkv_bias:  # troupe's GPT has none; GPT-2 a zero one
         for i in range(model.cfg.n_layer):
             tensors[f"transformer.h.{i}.attn.c_attn.bias"] = torch.zeros(3 * model.cfg.d_model)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    _write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer_from is not None:
         source = Path(tokenizer_from).expanduser()
@@ -422,6 +421,32 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
             if (source / name).is_file():
                 shutil.copy(source / name, directory / name)
     return directory
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A .safetensors file written tensor by tensor from the tensors' own memory (the q, k and
+    v parts of one weight may share it: no copies are made), atomically."""
+    names = sorted(tensors)
+    dtypes = {v: k for k, v in _DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtypes[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in names:
+            t = tensors[name].detach().cpu().contiguous()
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    tmp.replace(path)
 
 
 def _rows(cfg: GPTConfig, hf_name: str) -> int:

@@ -70,8 +70,11 @@ def unfuse_lora(model: nn.Module) -> None:
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The state dict of ``model`` as if it had no adapters: each adapted weight with its
-    adapter folded in, under the plain layer's key."""
+    adapter folded in, under the plain layer's key. Without adapters: the live weights
+    (detached views, no copy; the callers write them out at once)."""
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        return {k: v.detach() for k, v in model.state_dict().items()}
     was = [m.fused for m in layers]
     for m in layers:
         m.set_fused(True)
