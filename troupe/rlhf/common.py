@@ -52,7 +52,12 @@ class Trainable:
     def use_optimizer(self, cfg: OptimizerConfig, total_steps: int) -> None:
         """(Re)start the optimizer, e.g. at the beginning of a training step."""
         self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
+        self.opt = None  # the old state goes before the new one is allocated
         self.opt = build_optimizer(cfg, self.flat, self.group)
+
+    def drop_optimizer(self) -> None:
+        """Free the optimizer state between training steps (``use_optimizer`` starts anew)."""
+        self.opt = None
 
     def state_dict(self) -> dict:
         """The trainable weights (every data-parallel rank holds them all) and this rank's
@@ -74,7 +79,7 @@ class Trainable:
 
     def release(self) -> None:
         """Freeze the module for good: its gradients and optimizer state are freed (a frozen
-        role holds neither); the weights stay where they are."""
+        role holds neither); the weights stay where they are. Idempotent."""
         for p in self.flat.params:
             p.grad = None
             p.requires_grad_(False)

@@ -251,9 +251,9 @@ class Reward:
 
     def load(self, path: str) -> None:
         """The trained reward model, frozen from here on (its gradients and optimizer state
-        are freed)."""
-        load_module(path, self.model)
+        are freed first)."""
         self.train.release()
+        load_module(path, self.model)
 
 
 class Critic:

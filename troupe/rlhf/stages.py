@@ -38,6 +38,7 @@ def run_sft(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
         log.write({"kind": "sft", "step": step, "loss": _mean(s.loss for s in stats)})
     path = out / "sft" / "policy.trp"
     policy.invoke(PolicyActor.save, str(path))
+    policy.invoke(PolicyActor.end_sft)
     return path
 
 
@@ -61,6 +62,7 @@ def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: 
                "loss": _mean(e.loss for e in ev)})
     path = out / "reward" / "reward.trp"
     reward.invoke(RewardActor.save, str(path))
+    reward.invoke(RewardActor.freeze)
     return path
 
 

@@ -82,6 +82,11 @@ class PolicyActor(_TrainedShell):
         return self.role.sft_step(pairs, step)
 
     @dispatch(Dispatch.ALL)
+    def end_sft(self) -> None:
+        """Step 1 is over: its optimizer state goes (PPO starts its own)."""
+        self.role.train.drop_optimizer()
+
+    @dispatch(Dispatch.ALL)
     def begin_ppo(self, sft_path: str) -> None:
         torch.set_num_threads(self.cfg.ppo.threads)
         self.role.begin_ppo(sft_path)
@@ -134,6 +139,11 @@ class RewardActor(_Shell):
         if init_path is not None:
             self.role.init_from_policy(init_path)
         self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
+
+    @dispatch(Dispatch.ALL)
+    def freeze(self) -> None:
+        """Step 2 is over: the reward model is frozen (gradients and optimizer state freed)."""
+        self.role.train.release()
 
     @dispatch(Dispatch.SHARD)
     def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
