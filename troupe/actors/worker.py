@@ -9,6 +9,7 @@ driver's call timeouts, and a collective that timed out inside a worker, which a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -36,6 +37,7 @@ class RoleWorker:
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
         )
         _set_context(self.context)
+        return_large_frees_to_the_os()
         self.impl = cls(config) if config is not None else cls()
         self.in_flight: str | None = None
         self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
@@ -132,3 +134,20 @@ class RoleWorker:
 
 
 RemoteRoleWorker = ray.remote(concurrency_groups={"control": 1, "store": 2})(RoleWorker)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_large_frees_to_the_os(threshold: int = 1 << 16) -> None:
+    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mmap, so
+    that a freed tensor goes back to the OS at once. By default glibc raises that threshold to
+    the size of the largest block freed so far (up to 32 MB), and the activations and
+    temporaries of a step then stay in its heaps after the step: a worker training a
+    135M-parameter model held 0.4 GB more than it used. No effect off glibc."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):  # musl or another libc without mallopt
+        pass
