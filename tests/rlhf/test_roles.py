@@ -190,3 +190,20 @@ def test_micro_batches_give_the_whole_batch_step():
         full = full.gather(-1, g.ids[:, 1:, None]).squeeze(-1) * g.action
     torch.testing.assert_close(policy.logprobs(g.ids, g.valid, g.action), full, atol=1e-5,
                                rtol=0)
+
+
+def test_activation_checkpointing_gives_the_same_step():
+    """model.activation_checkpointing recomputes the blocks in the backward: the SFT step's
+    loss and weights are those without it."""
+    def run(on):
+        cfg = RLHFConfig(**{**SMALL, "model": {**SMALL.get("model", {}),
+                                               "activation_checkpointing": on}})
+        policy = Policy(cfg, None, 0)
+        assert policy.lm.gpt.checkpoint_activations is on
+        policy.train.use_optimizer(cfg.sft.optimizer, 5)
+        loss = policy.sft_step(SortTask().demonstrations(6, 0), 1).loss
+        return loss, policy.train.flat.data.clone()
+
+    (loss, weights), (loss_ckpt, weights_ckpt) = run(False), run(True)
+    assert loss == pytest.approx(loss_ckpt, abs=1e-6)
+    torch.testing.assert_close(weights_ckpt, weights, atol=1e-6, rtol=0)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from pydantic import Field, model_validator
 from torch import nn
 
@@ -193,6 +194,9 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.init_weights(seed)
+        # Recompute each block's activations in the backward instead of keeping them
+        # (training only): a block's input per layer is kept, not its internals.
+        self.checkpoint_activations = False
 
     def init_weights(self, seed: int) -> None:
         """N(0, 0.02) weights (output projections scaled by 1/sqrt(2 * n_layer)), zero biases,
@@ -278,6 +282,9 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             if ltd is not None and i in ltd[1] and ltd[0] < T:
                 x, a = _through_subset(block, x, ltd[0], ltd[2])
+            elif self.checkpoint_activations and self.training and torch.is_grad_enabled():
+                x, a = torch.utils.checkpoint.checkpoint(block, x, mask, cache, i, pos, angles,
+                                                         use_reentrant=False)
             else:
                 x, a = block(x, mask, cache, i, pos, angles)
             aux = aux + a

@@ -21,13 +21,16 @@ def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
     tokenizer costs a process more than 100 MB)."""
     if cfg.pretrained is not None:
-        return (GPTLM(from_pretrained(cfg.pretrained).train()),
-                load_tokenizer(cfg.pretrained, cfg.chat_template) if tokenizer else None)
-    tok = ByteTokens()
-    if cfg.gpt.vocab_size != tok.vocab_size:
-        raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer has "
-                         f"{tok.vocab_size} tokens")
-    return GPTLM(GPT(cfg.gpt, seed=seed)), tok
+        gpt = from_pretrained(cfg.pretrained).train()
+        tok = load_tokenizer(cfg.pretrained, cfg.chat_template) if tokenizer else None
+    else:
+        tok = ByteTokens()
+        if cfg.gpt.vocab_size != tok.vocab_size:
+            raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer "
+                             f"has {tok.vocab_size} tokens")
+        gpt = GPT(cfg.gpt, seed=seed)
+    gpt.checkpoint_activations = cfg.activation_checkpointing
+    return GPTLM(gpt), tok
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:

@@ -14,11 +14,14 @@ class ModelConfig(Config):
     (Llama, Qwen2, Mistral, Mixtral, GPT-2; loaded into troupe's decoder, its tokenizer with
     it; reward and critic are the same body with a value head), or else troupe's byte-level
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
-    as a user turn through the model's chat template (when its tokenizer has one)."""
+    as a user turn through the model's chat template (when its tokenizer has one).
+    activation_checkpointing: the trained roles recompute each block's activations in the
+    backward instead of keeping them (less memory, about a third more compute in training)."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
+    activation_checkpointing: bool = False
 
 
 class TaskConfig(Config):
