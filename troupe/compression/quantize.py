@@ -28,9 +28,9 @@ import fnmatch
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from troupe.kernels.grouped_mlp import activation
 from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, gemm_layout, int8_linear,
                                   quantize_weight, weight_only_linear)
 from troupe.models.moe.experts import Experts
@@ -134,14 +134,10 @@ class QuantizedExperts(nn.Module):
                                   for e in range(self.num_local))
 
     def forward(self, x_AM: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = [self.down[e](self._act(self.up[e](x))) for e, x in enumerate(x_AM.split(counts))]
+        swiglu = self.mlp == "swiglu"
+        outs = [self.down[e](activation(self.up[e](x), swiglu))
+                for e, x in enumerate(x_AM.split(counts))]
         return torch.cat(outs) if outs else x_AM
-
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        if self.mlp == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h)
 
 
 def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> QuantizedWeight:

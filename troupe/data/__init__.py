@@ -6,5 +6,6 @@ from troupe.data.dataset import DataConfig, TokenDataset
 from troupe.data.schedules import CurriculumConfig, RandomLTDConfig
 from troupe.data.tokenizer import ByteTokenizer, ByteTokens, HFTokens, Tokenizer, load_tokenizer
 
-__all__ = ["ByteTokenizer", "ByteTokens", "HFTokens", "Tokenizer", "load_tokenizer", "CurriculumConfig", "DataConfig", "RandomLTDConfig", "TokenDataset",
-           "file_documents", "stdlib_documents"]
+__all__ = ["ByteTokenizer", "ByteTokens", "CurriculumConfig", "DataConfig", "HFTokens",
+           "RandomLTDConfig", "TokenDataset", "Tokenizer", "file_documents", "load_tokenizer",
+           "stdlib_documents"]

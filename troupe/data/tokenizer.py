@@ -105,7 +105,7 @@ class HFTokens:
         if not self.hf.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
     def prompt(self, text: str) -> list[int]:
         return self.chat([{"role": "user", "content": text}]) if self.use_chat else self.encode(text)

@@ -41,7 +41,7 @@ class _GroupedMLP(torch.autograd.Function):
         # per expert rather than one (A, H) buffer, so that the allocator can reuse its blocks
         for e, (lo, hi) in enumerate(_spans(counts)):
             h = _linear(x_AM[lo:hi], w1_EMH[e], None if b1_EH is None else b1_EH[e])
-            a = _activation(h, swiglu)
+            a = activation(h, swiglu)
             if b2_EM is None:
                 torch.mm(a, w2_EHM[e], out=y_AM[lo:hi])
             else:
@@ -76,7 +76,7 @@ class _GroupedMLP(torch.autograd.Function):
             x, h, gy = x_AM[lo:hi], h_pre[e], gy_AM[lo:hi]  # (n, M), (n, H | 2H), (n, M)
             h_pre[e] = None  # freed once h is
             if gw2 is not None:
-                _mm_into(gw2[e], _activation(h, ctx.swiglu).t(), gy, add2)  # (H, M)
+                _mm_into(gw2[e], activation(h, ctx.swiglu).t(), gy, add2)  # (H, M)
             if gb2 is not None:
                 _sum_into(gb2[e], gy, addb2)
             gh = _activation_backward(gy @ w2_EHM[e].t(), h, ctx.swiglu)  # like h
@@ -94,7 +94,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return x @ w if b is None else torch.addmm(b, x, w)
 
 
-def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+def activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """An expert's activation of its pre-activation ``h``: GELU, or SwiGLU of the stacked
+    gate and up halves."""
     if not swiglu:
         return F.gelu(h)
     gate, up = h.chunk(2, dim=-1)

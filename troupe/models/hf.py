@@ -94,11 +94,16 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
 
 def read_config(directory: str | Path) -> GPTConfig:
     """The GPTConfig of the Hugging Face model directory ``directory`` (its config.json)."""
+    return config_from_hf(*_config_json(directory))
+
+
+def _config_json(directory: str | Path) -> tuple[dict[str, Any], str]:
+    """A model directory's config.json as a dict, and the file's path (for errors)."""
     path = Path(directory).expanduser() / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path.parent}: no config.json (not a Hugging Face model "
                                 "directory)")
-    return config_from_hf(json.loads(path.read_text()), str(path))
+    return json.loads(path.read_text()), str(path)
 
 
 def check_pretrained(directory: str | None, key: str = "model.pretrained") -> None:
@@ -289,8 +294,8 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     """troupe's GPT with the weights of the Hugging Face checkpoint in ``directory`` (local).
     Errors name the file and tensor at fault, or the unsupported architecture."""
     directory = Path(directory).expanduser()
-    cfg = read_config(directory)
-    hf = json.loads((directory / "config.json").read_text())
+    hf, where = _config_json(directory)
+    cfg = config_from_hf(hf, where)
     with torch.device("meta"):
         model = GPT(cfg)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in the dtype asked for

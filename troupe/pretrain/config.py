@@ -86,4 +86,3 @@ class PretrainConfig(Config):
             raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
                              f"train.num_workers={W}")
         return self
-

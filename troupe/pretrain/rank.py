@@ -12,7 +12,7 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.data import TokenDataset, load_tokenizer
-from troupe.models import GPT, expert_parameters, from_pretrained
+from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.optim import (
     CommCounter,
     FlatParams,
@@ -100,7 +100,7 @@ class PretrainWorker:
         self.window = cfg.model.window(self.arch)
         pretrained = cfg.model.pretrained
         self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
-        self.model = apply_expert_parallel(build_model(cfg), ep)
+        self.model = apply_expert_parallel(build_model(cfg, self.arch), ep)
         dense, expert = expert_parameters(self.model)
         self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
         if offload is not None:
@@ -168,11 +168,12 @@ class PretrainWorker:
         self.step = int(state["step"])
 
 
-def build_model(cfg: PretrainConfig) -> GPT:
-    """The whole model a run starts from: the pretrained checkpoint, or troupe's GPT seeded."""
+def build_model(cfg: PretrainConfig, arch: GPTConfig) -> GPT:
+    """The whole model a run starts from (``arch``: ``cfg.model.architecture()``): the
+    pretrained checkpoint, or troupe's GPT seeded."""
     if cfg.model.pretrained is not None:
         return from_pretrained(cfg.model.pretrained).train()
-    return GPT(cfg.model.architecture(), seed=cfg.train.seed)
+    return GPT(arch, seed=cfg.train.seed)
 
 
 class ShardOwner:

@@ -62,7 +62,6 @@ def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: 
                "loss": _mean(e.loss for e in ev)})
     path = out / "reward" / "reward.trp"
     reward.invoke(RewardActor.save, str(path))
-    reward.invoke(RewardActor.freeze)
     return path
 
 

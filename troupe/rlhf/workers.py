@@ -140,11 +140,6 @@ class RewardActor(_Shell):
             self.role.init_from_policy(init_path)
         self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
 
-    @dispatch(Dispatch.ALL)
-    def freeze(self) -> None:
-        """Step 2 is over: the reward model is frozen (gradients and optimizer state freed)."""
-        self.role.train.release()
-
     @dispatch(Dispatch.SHARD)
     def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
         return self.role.rm_step(examples, step)
