@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(PretrainConfig, args.config, args.overrides,
                           lambda c: check_pretrained(c.model.pretrained))

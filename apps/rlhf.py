@@ -5,9 +5,13 @@
     python apps/rlhf.py --step ppo --resume              # PPO from its latest checkpoint
     python apps/rlhf.py --config apps/configs/rlhf-sort.yaml data.path=my_pairs.jsonl
     python apps/rlhf.py --config apps/configs/rlhf-smollm2.yaml       # a Hugging Face model
+    python apps/rlhf.py algorithm=grpo ppo.prompts_per_iter=8         # GRPO, 4 samples a prompt
+    python apps/rlhf.py --config apps/configs/grpo-smollm2.yaml       # GRPO, a reward function
 
 Step 1 fine-tunes the policy on demonstrations, step 2 trains a pairwise reward model, step 3
-runs PPO against it with a KL penalty to the SFT policy. Outputs in <out_dir>: metrics.jsonl,
+runs PPO against it with a KL penalty to the SFT policy; ``algorithm=grpo`` (or rloo,
+reinforce_pp, dpo) runs another step 3, and ``reward.function=module:function`` scores with
+your own Python function instead of (or beside) the learned reward model. Outputs in <out_dir>: metrics.jsonl,
 rlhf.png, summary.json, sft/, reward/, ppo/iter-N/ weights, ppo/checkpoints/ (full PPO state),
 policy-hf/ (the final policy as a Hugging Face directory).
 """
@@ -40,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="continue PPO from the latest checkpoint in <out_dir>/ppo/checkpoints")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.iterations=50")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(RLHFConfig, args.config, args.overrides,
                           lambda c: check_pretrained(c.model.pretrained))
-    steps = tuple(s for s in rlhf.STEPS if s in (args.step or rlhf.STEPS))
+    steps = tuple(s for s in rlhf.STEPS if s in (args.step or cfg.steps))
     if args.resume and steps != ("ppo",):
         print("--resume continues PPO from its checkpoint: use it with --step ppo alone",
               file=sys.stderr)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", metavar="PROMPT", default=None,
                    help="send one completion of PROMPT, print it and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source)
     troupe.init()

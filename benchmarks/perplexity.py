@@ -71,6 +71,9 @@ def main() -> None:
     p.add_argument("--lkd-batches", type=int, default=8)
     p.add_argument("--group-sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--lorc-rank", type=int, default=8)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="the group-wise modes to run (each with PTQ, LoRC and LKD)")
+    p.add_argument("--lkd-steps", type=int, default=80, help="LKD steps per block")
     a = p.parse_args()
     if (a.checkpoint is None) == (a.pretrained is None):
         p.error("give a checkpoint or --pretrained DIR")
@@ -93,7 +96,7 @@ def main() -> None:
         print(json.dumps({**head, "mode": "w8a8", "outliers": a.outliers, "ppl": round(ppl, 4),
                           "vs_fp32": round(ppl / base - 1, 5)}), flush=True)
     for group in a.group_sizes:
-        for mode, rules in MODES.items():
+        for mode, rules in ((m, MODES[m]) for m in a.modes):
             plain = copy.deepcopy(model)
             quantize_model(plain, rules, group)
             ptq = perplexity(plain, data, a.batches, T)
@@ -102,13 +105,15 @@ def main() -> None:
             with_lorc = perplexity(lorc, data, a.batches, T)
             lkd = None
             if not a.no_lkd:
-                student, _ = layerwise_distill(model, rules, train, group_size=group)
+                student, _ = layerwise_distill(model, rules, train, a.lkd_steps,
+                                               group_size=group)
                 lkd = perplexity(student, data, a.batches, T)
             gap = ptq - base
             print(json.dumps({
                 **head, "mode": mode, "group_size": group, "ppl": round(ptq, 4),
                 "vs_fp32": round(ptq / base - 1, 5), "lorc_rank": a.lorc_rank,
                 "lorc_ppl": round(with_lorc, 4), "lorc_vs_fp32": round(with_lorc / base - 1, 5),
+                "lkd_steps_per_block": None if a.no_lkd else a.lkd_steps,
                 "lkd_ppl": lkd and round(lkd, 4), "lkd_vs_fp32": lkd and round(lkd / base - 1, 5),
                 "lkd_gap_recovered": round((ptq - lkd) / gap, 3) if lkd and gap > 0 else None,
                 "lorc_gap_recovered": round((ptq - with_lorc) / gap, 3) if gap > 0 else None}),

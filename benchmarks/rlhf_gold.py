@@ -1,12 +1,16 @@
-"""The RLHF claim: on the bundled task, PPO raises the gold reward (a program the reward model
+"""The RLHF claim: on the bundled task, step 3 (PPO, GRPO, RLOO, REINFORCE++ against the learned
+reward model; DPO on the preference pairs) raises the gold reward (a program the reward model
 never sees) above the SFT policy's, with the KL to the reference bounded; over several seeds.
 
-    python benchmarks/rlhf_gold.py [--seeds 0 1 2] [--config apps/configs/rlhf-sort.yaml]
+    python benchmarks/rlhf_gold.py [--seeds 0 1 2] [--algorithms ppo grpo rloo reinforce_pp dpo]
 
-Runs `python apps/rlhf.py` (all three steps, the embedded local Ray) once per seed and prints
-one JSON line per seed, then one with the mean margin: held-out reward-model accuracy, gold
-reward and exact-answer rate of the SFT policy and of the PPO policy on held-out prompts
-(sampling at the recipe's temperature), the final KL, and the wall time of the whole run.
+Runs `python apps/rlhf.py` (all three steps, the embedded local Ray) once per algorithm and
+seed and prints one JSON line each, then one per algorithm with the mean margin: held-out
+reward-model accuracy, gold reward and exact-answer rate of the SFT policy and of the step-3
+policy on held-out prompts (sampling at the recipe's temperature), the final KL (per sequence;
+for GRPO the loss term's per-token estimate), and the wall time of the whole run. GRPO and
+RLOO sample 4 responses for each of 8 prompts per iteration (PPO: 1 for each of 32). dpo is the
+recipe's (RPO: DPO plus the chosen responses' NLL); dpo_plain is DPO alone at a lower rate.
 """
 
 from __future__ import annotations
@@ -20,38 +24,48 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+EXTRA = {"ppo": [], "grpo": ["ppo.prompts_per_iter=8"], "rloo": ["ppo.prompts_per_iter=8"],
+         "reinforce_pp": [], "dpo": [],  # the same 32 sequences an iteration
+         "dpo_plain": ["dpo.sft_coef=0", "dpo.optimizer.lr=2e-5", "dpo.optimizer.min_lr=2e-6"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--algorithms", nargs="+", default=["ppo"], choices=list(EXTRA))
     p.add_argument("--config", default=str(ROOT / "apps" / "configs" / "rlhf-sort.yaml"))
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
-    margins = []
-    for seed in a.seeds:
-        out = ROOT / "runs" / f"rlhf-seed{seed}"
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config", a.config,
-                        f"seed={seed}", f"out_dir={out}", *a.overrides], check=True,
-                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-        s = json.loads((out / "summary.json").read_text())
-        recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        kl = [r["kl"] for r in recs if r["kind"] == "ppo"]
-        before, after = s["ppo"]["before"], s["ppo"]["after"]
-        margins.append(after["gold"] - before["gold"])
-        print(json.dumps({"bench": "rlhf_gold", "machine": platform.node(), "seed": seed,
-                          "reward_model_accuracy": round(s["reward_accuracy"], 4),
-                          "sft_gold": round(before["gold"], 4), "ppo_gold": round(after["gold"], 4),
-                          "sft_exact": round(before["exact"], 4),
-                          "ppo_exact": round(after["exact"], 4),
-                          "gold_margin": round(margins[-1], 4),
-                          "kl_last10_mean": round(sum(kl[-10:]) / len(kl[-10:]), 4),
-                          "kl_max": round(max(kl), 4), "wall_s": round(wall, 1)}), flush=True)
-    print(json.dumps({"bench": "rlhf_gold", "seeds": a.seeds,
-                      "mean_gold_margin": round(sum(margins) / len(margins), 4),
-                      "min_gold_margin": round(min(margins), 4)}), flush=True)
+    for alg in a.algorithms:
+        margins = []
+        for seed in a.seeds:
+            out = ROOT / "runs" / f"rlhf-{alg}-seed{seed}"
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config", a.config,
+                            f"algorithm={alg.split('_plain')[0]}", f"seed={seed}",
+                            f"out_dir={out}", *EXTRA[alg],
+                            *a.overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+            s = json.loads((out / "summary.json").read_text())
+            recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            kl = [r.get("kl", r.get("kl_loss")) for r in recs if r["kind"] == "ppo"]
+            kl = [k for k in kl if k is not None] or [float("nan")]
+            before, after = s["ppo"]["before"], s["ppo"]["after"]
+            margins.append(after["gold"] - before["gold"])
+            print(json.dumps({"bench": "rlhf_gold", "machine": platform.node(), "algorithm": alg,
+                              "seed": seed,
+                              "reward_model_accuracy": round(s.get("reward_accuracy", -1), 4),
+                              "sft_gold": round(before["gold"], 4),
+                              "final_gold": round(after["gold"], 4),
+                              "sft_exact": round(before["exact"], 4),
+                              "final_exact": round(after["exact"], 4),
+                              "gold_margin": round(margins[-1], 4),
+                              "kl_last10_mean": round(sum(kl[-10:]) / len(kl[-10:]), 4),
+                              "kl_max": round(max(kl), 4), "wall_s": round(wall, 1)}), flush=True)
+        print(json.dumps({"bench": "rlhf_gold", "algorithm": alg, "seeds": a.seeds,
+                          "mean_gold_margin": round(sum(margins) / len(margins), 4),
+                          "min_gold_margin": round(min(margins), 4)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,8 @@ def test_resume_is_for_ppo_alone():
     assert out.returncode == 2 and "--step ppo alone" in out.stderr
     with pytest.raises(ValueError, match="steps 1 and 2 would change"):
         rlhf.run(RLHFConfig(), ("sft", "ppo"), resume=True)
+
+
+def test_overrides_may_come_before_and_after_options():
+    out = _cli("algorithm=dpo", "--step", "ppo", "dpo.stepz=3")
+    assert out.returncode == 2 and "dpo.stepz: unknown key" in out.stderr

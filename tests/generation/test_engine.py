@@ -168,3 +168,26 @@ def test_sampling_parameters_are_brought_into_safe_ranges():
                        (dict(top_p=0.0), "top_p"), (dict(max_tokens=0), "max_tokens")):
         with pytest.raises(ValueError, match=f"^{field}:"):
             engine.add("x", [1], SamplingParams(**bad))
+
+
+def test_a_shared_prompt_is_prefilled_once_and_sampled_apart():
+    """Samples of one prompt (GRPO's group, a request's n) share one prefill: the model runs
+    the prompt once, and each sample gets the tokens it gets when it comes alone."""
+    model = tiny()
+    prompt = list(b"sort 4213:")
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s) for s in range(4)]
+    prefills = []
+    hidden = model.hidden
+    model.hidden = lambda idx, **kw: (prefills.append(idx.shape) if idx.shape[1] > 1 else None,
+                                      hidden(idx, **kw))[1]
+    engine = ContinuousBatcher(model, EOS, max_batch=8)
+    for i, p in enumerate(params):
+        engine.add(f"s{i}", prompt, p)
+    engine.add("other", list(b"sort 99:"), params[0])
+    together = run(engine)
+    assert prefills == [(2, len(prompt))]  # two distinct prompts, one prefill row each
+    for i, p in enumerate(params):
+        one = ContinuousBatcher(model, EOS, max_batch=1)
+        one.add("x", prompt, p)
+        assert together[f"s{i}"] == run(one)["x"]
+    assert len({tuple(together[f"s{i}"]) for i in range(4)}) > 1  # the seeds differ

@@ -160,3 +160,92 @@ def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
     assert err.value.failures[-1]["role"] == "critic"
     report = json.loads((out / "failure.json").read_text())  # the one failure policy's report
     assert report["failures"] == err.value.failures
+
+
+FLAKY_REWARD = '''
+import os
+import time
+
+def flaky(prompt, response, **fields):
+    """Exact match, except that the first call hangs, prompts with a 3 raise and prompts with a
+    5 return text."""
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(__file__), "hung"),
+                         os.O_CREAT | os.O_EXCL))
+        time.sleep(30)
+    except FileExistsError:
+        pass
+    if "3" in prompt:
+        raise RuntimeError("no threes")
+    if "5" in prompt:
+        return "five"
+    return float(response == "".join(sorted(c for c in prompt if c.isdigit())))
+'''
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "dpo"])
+def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
+    cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, dpo=dict(steps=4, batch_size=8))
+    assert rlhf.roles(cfg) == (["policy", "reference"] if algorithm == "dpo" else
+                               ["policy", "reference", "reward"])
+    summary = rlhf.run(cfg)
+    assert {"sft", "ppo", "reward_accuracy"} - set(summary) == (
+        {"reward_accuracy"} if algorithm == "dpo" else set())
+    assert "gold" in summary["ppo"]["before"] and "gold" in summary["ppo"]["after"]
+    records = rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
+    kind = "dpo" if algorithm == "dpo" else "ppo"
+    steps = [r for r in records if r["kind"] == kind]
+    assert len(steps) == (4 if algorithm == "dpo" else 3)
+    if algorithm == "dpo":
+        assert all(0 <= r["accuracy"] <= 1 for r in steps)
+        assert summary["ppo"]["reference_scored"] <= 4 * 8  # each pair scored once
+    else:
+        assert all(r["algorithm"] == algorithm and r["entropy"] > 0 and r["response_length"] > 0
+                   and r["generated_tokens_per_s"] > 0 and "gold" in r for r in steps)
+        assert not (tmp_path / algorithm / "ppo" / "iter-00003" / "critic.trp").exists()
+
+
+def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_path,
+                                                                   monkeypatch):
+    (tmp_path / "flaky_rewards.py").write_text(FLAKY_REWARD)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    cfg = _cfg(tmp_path, "flaky", algorithm="grpo",
+               reward=dict(function="flaky_rewards:flaky", timeout_s=1.0, failure_score=-1.0),
+               ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+                        checkpoint_every=0, temperature=1.5))
+    assert rlhf.roles(cfg) == ["policy", "reference"]  # no reward model, no critic
+    summary = rlhf.run(cfg, ("sft", "ppo"))
+    steps = [r for r in rlhf.MetricsLog(tmp_path / "flaky" / "metrics.jsonl").records()
+             if r["kind"] == "ppo"]
+    assert len(steps) == 2
+    failures = [r["reward_failures"] for r in steps]
+    assert summary["ppo"]["reward_failures"] == sum(failures) and all(f > 0 for f in failures)
+    assert (tmp_path / "hung").exists()  # the hang happened and cost its time limit only
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, tmp_path,
+                                                                       monkeypatch, algorithm):
+    """The reference inside the policy's workers (and for PPO the reward model, trained in
+    step 2, inside the critic's): fewer roles in the graph, and every logged number equal to
+    the run with each role in its own processes. GRPO scores with apps/rewards.py's function."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    extra = (dict(reward=dict(function="apps.rewards:sort_digits")) if algorithm == "grpo"
+             else {})
+    runs = {}
+    for fused in (False, True):
+        cfg = _cfg(tmp_path, f"{algorithm}{fused}", algorithm=algorithm,
+                   reference_in_policy=fused, reward_in_critic=fused and algorithm == "ppo",
+                   ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+                            checkpoint_every=0), **extra)
+        want = {("grpo", False): ["policy", "reference"], ("grpo", True): ["policy"],
+                ("ppo", False): ["policy", "reference", "reward", "critic"],
+                ("ppo", True): ["policy", "critic"]}[algorithm, fused]
+        assert rlhf.roles(cfg) == want
+        summary = rlhf.run(cfg)
+        runs[fused] = [{k: v for k, v in r.items() if not k.endswith("_s")}
+                       for r in rlhf.MetricsLog(tmp_path / f"{algorithm}{fused}" / "metrics.jsonl")
+                       .records() if r["kind"] in ("reward", "reward_eval", "ppo", "ppo_eval")]
+        runs[fused].append(summary.get("reward_accuracy"))
+    assert runs[True] == runs[False]
+    assert len(runs[True]) == (5 if algorithm == "grpo" else 16)  # (+ 10 reward steps, 1 eval)

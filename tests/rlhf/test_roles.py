@@ -6,10 +6,12 @@ import json
 import pytest
 import torch
 
+from troupe.models import GPT, GPTConfig
 from troupe.rlhf.batch import completions, left_pad, response_mask
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
 from troupe.rlhf.experience import Experience, RolloutRequest
+from troupe.rlhf.lm import GPTLM
 from troupe.rlhf.roles import Critic, Policy, Reward
 
 SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
@@ -20,7 +22,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
                     + json.dumps({"prompt": "a", "chosen": 3}) + "\n")
-    with pytest.raises(ValueError, match=r"pairs.jsonl:2: field\(s\) chosen, rejected"):
+    with pytest.raises(ValueError, match=r"pairs.jsonl:2: fields chosen and rejected must"):
         read_jsonl(path)
     path.write_text("{oops\n")
     with pytest.raises(ValueError, match=r"pairs.jsonl:1: not valid JSON"):
@@ -207,3 +209,38 @@ def test_activation_checkpointing_gives_the_same_step():
     (loss, weights), (loss_ckpt, weights_ckpt) = run(False), run(True)
     assert loss == pytest.approx(loss_ckpt, abs=1e-6)
     torch.testing.assert_close(weights_ckpt, weights, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", [
+    dict(),  # troupe's GPT: learned positions, LayerNorm, GELU
+    dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),  # Llama
+])
+def test_shared_prompts_give_the_same_logprobs_and_gradients(arch):
+    """GRPO's samples of one prompt run the prompt once (SharedPrefix): values and gradients
+    equal running every row whole; groups of 3, 1 and 2 rows, prompts left-padded."""
+    torch.manual_seed(0)
+    lm = GPTLM(GPT(GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=32, vocab_size=50, **arch),
+                   seed=0))
+    P, R, rows = 7, 5, []
+    for n_prompt, count in ((7, 3), (4, 1), (6, 2)):
+        prompt = torch.randint(0, 50, (n_prompt,))
+        for _ in range(count):
+            ids, valid = torch.zeros(P + R, dtype=torch.long), torch.zeros(P + R, dtype=torch.bool)
+            ids[P - n_prompt:P], valid[P - n_prompt:P] = prompt, True
+            n = int(torch.randint(1, R + 1, ()))
+            ids[P:P + n], valid[P:P + n] = torch.randint(0, 50, (n,)), True
+            rows.append((ids, valid))
+    ids, valid = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    where = torch.zeros(len(rows), P + R - 1)
+    where[:, P - 1:] = valid[:, P:].float()
+    results = []
+    for prompt_len in (0, P):
+        lm.zero_grad()
+        logp, ent = lm.token_logprobs(ids, valid, where, entropy=True, prompt_len=prompt_len)
+        (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+        results.append((logp.detach(), ent, [p.grad.clone() for p in lm.parameters()]))
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)

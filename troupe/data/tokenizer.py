@@ -41,8 +41,9 @@ class Tokenizer(Protocol):
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def prompt(self, text: str) -> list[int]:
-        """The ids a task's prompt is given to the model as (a chat turn, or plain text)."""
+    def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
+        """The ids a task's prompt is given to the model as (a chat turn, or plain text);
+        chat messages always go through the chat template."""
         ...
 
 
@@ -67,8 +68,8 @@ class ByteTokens:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return self.encode("\n".join(lines) + "\nassistant:")
 
-    def prompt(self, text: str) -> list[int]:
-        return self.encode(text)
+    def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
+        return self.encode(text) if isinstance(text, str) else self.chat(text)
 
 
 class HFTokens:
@@ -107,7 +108,9 @@ class HFTokens:
         ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
-    def prompt(self, text: str) -> list[int]:
+    def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
+        if not isinstance(text, str):
+            return self.chat(text)
         return self.chat([{"role": "user", "content": text}]) if self.use_chat else self.encode(text)
 
 

@@ -182,20 +182,29 @@ class ContinuousBatcher:
             self._retire(gone)
 
     def _prefill(self, seqs: list[_Sequence]) -> list[Event]:
-        """Run the newcomers' prompts (left-padded together), choose their first tokens, and
-        merge their keys and values into the batch's cache."""
-        P = max(len(s.prompt) for s in seqs)
-        idx = torch.full((len(seqs), P), self.eos_id or 0, dtype=torch.long)  # padding
-        valid = torch.zeros(len(seqs), P, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            idx[i, P - len(s.prompt):] = torch.tensor(s.prompt)
-            valid[i, P - len(s.prompt):] = True
+        """Run the newcomers' prompts (left-padded together; a prompt that several of them
+        share, e.g. GRPO's samples or a request's n choices, once), choose their first tokens,
+        and merge their keys and values into the batch's cache."""
+        first: dict[tuple[int, ...], int] = {}
+        rows = [first.setdefault(tuple(s.prompt), len(first)) for s in seqs]
+        prompts = list(first)
+        P = max(len(x) for x in prompts)
+        idx = torch.full((len(prompts), P), self.eos_id or 0, dtype=torch.long)  # padding
+        valid = torch.zeros(len(prompts), P, dtype=torch.bool)
+        for i, x in enumerate(prompts):
+            idx[i, P - len(x):] = torch.tensor(x)
+            valid[i, P - len(x):] = True
         idx, valid = idx.to(self.device), valid.to(self.device)
         # room for the prompt and a few tokens; decoding grows it (see _make_room)
-        cache = KVCache.empty(self.cfg, len(seqs), min(P + 16, self.cfg.seq_len),
+        cache = KVCache.empty(self.cfg, len(prompts), min(P + 16, self.cfg.seq_len),
                               device=self.device, dtype=self._dtype())
         h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         logits = self.model.logits(h[:, -1])
+        if len(prompts) < len(seqs):  # each sequence gets its own copy of its prompt's cache
+            index = torch.tensor(rows, device=self.device)
+            cache = KVCache([t.index_select(0, index) for t in cache.k],
+                            [t.index_select(0, index) for t in cache.v], cache.length)
+            valid, logits = valid.index_select(0, index), logits.index_select(0, index)
         self._merge(cache, valid, seqs)
         return self._choose(seqs, logits)
 

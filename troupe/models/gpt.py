@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -92,6 +92,44 @@ class KVCache:
         return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
                    [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
 
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write this step's keys and values after the ``length`` filled positions (in place,
+        no autograd) and return views of everything so far."""
+        L, T = self.length, k.shape[2]
+        self.k[layer][:, :, L:L + T] = k
+        self.v[layer][:, :, L:L + T] = v
+        return self.k[layer][:, :, :L + T], self.v[layer][:, :, :L + T]
+
+
+@dataclass
+class SharedPrefix:
+    """A prefix (a prompt) computed once for several rows that continue it differently
+    (GRPO's group of samples): ``record`` it by running the prompts through ``GPT.hidden``
+    with this as the cache, then run the continuations with it, each row attending to its
+    prompt's keys and values (row i to prompt ``rows[i]``). Differentiable: the prompt's
+    activations get the gradients of all its continuations (the same gradient as running
+    every row whole, for a fraction of the prompt's compute; Prefix Grouper, Liu et al. 2025).
+    """
+
+    rows: torch.Tensor                      # (B,) prompt index of each continuation row
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+    length: int = 0
+    recording: bool = True
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.recording:
+            self.k.append(k)
+            self.v.append(v)
+            return k, v
+        return (torch.cat([self.k[layer].index_select(0, self.rows), k], 2),
+                torch.cat([self.v[layer].index_select(0, self.rows), v], 2))
+
+    def attend(self) -> "SharedPrefix":
+        """Done recording (the prompts' pass ran): continuations attend from here."""
+        self.recording = False
+        return self
+
 
 class Attention(nn.Module):
     """Causal self-attention; q, k and v come from one projection (q heads, then k and v with
@@ -113,7 +151,7 @@ class Attention(nn.Module):
                 self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0,
+                cache: KVCache | SharedPrefix | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> torch.Tensor:
         """``angles``: the rotary cos and sin of ``pos`` when the caller computed them once
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
@@ -127,10 +165,7 @@ class Attention(nn.Module):
                 angles = rope_angles(pos, self.inv_freq)
             q, k = apply_rope(q, angles), apply_rope(k, angles)
         if cache is not None:  # append this step's keys and values, attend over all so far
-            L = cache.length
-            cache.k[layer][:, :, L:L + T] = k
-            cache.v[layer][:, :, L:L + T] = v
-            k, v = cache.k[layer][:, :, :L + T], cache.v[layer][:, :, :L + T]
+            k, v = cache.extend(layer, k, v)
         dropout = self.dropout if self.training else 0.0
         gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
         # read in place by the attention kernel (no copy of the cache per step)
@@ -152,7 +187,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer: int = 0,
+                cache: KVCache | SharedPrefix | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> tuple[torch.Tensor, torch.Tensor]:
         x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos, angles))
         y, aux = self.ffn(self.ln2(x_BTC))
@@ -254,12 +289,14 @@ class GPT(nn.Module):
         return self.lm_head(h)  # a Linear, or what quantization made of it
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
-               valid_BS: torch.Tensor | None = None, cache: KVCache | None = None):
+               valid_BS: torch.Tensor | None = None,
+               cache: KVCache | SharedPrefix | None = None):
         """Final hidden states (B, T, C) after ln_f, and the MoE auxiliary loss.
 
         valid_BS: which of the S = cache.length + T positions hold real tokens (False for left
         padding); positions are then counted over real tokens only, so a left-padded prompt is
-        embedded as if it started at position 0. cache: KVCache to extend with these T tokens.
+        embedded as if it started at position 0. cache: KVCache to extend with these T tokens
+        (or a SharedPrefix: record a prompt, or continue the prompt it recorded).
         """
         B, T = idx_BT.shape
         L = cache.length if cache is not None else 0

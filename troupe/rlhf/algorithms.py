@@ -1,7 +1,11 @@
-"""The arithmetic of DeepSpeed-Chat's PPO and reward model, as pure tensor functions.
+"""The arithmetic of the RL algorithms, as pure tensor functions: PPO with GAE (DeepSpeed-Chat),
+the critic-free estimators (GRPO's group-normalized, RLOO's leave-one-out, REINFORCE++'s
+globally normalized returns), the KL estimators, the clipped surrogate (with clip-higher), the
+value loss, DPO/IPO and the pairwise reward-model loss.
 
 Shapes: B sequences, R response positions. ``mask_BR`` marks real response tokens (the prompt is
-not part of R; padding after the end of a response is 0)."""
+not part of R; padding after the end of a response is 0). Group estimators take the B sequences
+as B / n groups of n consecutive samples of one prompt."""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ from torch import nn
 
 
 def kl_rewards(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor, score_B: torch.Tensor,
-               mask_BR: torch.Tensor, kl_coef: float, clip_reward: float = 5.0) -> torch.Tensor:
-    """Per-token reward: -kl_coef * (logp - ref_logp) on every response token, plus the
-    sequence score clipped to [-clip_reward, clip_reward] on the last one."""
-    rewards = -kl_coef * (logp_BR - ref_logp_BR) * mask_BR
+               mask_BR: torch.Tensor, kl_coef: float, clip_reward: float = 5.0,
+               estimator: str = "k1") -> torch.Tensor:
+    """Per-token reward: -kl_coef * KL estimate (k1: logp - ref_logp) on every response token,
+    plus the sequence score clipped to [-clip_reward, clip_reward] on the last one."""
+    rewards = -kl_coef * kl_estimate(logp_BR, ref_logp_BR, estimator) * mask_BR
     last = last_index(mask_BR)
     rows = torch.arange(len(score_B), device=score_B.device)
     rewards[rows, last] += score_B.clamp(-clip_reward, clip_reward)
@@ -59,12 +64,106 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1)
 
 
+def _groups(score_B: torch.Tensor, n: int) -> torch.Tensor:
+    if n < 2 or score_B.numel() % n:
+        raise ValueError(f"group estimators need n >= 2 samples per prompt and a batch that is a "
+                         f"multiple of n; got n={n} for {score_B.numel()} sequences")
+    return score_B.reshape(-1, n)
+
+
+def grpo_advantages(score_B: torch.Tensor, n: int, std_normalize: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): each sample's score minus its group's mean, over the group's
+    standard deviation (unbiased, as the paper's; ``std_normalize=False`` is Dr. GRPO's
+    unscaled form). (B,): one advantage per sequence, given to every one of its tokens."""
+    g = _groups(score_B, n)
+    adv = g - g.mean(1, keepdim=True)
+    if std_normalize:
+        adv = adv / (g.std(1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def rloo_advantages(score_B: torch.Tensor, n: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each sample's score minus the mean of the other n - 1
+    samples of its prompt, which equals n / (n - 1) x (score - group mean). (B,)."""
+    g = _groups(score_B, n)
+    baseline = (g.sum(1, keepdim=True) - g) / (n - 1)
+    return (g - baseline).reshape(-1)
+
+
+def sequence_advantages(adv_B: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
+    """A per-sequence advantage on each of its response tokens: (B, R)."""
+    return adv_B[:, None] * mask_BR
+
+
+def discounted_returns(rewards_BR: torch.Tensor, mask_BR: torch.Tensor,
+                       gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE's return at each response token: the sum of its own and the later tokens'
+    rewards, discounted by ``gamma`` per token; zero off the mask."""
+    out = torch.zeros_like(rewards_BR)
+    running = torch.zeros(rewards_BR.shape[0], dtype=rewards_BR.dtype, device=rewards_BR.device)
+    m = mask_BR.bool()
+    for t in reversed(range(rewards_BR.shape[1])):
+        running = torch.where(m[:, t], rewards_BR[:, t] + gamma * running, running)
+        out[:, t] = running * m[:, t]
+    return out
+
+
+def kl_estimate(logp_BR: torch.Tensor, ref_logp_BR: torch.Tensor,
+                estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probabilities of tokens sampled
+    from the policy (Schulman's estimators): k1 = log r, k2 = (log r)^2 / 2,
+    k3 = exp(-log r) - 1 + log r (non-negative, unbiased; GRPO's), with log r = logp - ref."""
+    log_ratio = logp_BR - ref_logp_BR
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"kl estimator {estimator!r}: expected k1, k2 or k3")
+
+
 def policy_loss(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor, adv_BR: torch.Tensor,
-                mask_BR: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
-    """The clipped surrogate: mean over tokens of max(-A * ratio, -A * clip(ratio))."""
+                mask_BR: torch.Tensor, clip: float = 0.2, clip_high: float | None = None
+                ) -> torch.Tensor:
+    """The clipped surrogate: mean over tokens of max(-A * ratio, -A * clip(ratio)), the
+    ratio clipped to [1 - clip, 1 + clip_high] (DAPO's clip-higher when clip_high > clip;
+    None: symmetric)."""
     ratio = torch.exp(logp_BR - old_logp_BR)
-    loss = torch.max(-adv_BR * ratio, -adv_BR * ratio.clamp(1 - clip, 1 + clip))
+    hi = clip if clip_high is None else clip_high
+    loss = torch.max(-adv_BR * ratio, -adv_BR * ratio.clamp(1 - clip, 1 + hi))
     return masked_mean(loss, mask_BR)
+
+
+def clip_fraction(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor, adv_BR: torch.Tensor,
+                  mask_BR: torch.Tensor, clip: float = 0.2,
+                  clip_high: float | None = None) -> torch.Tensor:
+    """Share of response tokens whose surrogate is clipped (the gradient is zero there)."""
+    ratio = torch.exp(logp_BR - old_logp_BR)
+    hi = clip if clip_high is None else clip_high
+    clipped = ((ratio > 1 + hi) & (adv_BR > 0)) | ((ratio < 1 - clip) & (adv_BR < 0))
+    return masked_mean(clipped.float(), mask_BR)
+
+
+def dpo_loss(logp_chosen_B: torch.Tensor, logp_rejected_B: torch.Tensor,
+             ref_chosen_B: torch.Tensor, ref_rejected_B: torch.Tensor, beta: float = 0.1,
+             kind: str = "sigmoid", label_smoothing: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO (Rafailov et al. 2023) on summed response log-probabilities: with
+    h = (logp_c - ref_c) - (logp_r - ref_r), "sigmoid" is -log sigmoid(beta h) (with
+    label_smoothing e: the conservative form, (1 - e) of it plus e of -log sigmoid(-beta h));
+    "ipo" (Azar et al. 2023) is (h - 1 / (2 beta))^2. Returns (mean loss, per-pair implicit
+    reward margin beta h)."""
+    h = (logp_chosen_B - ref_chosen_B) - (logp_rejected_B - ref_rejected_B)
+    if kind == "sigmoid":
+        loss = (-(1 - label_smoothing) * F.logsigmoid(beta * h)
+                - label_smoothing * F.logsigmoid(-beta * h))
+    elif kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo loss {kind!r}: expected sigmoid or ipo")
+    return loss.mean(), (beta * h).detach()
 
 
 def value_loss(values_BR: torch.Tensor, old_values_BR: torch.Tensor, returns_BR: torch.Tensor,

@@ -35,7 +35,7 @@ def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
 
 def micro_batches(n: int, size: int | None) -> list[slice]:
     """Row slices of a batch of ``n`` rows, ``size`` rows each (None: one slice)."""
-    size = size or n
+    size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 

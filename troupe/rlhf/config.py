@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from troupe.config import Config
 from troupe.models import GPTConfig
@@ -68,6 +70,58 @@ class StepConfig(Config):
                                                  warmup_steps=20)
 
 
+class RewardConfig(StepConfig):
+    """Step 2 (the learned reward model) and where step 3's rewards come from: the learned
+    model (weight ``model_coef``), a Python function ``function`` = "module:function"
+    (weight ``function_coef``), or the weighted sum of both. model_coef None: 1 without a
+    function, 0 with one (no reward model is trained or held then).
+
+    The function is called as ``fn(prompt, response, **fields)`` (prompt: the task's text or
+    the row's chat messages; fields: the data row's other fields, e.g. ground_truth) in
+    ``function_workers`` separate processes; a call that raises, runs past ``timeout_s`` or
+    returns something other than a finite number counts as a failure, scores
+    ``failure_score``, and is logged; the run goes on."""
+
+    function: str | None = None
+    function_coef: float = 1.0
+    model_coef: float | None = Field(default=None, ge=0)
+    timeout_s: float = Field(default=10.0, gt=0)
+    function_workers: int = Field(default=2, ge=1)
+    failure_score: float = 0.0
+
+    @field_validator("function")
+    @classmethod
+    def _module_function(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"{v!r}: expected 'module:function', e.g. my_rewards:exact_match")
+        return v
+
+    def model_weight(self) -> float:
+        if self.model_coef is not None:
+            return self.model_coef
+        return 0.0 if self.function else 1.0
+
+
+class DPOConfig(Config):
+    """Step 3 when ``algorithm`` is dpo: the policy learns the preference pairs directly,
+    against the frozen SFT policy (the reference, whose log-probabilities of each pair are
+    computed once). loss: sigmoid (DPO) or ipo; label_smoothing: conservative DPO; sft_coef:
+    weight of the chosen responses' per-token NLL added to the loss (RPO, Pang et al. 2024;
+    TRL's rpo_alpha): without it DPO lowers the chosen responses' likelihood along with the
+    rejected ones', and the freed probability can go to tokens neither response has."""
+
+    steps: int = Field(default=300, ge=0)
+    batch_size: int = Field(default=32, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    beta: float = Field(default=0.1, gt=0)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    sft_coef: float = Field(default=0.0, ge=0)
+    optimizer: OptimizerConfig = OptimizerConfig(name="adamw", lr=5e-4, min_lr=5e-5,
+                                                 warmup_steps=10)
+    eval_every: int = Field(default=100, ge=1)
+
+
 class LoRAConfig(Config):
     """Low-rank adapters on the policy's linear layers during PPO (fused into the weights
     for generation and at the end)."""
@@ -78,14 +132,27 @@ class LoRAConfig(Config):
 
 
 class PPOConfig(Config):
-    """Step 3. micro_batch_size: sequences per forward (scoring) and forward/backward (policy
+    """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp; the key keeps PPO's
+    name). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
     and critic updates) on each worker, gradients accumulated (None: all at once). threads:
-    torch threads of each worker in this step, where all four roles compute at once (more
-    threads than cores in all makes every role spin-wait for the others)."""
+    torch threads of each worker in this step, where the roles compute at once (more threads
+    than cores in all makes every role spin-wait for the others).
+
+    samples_per_prompt: responses sampled per prompt (None: 4 for grpo and rloo, else 1).
+    kl_coef: weight of the KL to the reference, in the reward (kl_in_loss false: per token,
+    PPO/RLOO/REINFORCE++) or as a loss term (true: GRPO's; None: true for grpo only), estimated
+    by kl_estimator (None: k1 in the reward, k3 in the loss). clip_high: the upper clip of the
+    ratio (DAPO's clip-higher; None: policy_clip). group_std: GRPO divides by the group's
+    standard deviation (false: Dr. GRPO)."""
 
     iterations: int = Field(default=120, ge=0)
     threads: int = Field(default=1, ge=1)
     prompts_per_iter: int = Field(default=32, ge=1)
+    samples_per_prompt: int | None = Field(default=None, ge=1)
+    kl_in_loss: bool | None = None
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    clip_high: float | None = Field(default=None, gt=0)
+    group_std: bool = True
     micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
@@ -109,22 +176,71 @@ class PPOConfig(Config):
 
 
 class RLHFConfig(Config):
-    """An RLHF recipe (apps/configs/rlhf-*.yaml). workers: data-parallel workers per role;
+    """An RLHF recipe (apps/configs/rlhf-*.yaml). algorithm: step 3's (ppo, grpo, rloo,
+    reinforce_pp: online, configured under ``ppo``; dpo: offline, under ``dpo``). steps: which
+    of the three steps run (the command line's --step wins; step 3 is "ppo" whatever the
+    algorithm, and step 2 is skipped when no learned reward model is used). workers: data-parallel workers per role;
     threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
     has its own, ppo.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
+    reference_in_policy: the frozen reference lives in the policy's worker processes instead of
+    its own (a process fewer per rank; its log-probabilities then wait for the policy's work);
+    reward_in_critic (ppo only): the reward model lives, and trains in step 2, in the critic's
+    worker processes (a process fewer per rank);
     max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
     every role goes back to the last PPO checkpoint) before the run fails."""
 
+    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dpo"] = "ppo"
+    steps: list[Literal["sft", "reward", "ppo"]] = ["sft", "reward", "ppo"]
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
     sft: StepConfig = StepConfig()
-    reward: StepConfig = StepConfig(steps=400)
+    reward: RewardConfig = RewardConfig(steps=400)
     ppo: PPOConfig = PPOConfig()
+    dpo: DPOConfig = DPOConfig()
     workers: int = Field(default=2, ge=1)
     threads: int = Field(default=1, ge=1)
     colocate: bool = True
+    reference_in_policy: bool = False
+    reward_in_critic: bool = False
     num_cpus: float = Field(default=0.25, gt=0)
     max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RLHFConfig":
+        n = self.samples_per_prompt()
+        if self.algorithm in ("grpo", "rloo") and n < 2:
+            raise ValueError(f"ppo.samples_per_prompt={n}: {self.algorithm} compares samples of "
+                             "one prompt and needs at least 2")
+        if self.reward_in_critic and not self.uses_critic():
+            raise ValueError(f"reward_in_critic: algorithm={self.algorithm} has no critic")
+        if self.reward.model_weight() == 0 and not self.reward.function and \
+                self.algorithm != "dpo":
+            raise ValueError("reward: model_coef is 0 and no reward.function is set: step 3 "
+                             "would have no reward")
+        return self
+
+    # what the recipe resolves to (None means "the algorithm's default") -----------------------
+    def samples_per_prompt(self) -> int:
+        n = self.ppo.samples_per_prompt
+        return n if n is not None else (4 if self.algorithm in ("grpo", "rloo") else 1)
+
+    def kl_in_loss(self) -> bool:
+        k = self.ppo.kl_in_loss
+        return k if k is not None else self.algorithm == "grpo"
+
+    def kl_estimator(self) -> str:
+        e = self.ppo.kl_estimator
+        return e if e is not None else ("k3" if self.kl_in_loss() else "k1")
+
+    def uses_critic(self) -> bool:
+        return self.algorithm == "ppo"
+
+    def uses_reward_model(self) -> bool:
+        """A learned reward model is trained in step 2 and scores in step 3."""
+        return self.algorithm != "dpo" and self.reward.model_weight() > 0
+
+    def uses_reference(self) -> bool:
+        return self.algorithm == "dpo" or self.ppo.kl_coef > 0

@@ -1,42 +1,65 @@
-"""RLHF data: DeepSpeed-Chat's JSON-lines format (prompt, chosen, rejected) and the bundled
-task, generated at run time, whose gold reward is computed by a program that the learned
-reward model never sees."""
+"""RLHF data: JSON-lines rows and the bundled task, generated at run time, whose gold reward is
+computed by a program that the learned reward model never sees.
+
+A row's prompt is a string or a list of chat messages ({"role", "content"}), rendered through
+the model's chat template. chosen and rejected (DeepSpeed-Chat's format) are optional: rows
+with them feed SFT, the reward model and DPO; every row's prompt feeds the online algorithms.
+The row's other fields (e.g. ground_truth) are passed to a reward function as keywords."""
 
 from __future__ import annotations
 
 import json
 import random
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Callable
 
 from troupe.data.corpus import jsonl_objects
 from troupe.rlhf.config import RLHFConfig
 
-FIELDS = ("prompt", "chosen", "rejected")
+Prompt = str | list[dict[str, str]]  # a task's text, or chat messages
 
 
 @dataclass(frozen=True)
 class Example:
-    """One prompt with a preferred and a dispreferred response."""
+    """One prompt, optionally with a preferred and a dispreferred response, and the row's
+    other fields."""
 
-    prompt: str
-    chosen: str
-    rejected: str
+    prompt: Prompt
+    chosen: str | None = None
+    rejected: str | None = None
+    fields: dict = dataclass_field(default_factory=dict)
+
+
+def _check_prompt(prompt, where: str) -> Prompt:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in prompt):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise ValueError(f"{where}: field prompt must be a string or a non-empty list of "
+                     '{"role": ..., "content": ...} messages')
 
 
 def read_jsonl(path: str | Path) -> list[Example]:
-    """Examples from a JSON-lines file with string fields prompt, chosen and rejected; a bad
-    line raises ValueError naming the file and line."""
+    """Examples from a JSON-lines file (see the module's docstring); a bad line raises
+    ValueError naming the file, line and field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"RLHF data file {path} does not exist")
     out = []
     for i, row in jsonl_objects(path):
-        bad = [k for k in FIELDS if not isinstance(row.get(k), str)]
-        if bad:
-            raise ValueError(f"{path}:{i}: field(s) {', '.join(bad)} missing or not a string")
-        out.append(Example(row["prompt"], row["chosen"], row["rejected"]))
+        if "prompt" not in row:
+            raise ValueError(f"{path}:{i}: field prompt missing")
+        prompt = _check_prompt(row["prompt"], f"{path}:{i}")
+        pair = [row.get(k) for k in ("chosen", "rejected")]
+        if pair != [None, None] and not all(isinstance(v, str) for v in pair):
+            raise ValueError(f"{path}:{i}: fields chosen and rejected must both be strings "
+                             "(or both absent)")
+        fields = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
+        out.append(Example(prompt, pair[0], pair[1], fields))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
@@ -45,9 +68,19 @@ def read_jsonl(path: str | Path) -> list[Example]:
 def write_jsonl(path: str | Path, examples: list[Example]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"prompt": e.prompt, "chosen": e.chosen,
-                                        "rejected": e.rejected}) + "\n" for e in examples))
+    rows = [{"prompt": e.prompt, **({"chosen": e.chosen, "rejected": e.rejected}
+                                    if e.chosen is not None else {}), **e.fields}
+            for e in examples]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The text of a prompt: itself, or its last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"),
+                prompt[-1]["content"])
 
 
 class SortTask:
@@ -130,14 +163,17 @@ class SortTask:
 @dataclass
 class Data:
     """Everything the three steps read: demonstrations, preference pairs (train and held
-    out), prompts for PPO and for evaluation, and the task's gold reward when it has one."""
+    out), prompts for step 3 and for evaluation (with each row's fields for a reward
+    function), and the task's gold reward when it has one."""
 
-    sft: list[tuple[str, str]]
-    pairs: list[tuple[str, str, str]]
-    eval_pairs: list[tuple[str, str, str]]
-    prompts: list[str]
-    eval_prompts: list[str]
-    gold: Callable[[str, str], float] | None
+    sft: list[tuple[Prompt, str]]
+    pairs: list[tuple[Prompt, str, str]]
+    eval_pairs: list[tuple[Prompt, str, str]]
+    prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+    gold: Callable[[Prompt, str], float] | None
+    fields: list[dict] | None = None       # per prompt (None: no fields)
+    eval_fields: list[dict] | None = None
 
 
 def prepare_data(cfg: RLHFConfig) -> Data:
@@ -145,11 +181,16 @@ def prepare_data(cfg: RLHFConfig) -> Data:
     if cfg.data.path:
         rows = read_jsonl(cfg.data.path)
         n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
+        if len(rows) <= n_eval:
+            raise ValueError(f"{cfg.data.path}: {len(rows)} rows leave none for training after "
+                             f"holding out data.eval_fraction={cfg.data.eval_fraction}")
         train, held = rows[:-n_eval], rows[-n_eval:]
-        return Data([(e.prompt, e.chosen) for e in train],
-                    [(e.prompt, e.chosen, e.rejected) for e in train],
-                    [(e.prompt, e.chosen, e.rejected) for e in held],
-                    [e.prompt for e in train], [e.prompt for e in held], None)
+        paired, held_paired = [e for e in train if e.chosen], [e for e in held if e.chosen]
+        return Data([(e.prompt, e.chosen) for e in paired],
+                    [(e.prompt, e.chosen, e.rejected) for e in paired],
+                    [(e.prompt, e.chosen, e.rejected) for e in held_paired],
+                    [e.prompt for e in train], [e.prompt for e in held], None,
+                    [e.fields for e in train], [e.fields for e in held])
     t, s = cfg.task, cfg.seed
     task = SortTask(t.min_digits, t.max_digits, t.noise, t.template)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in task.preferences(

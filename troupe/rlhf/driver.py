@@ -1,8 +1,10 @@
-"""Driver of the three-step RLHF pipeline: one graph holding the policy, reference, reward and
-critic roles (colocated on the same bundles by default), then step 1 (SFT) and step 2 (reward
-model) from troupe.rlhf.stages and step 3 (PPO) from troupe.rlhf.ppo. Metrics go to JSON
-lines, plots to rlhf.png, weights after each step and every ``ppo.checkpoint_every`` PPO
-iterations, and the final policy to out_dir/policy-hf as a Hugging Face directory."""
+"""Driver of the three-step RLHF pipeline: one graph holding the roles the recipe's algorithm
+needs (policy always; reference when there is a KL term or DPO; a reward model when the
+reward is learned; a critic for PPO), colocated on the same bundles by default; then step 1
+(SFT) and step 2 (reward model) from troupe.rlhf.stages and step 3 from troupe.rlhf.ppo (PPO,
+GRPO, RLOO, REINFORCE++) or troupe.rlhf.dpo. Metrics go to JSON lines, plots to rlhf.png,
+weights after each step and every ``ppo.checkpoint_every`` iterations, and the final policy to
+out_dir/policy-hf as a Hugging Face directory."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data, prepare_data
+from troupe.rlhf.dpo import run_dpo
 from troupe.rlhf.plots import plot
 from troupe.rlhf.ppo import run_ppo, setup_roles
 from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
@@ -26,20 +29,28 @@ __all__ = ["Data", "MetricsLog", "ROLES", "STEPS", "build_graph", "evaluate_poli
            "prepare_data", "run", "run_ppo", "run_reward", "run_sft"]
 
 
+def roles(cfg: RLHFConfig) -> list[str]:
+    """The roles the recipe's algorithm needs, policy first."""
+    needed = {"reference": cfg.uses_reference() and not cfg.reference_in_policy,
+              "reward": cfg.uses_reward_model() and not cfg.reward_in_critic,
+              "critic": cfg.uses_critic()}
+    return ["policy"] + [r for r in ROLES[1:] if needed[r]]
+
+
 def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
-    """The four roles, ``cfg.workers`` each; colocated on the policy's bundles unless
-    ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
+    """The roles of ``roles(cfg)``, ``cfg.workers`` each; colocated on the policy's bundles
+    unless ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
     g, W, conf = ActorGraph("rlhf"), cfg.workers, cfg.model_dump()
-    g.role("policy", PolicyActor, W, num_cpus=cfg.num_cpus, config=conf,
-           max_restarts=cfg.max_restarts)
-    for name, cls in (("reference", ReferenceActor), ("reward", RewardActor),
-                      ("critic", CriticActor)):
-        g.role(name, cls, W, num_cpus=cfg.num_cpus, config=conf,
-               colocate_with="policy" if cfg.colocate else None,
+    classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
+               "critic": CriticActor}
+    for name in roles(cfg):
+        g.role(name, classes[name], W, num_cpus=cfg.num_cpus, config=conf,
+               colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
     if W > 1:
-        for name in ("policy", "reward", "critic"):
-            g.collective(name, [name])
+        for name in roles(cfg):
+            if name != "reference":
+                g.collective(name, [name])
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
     try:
         setup_roles(graph)
@@ -50,30 +61,40 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
 
 
 def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -> dict:
-    """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order) and return a summary;
-    a later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
-    continues PPO from its latest checkpoint there."""
+    """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order; "ppo" is step 3,
+    whatever the algorithm) and return a summary; a later step alone uses the weights an
+    earlier run left in ``out_dir``, and ``resume`` continues step 3 from its latest
+    checkpoint there. Step 2 is skipped when no learned reward model is used; step 3 without
+    step 1's weights starts from the model's own (a pretrained model's only)."""
     if resume and ("sft" in steps or "reward" in steps):
-        raise ValueError("resume continues PPO from its checkpoint; run it with steps ('ppo',) "
-                         "alone (steps 1 and 2 would change the weights PPO started from)")
+        raise ValueError("resume continues step 3 from its checkpoint; run it with steps "
+                         "('ppo',) alone (steps 1 and 2 would change the weights it started "
+                         "from)")
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
     log, data = MetricsLog(out / "metrics.jsonl"), prepare_data(cfg)
     sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
-    summary: dict = {}
+    if "ppo" in steps:
+        _check_inputs(cfg, steps, sft_path, reward_path)
+    summary: dict = {"algorithm": cfg.algorithm}
     graph = build_graph(cfg)
     try:
         if "sft" in steps:
             run_sft(graph, cfg, data, log, out)
             summary["sft"] = evaluate_policy(graph, data, cfg.seed + 99)
             log.write({"kind": "sft_eval", "step": cfg.sft.steps, **summary["sft"]})
-        if "reward" in steps:
+        if "reward" in steps and cfg.uses_reward_model():
             run_reward(graph, cfg, data, log, out)
             summary["reward_accuracy"] = log.records()[-1]["accuracy"]
         if "ppo" in steps:
-            summary["ppo"] = run_ppo(graph, cfg, data, log, out, sft_path, reward_path,
-                                     resume=resume)
+            start = sft_path if sft_path.is_file() else None
+            if cfg.algorithm == "dpo":
+                summary["ppo"] = run_dpo(graph, cfg, data, log, out, start)
+            else:
+                summary["ppo"] = run_ppo(graph, cfg, data, log, out, start,
+                                         reward_path if cfg.uses_reward_model() else None,
+                                         resume=resume)
             if cfg.model.pretrained is not None or cfg.model.gpt.moe is None:
                 summary["exported"] = graph["policy"].invoke(PolicyActor.export,
                                                              str(out / "policy-hf"))
@@ -82,3 +103,16 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -
     plot(log.records(), out / "rlhf.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _check_inputs(cfg: RLHFConfig, steps: tuple[str, ...], sft_path: Path,
+                  reward_path: Path) -> None:
+    """Step 3's inputs exist (or will, from the steps run before it), before any work."""
+    if "sft" not in steps and not sft_path.is_file() and cfg.model.pretrained is None:
+        raise FileNotFoundError(f"step 3 starts from the SFT policy, and {sft_path} does not "
+                                "exist: run step 1 first (a model.pretrained model can start "
+                                "from its own weights)")
+    if cfg.uses_reward_model() and "reward" not in steps and not reward_path.is_file():
+        raise FileNotFoundError(f"step 3 scores with the reward model, and {reward_path} does "
+                                "not exist: run step 2 first, or use reward.function alone "
+                                "(reward.model_coef=0)")

@@ -30,7 +30,7 @@ class RolloutRequest:
     """Prompts to answer, each with the seed of its sampling stream (so a response does not
     depend on which rank or batch it lands in). temperature None: the recipe's."""
 
-    prompts: list[str]
+    prompts: list        # text, or chat messages (troupe.rlhf.data.Prompt)
     seeds: list[int]
     temperature: float | None = None
     use_ema: bool = False
@@ -46,9 +46,10 @@ class Rollout:
     ids: torch.Tensor      # (B, S) prompt (left-padded) + response, eos after the end
     valid: torch.Tensor    # (B, S) bool: real tokens (the response up to its first eos)
     action: torch.Tensor   # (B, S-1) 1.0 where the target is a response token
-    prompts: list[str]
+    prompts: list          # as in the request
     responses: list[str]   # decoded, without the eos
     seconds: float = 0.0   # generation time on the rank
+    prompt_len: int = 0    # the first prompt_len columns are the (left-padded) prompts
 
     def split(self, n: int) -> list["Rollout"]:
         return _split_rows(self, n)
@@ -56,17 +57,35 @@ class Rollout:
 
 @dataclass
 class Experience:
-    """A rollout scored by the other roles: what one PPO epoch trains on."""
+    """A rollout scored by the other roles: what one policy (and critic) epoch trains on.
+    Fields an algorithm does not use are None: old_logp with a single epoch and no KL in the
+    reward (the ratio is then 1 and the policy's own log-probabilities serve), ref_logp
+    unless the KL is a loss term, old_values and returns without a critic."""
 
     ids: torch.Tensor         # (B, S)
     valid: torch.Tensor       # (B, S)
     action: torch.Tensor      # (B, S-1)
-    old_logp: torch.Tensor    # (B, S-1) the policy's log-probabilities when sampling
-    old_values: torch.Tensor  # (B, S-1) the critic's values then
-    advantages: torch.Tensor  # (B, S-1) GAE advantages, whitened over the whole batch
-    returns: torch.Tensor     # (B, S-1) value targets
+    advantages: torch.Tensor  # (B, S-1) the algorithm's advantages on the response tokens
+    old_logp: torch.Tensor | None = None    # (B, S-1) the policy's log-probs when sampling
+    ref_logp: torch.Tensor | None = None    # (B, S-1) the reference's
+    old_values: torch.Tensor | None = None  # (B, S-1) the critic's values then
+    returns: torch.Tensor | None = None     # (B, S-1) value targets
+    prompt_len: int = 0                     # as in the rollout
 
     def split(self, n: int) -> list["Experience"]:
+        return _split_rows(self, n)
+
+
+@dataclass
+class PreferenceBatch:
+    """DPO's batch: (prompt, chosen, rejected) rows and the reference's summed response
+    log-probabilities of each (computed once per pair)."""
+
+    pairs: list
+    ref_chosen: torch.Tensor    # (B,)
+    ref_rejected: torch.Tensor  # (B,)
+
+    def split(self, n: int) -> list["PreferenceBatch"]:
         return _split_rows(self, n)
 
 
@@ -94,6 +113,18 @@ class RewardEval:
 class PolicyStats:
     policy_loss: float
     ptx_loss: float | None = None  # the pretraining-loss term, when ppo.ptx_coef > 0
+    kl: float | None = None        # mean per-token KL estimate, when it is a loss term
+    entropy: float = 0.0           # mean per-token entropy of the policy on its responses
+    clip_fraction: float = 0.0     # share of response tokens whose ratio was clipped
+    tokens: int = 0                # response tokens these means are over
+
+
+@dataclass(frozen=True)
+class DPOStats:
+    loss: float
+    margin: float    # mean implicit reward margin beta * h
+    accuracy: float  # share of pairs with a positive margin
+    lr: float
 
 
 @dataclass(frozen=True)

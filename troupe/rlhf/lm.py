@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.generation import ContinuousBatcher, SamplingParams
-from troupe.models import GPT
+from troupe.models import GPT, SharedPrefix
 
 
 class GPTLM(nn.Module):
@@ -31,16 +31,48 @@ class GPTLM(nn.Module):
         return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
 
     def token_logprobs(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
-                       where_BR: torch.Tensor) -> torch.Tensor:
+                       where_BR: torch.Tensor, entropy: bool = False, prompt_len: int = 0):
         """log p(ids[:, t+1] | ids[:, :t+1]) at the positions t where ``where_BR`` (B, S-1) is
         nonzero, 0 elsewhere: the vocabulary projection and its softmax run on those positions
-        only (a 49k-word vocabulary on every prompt token costs as much as a few layers)."""
-        h_BRC = self.hidden(ids_BS, valid_BS)[:, :-1]
+        only (a 49k-word vocabulary on every prompt token costs as much as a few layers).
+        With ``entropy``: also the entropy of the next-token distribution there, (B, S-1).
+
+        prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
+        same prompt (a group of samples) then run it once (``shared_hidden``)."""
+        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
+                 else self.hidden(ids_BS, valid_BS))
+        h_BRC = h_BSC[:, :-1]
         at = where_BR.bool()
         logp_NV = F.log_softmax(self.gpt.logits(h_BRC[at]).float(), dim=-1)
         out = torch.zeros(where_BR.shape, dtype=logp_NV.dtype, device=logp_NV.device)
         out[at] = logp_NV.gather(-1, ids_BS[:, 1:][at][:, None]).squeeze(-1)
-        return out
+        if not entropy:
+            return out
+        ent = torch.zeros_like(out)
+        with torch.no_grad():
+            ent[at] = -(logp_NV.exp() * logp_NV).sum(-1)
+        return out, ent
+
+    def shared_hidden(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
+                      prompt_len: int) -> torch.Tensor:
+        """``hidden`` of rows whose first ``prompt_len`` columns are a prompt that runs of
+        consecutive rows share: each distinct prompt goes through the model once, and its
+        rows' continuations attend to its keys and values (troupe.models.SharedPrefix). The
+        same values and gradients as ``hidden``; GRPO's 4-16 samples of a prompt cost one
+        prompt's compute instead of 4-16."""
+        P = prompt_len
+        prompt_ids, prompt_valid = ids_BS[:, :P], valid_BS[:, :P]
+        same = ((prompt_ids[1:] == prompt_ids[:-1]).all(1)
+                & (prompt_valid[1:] == prompt_valid[:-1]).all(1))
+        if not bool(same.any()) or P >= ids_BS.shape[1]:
+            return self.hidden(ids_BS, valid_BS)
+        first = torch.cat([same.new_ones(1), ~same])  # (B,) a row that starts a new prompt
+        rows = first.long().cumsum(0) - 1             # (B,) its prompt's index
+        prefix = SharedPrefix(rows)
+        h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],
+                                   cache=prefix)[0]
+        h_rest = self.gpt.hidden(ids_BS[:, P:], valid_BS=valid_BS, cache=prefix.attend())[0]
+        return torch.cat([h_prompt.index_select(0, rows), h_rest], 1)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],

@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def plot(records: list[dict], path: Path) -> Path:
-    """SFT loss, reward-model accuracy, PPO reward, KL and gold reward, one panel each."""
+    """SFT loss, reward-model accuracy, step 3's reward (DPO: its loss), KL, entropy and gold
+    reward, one panel each."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -17,8 +18,10 @@ def plot(records: list[dict], path: Path) -> Path:
     panels = [("SFT loss", [("train", series("sft", "loss"))]),
               ("reward model accuracy", [("train", series("reward", "accuracy")),
                                          ("held out", series("reward_eval", "accuracy"))]),
-              ("PPO reward-model score", [("batch", series("ppo", "score"))]),
+              ("step 3 reward", [("batch", series("ppo", "reward")),
+                                 ("DPO loss", series("dpo", "loss"))]),
               ("KL to reference (per sequence)", [("batch", series("ppo", "kl"))]),
+              ("policy entropy (per token)", [("batch", series("ppo", "entropy"))]),
               ("gold reward", [("batch", series("ppo", "gold")),
                                ("held out", series("ppo_eval", "gold"))])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))

@@ -1,11 +1,14 @@
-"""Step 3 on the graph: PPO iterations (rollouts, experience, policy and critic updates),
-checkpoints of the trained roles, and recovery from failed workers.
+"""Step 3 of the online algorithms on the graph (PPO, GRPO, RLOO, REINFORCE++): rollouts,
+experience, policy (and critic) updates, checkpoints of the trained roles, and recovery from
+failed workers.
 
-One iteration: the policy samples responses to a batch of prompts (``PolicyActor.generate``,
-one slice per rank); the policy, reference, reward and critic score them at once
-(``make_experience``: per-token KL-penalised rewards, GAE, advantages whitened over the whole
-batch, troupe.rlhf.algorithms); then ``ppo_epochs`` updates of the policy (clipped surrogate,
-optional pretraining loss) and critic (clipped value loss) run side by side.
+One iteration: the policy samples ``samples_per_prompt`` responses to each of a batch of
+prompts (``PolicyActor.generate``, one slice per rank); the roles the algorithm has score them
+at once while the driver runs the reward function, if any (``make_experience``); the scores
+become advantages by the algorithm's estimator (troupe.rlhf.algorithms): PPO's GAE over
+KL-penalised token rewards with a critic, GRPO's group-normalized and RLOO's leave-one-out
+sequence scores, REINFORCE++'s returns normalized over the whole batch; then ``ppo_epochs``
+updates of the policy (and critic) run side by side.
 """
 
 from __future__ import annotations
@@ -29,8 +32,18 @@ from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
 from troupe.rlhf.experience import Experience, Rollout, RolloutRequest
+from troupe.rlhf.rewards import RewardFunction
 from troupe.rlhf.stages import evaluate_policy, seeds
-from troupe.rlhf.workers import CriticActor, PolicyActor, ReferenceActor, RewardActor
+from troupe.rlhf.workers import (
+    CriticActor,
+    PolicyActor,
+    ReferenceActor,
+    ReferenceCalls,
+    RewardActor,
+    RewardCalls,
+    reference_of,
+    reward_of,
+)
 from troupe.runtime import checkpoint
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -41,60 +54,135 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PPOState:
-    """Where PPO stands on the driver: iterations done, the sampling RNG, and the evaluation
-    before PPO (kept for the summary)."""
+    """Where step 3 stands on the driver: iterations done, the sampling RNG, and the
+    evaluation before it (kept for the summary)."""
 
     iteration: int
     rng: random.Random
     before: dict | None
 
 
-def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout]
-                    ) -> tuple[list[Experience], dict]:
-    """Score each rank's rollouts with the four roles at once and turn the scores into
-    experience (one per data-parallel rank); also the batch's mean score and KL."""
-    batch = PerRank(rollouts)
-    calls = [graph["policy"].invoke_async(PolicyActor.logprobs, batch),
-             graph["reference"].invoke_async(ReferenceActor.logprobs, batch),
-             graph["reward"].invoke_async(RewardActor.score, batch),
-             graph["critic"].invoke_async(CriticActor.values, batch)]
-    logp, ref, score, values = (c.result() for c in calls)
-    p, advs, rets = cfg.ppo, [], []
-    for r, ro in enumerate(rollouts):
-        rewards = algorithms.kl_rewards(logp[r], ref[r], score[r], ro.action, p.kl_coef,
-                                        p.clip_reward)
-        adv, ret = algorithms.gae(rewards, values[r], ro.action, p.gamma, p.lam)
-        advs.append(adv)
-        rets.append(ret)
-    advs = algorithms.whiten(advs, [ro.action for ro in rollouts])
-    exps = [Experience(ro.ids, ro.valid, ro.action, logp[r], values[r], advs[r], rets[r])
+def reward_function(cfg: RLHFConfig) -> RewardFunction | None:
+    """The recipe's reward function's process pool (None without one); call ``close``."""
+    r = cfg.reward
+    if not r.function:
+        return None
+    return RewardFunction(r.function, r.timeout_s, r.function_workers, r.failure_score)
+
+
+def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
+                    reward_fn: RewardFunction | None = None,
+                    fields: list[dict] | None = None) -> tuple[list[Experience], dict]:
+    """Score each rank's rollouts with the roles the algorithm has, at once (and with the
+    reward function meanwhile, on the driver), and turn the scores into experience, one per
+    data-parallel rank; also the batch's statistics."""
+    p, alg = cfg.ppo, cfg.algorithm
+    batch, calls = PerRank(rollouts), {}
+    in_reward_kl = p.kl_coef > 0 and not cfg.kl_in_loss()
+    if cfg.uses_critic() or in_reward_kl or p.ppo_epochs > 1:  # else the ratio is 1: no need
+        calls["logp"] = graph["policy"].invoke_async(PolicyActor.logprobs, batch)
+    if cfg.uses_reference():
+        calls["ref"] = reference_of(graph, cfg).invoke_async(ReferenceCalls.reference_logprobs,
+                                                              batch)
+    if cfg.uses_reward_model():
+        calls["score"] = reward_of(graph, cfg).invoke_async(RewardCalls.reward_score, batch)
+    if cfg.uses_critic():
+        calls["values"] = graph["critic"].invoke_async(CriticActor.values, batch)
+    rows = [len(ro.responses) for ro in rollouts]
+    score = torch.zeros(sum(rows))
+    stats: dict = {}
+    if reward_fn is not None:
+        prompts = [q for ro in rollouts for q in ro.prompts]
+        responses = [r for ro in rollouts for r in ro.responses]
+        got = reward_fn(prompts, responses, fields)
+        score += cfg.reward.function_coef * torch.tensor(got.values)
+        stats["reward_failures"] = len(got.failures)
+        if got.failures:
+            i, why = got.failures[0]
+            logger.warning("reward.function %s: %d of %d samples failed (scored %g); first: "
+                           "sample %d %s", cfg.reward.function, len(got.failures), len(prompts),
+                           cfg.reward.failure_score, i, why)
+    out = {k: c.result() for k, c in calls.items()}
+    if "score" in out:
+        score += cfg.reward.model_weight() * torch.cat(out["score"])
+    stats["reward"] = score.mean().item()
+    action = [ro.action for ro in rollouts]
+    logp, ref = out.get("logp"), out.get("ref")
+    parts = list(score.split(rows))
+    if alg == "ppo":
+        advs, rets = [], []
+        for r, ro in enumerate(rollouts):
+            rewards = algorithms.kl_rewards(logp[r], ref[r] if ref else logp[r], parts[r],
+                                            ro.action, p.kl_coef if ref else 0.0, p.clip_reward)
+            adv, ret = algorithms.gae(rewards, out["values"][r], ro.action, p.gamma, p.lam)
+            advs.append(adv)
+            rets.append(ret)
+        advs = algorithms.whiten(advs, action)
+    elif alg == "reinforce_pp":  # token rewards, returns normalized over the whole batch
+        rets, advs, kl_coef = None, [], p.kl_coef if in_reward_kl else 0.0
+        for r, a in enumerate(action):
+            lp = logp[r] if in_reward_kl else torch.zeros_like(a)
+            rewards = algorithms.kl_rewards(lp, ref[r] if in_reward_kl else lp, parts[r], a,
+                                            kl_coef, p.clip_reward, cfg.kl_estimator())
+            advs.append(algorithms.discounted_returns(rewards, a, p.gamma))
+        advs = algorithms.whiten(advs, action)
+    else:  # grpo, rloo: one advantage per sequence from its group of samples
+        rets, seq = None, score.clone()
+        if in_reward_kl:
+            seq -= p.kl_coef * torch.cat([
+                (algorithms.kl_estimate(lp, rf, cfg.kl_estimator()) * a).sum(1)
+                for lp, rf, a in zip(logp, ref, action)])
+        n = cfg.samples_per_prompt()
+        adv_B = (algorithms.grpo_advantages(seq, n, p.group_std) if alg == "grpo"
+                 else algorithms.rloo_advantages(seq, n))
+        advs = [algorithms.sequence_advantages(a_B, a)
+                for a_B, a in zip(adv_B.split(rows), action)]
+    exps = [Experience(ro.ids, ro.valid, ro.action, advs[r],
+                       old_logp=logp[r] if logp else None,
+                       ref_logp=ref[r] if ref and cfg.kl_in_loss() else None,
+                       old_values=out["values"][r] if "values" in out else None,
+                       returns=rets[r] if rets else None, prompt_len=ro.prompt_len)
             for r, ro in enumerate(rollouts)]
-    kl = torch.cat([((lp - rf) * ro.action).sum(1) for lp, rf, ro in zip(logp, ref, rollouts)])
-    return exps, {"score": torch.cat(score).mean().item(), "kl": kl.mean().item()}
+    if ref and logp:
+        kl = torch.cat([((lp - rf) * ro.action).sum(1) for lp, rf, ro in zip(logp, ref, rollouts)])
+        stats["kl"] = kl.mean().item()
+    return exps, stats
 
 
-def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int,
-                  rng: random.Random) -> dict:
-    """Generate, score, and update policy and critic once; returns the iteration's metrics."""
-    p, W = cfg.ppo, cfg.workers
+def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
+                  reward_fn: RewardFunction | None = None) -> dict:
+    """Generate, score, and update the policy (and critic) once; returns the metrics."""
+    p, W, n = cfg.ppo, cfg.workers, cfg.samples_per_prompt()
     t0 = time.perf_counter()
-    prompts = rng.sample(data.prompts, p.prompts_per_iter)
+    picked = rng.sample(range(len(data.prompts)), p.prompts_per_iter)
+    prompts = [data.prompts[i] for i in picked for _ in range(n)]  # a prompt's n in a row
+    fields = [data.fields[i] for i in picked for _ in range(n)] if data.fields else None
     request = RolloutRequest(prompts, seeds(rng, len(prompts)))
     rollouts = graph["policy"].invoke(PolicyActor.generate, request)
     t1 = time.perf_counter()
-    exps, stats = make_experience(graph, cfg, rollouts)
+    exps, stats = make_experience(graph, cfg, rollouts, reward_fn, fields)
     t2 = time.perf_counter()
     for _ in range(p.ppo_epochs):
         ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) if p.ptx_coef > 0 else None
                for _ in range(W)]
         policy = graph["policy"].invoke_async(PolicyActor.ppo_step, PerRank(exps), it,
                                               PerRank(ptx))
-        critic = graph["critic"].invoke_async(CriticActor.critic_step, PerRank(exps), it)
-        pstats, cstats = policy.result(), critic.result()
-    rec = {"kind": "ppo", "step": it, **stats,
+        critic = (graph["critic"].invoke_async(CriticActor.critic_step, PerRank(exps), it)
+                  if cfg.uses_critic() else None)
+        pstats, cstats = policy.result(), critic.result() if critic else None
+    tokens = sum(s.tokens for s in pstats)
+    lengths = torch.cat([ro.action.sum(1) for ro in rollouts])
+    rec = {"kind": "ppo", "step": it, "algorithm": cfg.algorithm, **stats,
            "policy_loss": sum(s.policy_loss for s in pstats) / W,
-           "value_loss": sum(s.value_loss for s in cstats) / W,
-           "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2}
+           "entropy": sum(s.entropy * s.tokens for s in pstats) / max(tokens, 1),
+           "clip_fraction": sum(s.clip_fraction * s.tokens for s in pstats) / max(tokens, 1),
+           "response_length": lengths.mean().item(),
+           "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2,
+           "generated_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9)}
+    if cstats:
+        rec["value_loss"] = sum(s.value_loss for s in cstats) / W
+    if pstats[0].kl is not None:
+        rec["kl_loss"] = sum(s.kl for s in pstats) / W
     if data.gold is not None:
         golds = [data.gold(q, r) for ro in rollouts for q, r in zip(ro.prompts, ro.responses)]
         rec["gold"] = sum(golds) / len(golds)
@@ -102,26 +190,34 @@ def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int,
 
 
 def _trained(graph: Graph) -> list:
-    """The roles whose PPO state a checkpoint holds, with their save and load methods."""
-    return [(graph["policy"], PolicyActor.save_state, PolicyActor.load_state),
-            (graph["critic"], CriticActor.save_state, CriticActor.load_state)]
+    """The roles whose step-3 state a checkpoint holds, with their save and load methods."""
+    out = [(graph["policy"], PolicyActor.save_state, PolicyActor.load_state)]
+    if "critic" in graph.roles:
+        out.append((graph["critic"], CriticActor.save_state, CriticActor.load_state))
+    return out
 
 
-def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path, reward_path: Path,
-            resume: bool) -> PPOState:
-    """Every role at the start of PPO (policy and reference from step 1's weights, reward and
-    critic from step 2's), then the trained ones at the latest checkpoint under ``root``.
-    One role at a time: each reads a whole weights file, and four reads at once stacked their
-    transient copies (+2 GB at the start of PPO for a 135M model)."""
-    graph["reward"].invoke(RewardActor.load, str(reward_path))  # frees its training state first
-    graph["reference"].invoke(ReferenceActor.load, str(sft_path))
-    graph["policy"].invoke(PolicyActor.begin_ppo, str(sft_path))
-    graph["critic"].invoke(CriticActor.begin_ppo, str(reward_path))
+def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
+            reward_path: Path | None, resume: bool) -> PPOState:
+    """Every role at the start of step 3 (policy and reference from step 1's weights, or the
+    model's own when ``sft_path`` is None; reward and critic from step 2's), then the trained
+    ones at the latest checkpoint under ``root``. One role at a time: each reads a whole
+    weights file, and four reads at once stacked their transient copies (+2 GB at the start
+    of PPO for a 135M model)."""
+    sft = str(sft_path) if sft_path is not None else None
+    if cfg.uses_reward_model():  # frees its training state first
+        reward_of(graph, cfg).invoke(RewardCalls.load_reward, str(reward_path))
+    if cfg.uses_reference() and sft is not None:
+        reference_of(graph, cfg).invoke(ReferenceCalls.load_reference, sft)
+    graph["policy"].invoke(PolicyActor.begin_ppo, sft)
+    if "critic" in graph.roles:
+        graph["critic"].invoke(CriticActor.begin_ppo, str(reward_path))
     rng = random.Random(cfg.seed + 30)
     found = checkpoint.restore_latest(_trained(graph), root)
     if found is None:
         if resume:
-            logger.warning("no PPO checkpoint under %s: PPO starts from the beginning", root)
+            logger.warning("no step-3 checkpoint under %s: step 3 starts from the beginning",
+                           root)
         return PPOState(0, rng, None)
     source, done = found
     meta = read_manifest(source)
@@ -131,29 +227,31 @@ def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path, reward_pa
 
 
 def save_checkpoint(graph: Graph, root: Path, out: Path, state: PPOState) -> None:
-    """The policy's and critic's full state (atomically, the newest two kept; the driver's
-    RNG in the manifest), and their weights as out/ppo/iter-N/{policy,critic}.trp."""
+    """The trained roles' full state (atomically, the newest two kept; the driver's RNG in
+    the manifest), and their weights as out/ppo/iter-N/{policy,critic}.trp."""
     it = state.iteration
     checkpoint.save(_trained(graph), root, it, rng=list(state.rng.getstate()),
                     before=state.before)
     d = out / "ppo" / f"iter-{it:05d}"
     graph["policy"].invoke(PolicyActor.save, str(d / "policy.trp"))
-    graph["critic"].invoke(CriticActor.save, str(d / "critic.trp"))
+    if "critic" in graph.roles:
+        graph["critic"].invoke(CriticActor.save, str(d / "critic.trp"))
     (d / "state.json").write_text(json.dumps({"iteration": it}))
 
 
+_SETUP = {"policy": PolicyActor.setup, "reference": ReferenceActor.setup,
+          "reward": RewardActor.setup, "critic": CriticActor.setup}
+
+
 def setup_roles(graph: Graph) -> None:
-    """Build every role afresh on its workers (its groups wired)."""
-    calls = [graph["policy"].invoke_async(PolicyActor.setup),
-             graph["reference"].invoke_async(ReferenceActor.setup),
-             graph["reward"].invoke_async(RewardActor.setup),
-             graph["critic"].invoke_async(CriticActor.setup)]
+    """Build every role of the graph afresh on its workers (its groups wired)."""
+    calls = [graph[name].invoke_async(_SETUP[name]) for name in graph.roles]
     for c in calls:
         c.result()
 
 
-def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path, reward_path: Path,
-             resume: bool) -> PPOState:
+def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
+             reward_path: Path | None, resume: bool) -> PPOState:
     """After the failure policy brought the workers back: every role built afresh, then
     ``restore``."""
     setup_roles(graph)
@@ -161,49 +259,60 @@ def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path, reward_p
 
 
 def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
-            sft_path: Path, reward_path: Path, on_iteration: Callable | None = None,
-            resume: bool = False) -> dict:
-    """PPO for ``cfg.ppo.iterations`` iterations, checkpointed every ``checkpoint_every``
-    to out/ppo/checkpoints/step-N. A failed worker is handled by troupe.runtime.recovery
-    (``cfg.max_restarts``): every role goes back to the last checkpoint and the iterations
-    after it are redone exactly; past the restarts, RunFailedError and out/failure.json.
-    ``resume`` starts from the latest checkpoint that an earlier run left in ``out``.
-    ``on_iteration(it, graph)`` is called before each iteration (again when one is redone)."""
+            sft_path: Path | None, reward_path: Path | None,
+            on_iteration: Callable | None = None, resume: bool = False) -> dict:
+    """Step 3 of an online algorithm for ``cfg.ppo.iterations`` iterations, checkpointed
+    every ``checkpoint_every`` to out/ppo/checkpoints/step-N. A failed worker is handled by
+    troupe.runtime.recovery (``cfg.max_restarts``): every role goes back to the last
+    checkpoint and the iterations after it are redone exactly; past the restarts,
+    RunFailedError and out/failure.json. ``resume`` starts from the latest checkpoint that an
+    earlier run left in ``out``. ``on_iteration(it, graph)`` is called before each iteration
+    (again when one is redone)."""
     p, root = cfg.ppo, out / "ppo" / "checkpoints"
     if not resume and root.exists():  # a fresh run must never go back to an older run's state
         shutil.rmtree(root)
-    state = restore(graph, cfg, root, sft_path, reward_path, resume)
-    if state.before is None:
-        state.before = evaluate_policy(graph, data, cfg.seed + 99)
-        log.write({"kind": "ppo_eval", "step": 0, **state.before})
-    policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
-    bar = tqdm(total=p.iterations, initial=state.iteration, desc="step 3: PPO")
-    while state.iteration < p.iterations:
-        try:
-            _iterate(graph, cfg, data, log, out, state, on_iteration)
-            bar.update(1)
-        except (WorkerDiedError, WorkerCallError) as e:
-            failed = state.iteration + 1
-            before, state = state.before, policy.recover(e, failed, lambda: _restart(
-                graph, cfg, root, sft_path, reward_path, resume))
-            state.before = state.before or before
-            log.write({"kind": "recovery", "step": state.iteration, "failed_step": failed,
-                       "role": e.role, "rank": e.rank, "node_id": e.node_id,
-                       "error": str(e).splitlines()[0]})
-            bar.reset(total=p.iterations)
-            bar.update(state.iteration)
-    bar.close()
+    reward_fn = reward_function(cfg)  # fails here, before any work, if it cannot be imported
+    try:
+        state = restore(graph, cfg, root, sft_path, reward_path, resume)
+        if state.before is None:
+            state.before = evaluate_policy(graph, data, cfg.seed + 99)
+            log.write({"kind": "ppo_eval", "step": 0, **state.before})
+        policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
+        bar = tqdm(total=p.iterations, initial=state.iteration,
+                   desc=f"step 3: {cfg.algorithm.upper()}")
+        while state.iteration < p.iterations:
+            try:
+                _iterate(graph, cfg, data, log, out, state, on_iteration, reward_fn)
+                bar.update(1)
+            except (WorkerDiedError, WorkerCallError) as e:
+                failed = state.iteration + 1
+                before, state = state.before, policy.recover(e, failed, lambda: _restart(
+                    graph, cfg, root, sft_path, reward_path, resume))
+                state.before = state.before or before
+                log.write({"kind": "recovery", "step": state.iteration, "failed_step": failed,
+                           "role": e.role, "rank": e.rank, "node_id": e.node_id,
+                           "error": str(e).splitlines()[0]})
+                bar.reset(total=p.iterations)
+                bar.update(state.iteration)
+        bar.close()
+    finally:
+        if reward_fn is not None:
+            reward_fn.close()
     after = evaluate_policy(graph, data, cfg.seed + 99)
-    return {"before": state.before, "after": after, "restarts": policy.restarts}
+    summary = {"before": state.before, "after": after, "restarts": policy.restarts}
+    if reward_fn is not None:
+        summary["reward_failures"] = reward_fn.failures
+    return summary
 
 
 def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
-             state: PPOState, on_iteration: Callable | None) -> None:
+             state: PPOState, on_iteration: Callable | None,
+             reward_fn: RewardFunction | None) -> None:
     """One iteration, then the evaluation and checkpoint it is due."""
     p, it = cfg.ppo, state.iteration + 1
     if on_iteration is not None:
         on_iteration(it, graph)
-    log.write(ppo_iteration(graph, cfg, data, it, state.rng))
+    log.write(ppo_iteration(graph, cfg, data, it, state.rng, reward_fn))
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:
         log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99)})

@@ -2,9 +2,11 @@
 arrive are this rank's slice of the batch, and gradient averaging happens in its optimizer.
 
 Policy (actor): SFT in step 1; in step 3 generates in its inference layout (eval mode, no
-autograd, KV cache, LoRA fused) and trains with the clipped PPO loss. Reference: the frozen SFT
-policy. Reward: the pairwise reward model of step 2, frozen in step 3. Critic: initialised from
-the reward model, trained with the clipped value loss."""
+autograd, KV cache, LoRA fused) and trains with the clipped surrogate of the recipe's
+algorithm (PPO, GRPO, RLOO, REINFORCE++: they differ in their advantages, which arrive in
+the experience, and in where the KL goes) or with DPO's loss. Reference: the frozen SFT
+policy. Reward: the pairwise reward model of step 2, frozen in step 3. Critic (PPO only):
+initialised from the reward model, trained with the clipped value loss."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from troupe.rlhf.common import Trainable, build_lm, micro_batches
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
+    DPOStats,
     Experience,
     PolicyStats,
+    PreferenceBatch,
     RewardEval,
     RewardStats,
     Rollout,
@@ -63,8 +67,14 @@ class Policy:
         return loss
 
     # step 3 ---------------------------------------------------------------------------------
-    def begin_ppo(self, sft_path: str) -> None:
-        load_module(sft_path, self.lm)
+    def begin_ppo(self, sft_path: str | None) -> None:
+        """Step 3 starts from the SFT weights (None: from the model's own)."""
+        if sft_path is not None:
+            load_module(sft_path, self.lm)
+        if self.cfg.algorithm == "dpo":
+            d = self.cfg.dpo
+            self.train.use_optimizer(d.optimizer, d.steps)
+            return
         if self.cfg.ppo.lora.enabled:
             inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
             self.train = Trainable(self.lm, self.train.group)  # only the adapters train
@@ -106,7 +116,7 @@ class Policy:
         action = torch.zeros(ids.shape[0], ids.shape[1] - 1)
         action[:, P - 1:] = rmask  # target t+1 predicted at t
         responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
-        return Rollout(ids, valid, action, list(texts), responses)
+        return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
 
     @staticmethod
     def _int8_copy(model):
@@ -117,28 +127,68 @@ class Policy:
         quantize_model(engine, {"*": "w8a8"})
         return engine
 
-    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor,
-                 action: torch.Tensor) -> torch.Tensor:
-        return action_logprobs(self.lm, ids, valid, action, self.cfg.ppo.micro_batch_size)
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
+                 prompt_len: int = 0) -> torch.Tensor:
+        return action_logprobs(self.lm, ids, valid, action, self.cfg.ppo.micro_batch_size,
+                               prompt_len)
 
     def ppo_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None) -> PolicyStats:
+        """One update on the experience: the clipped surrogate (ratio against the sampling
+        policy's log-probabilities, or 1 when the experience has none: a single on-policy
+        epoch), plus the KL to the reference when it is a loss term; token-mean over the batch."""
         self.lm.train()
-        p = self.cfg.ppo
-        total, policy_loss, ptx_loss = exp.action.sum().clamp_min(1), 0.0, None
+        p, cfg = self.cfg.ppo, self.cfg
+        kl_coef = p.kl_coef if cfg.kl_in_loss() else 0.0
+        total = exp.action.sum().clamp_min(1)
+        policy_loss, kl_sum, ent_sum, clip_sum, ptx_loss = 0.0, 0.0, 0.0, 0.0, None
         for s in micro_batches(len(exp.ids), p.micro_batch_size):
-            logp = self.lm.token_logprobs(exp.ids[s], exp.valid[s], exp.action[s])
-            share = exp.action[s].sum() / total  # of the batch's masked mean
-            loss = share * algorithms.policy_loss(logp, exp.old_logp[s], exp.advantages[s],
-                                                  exp.action[s], p.policy_clip)
+            mask = exp.action[s]
+            logp, ent = self.lm.token_logprobs(exp.ids[s], exp.valid[s], mask, entropy=True,
+                                               prompt_len=exp.prompt_len)
+            old = exp.old_logp[s] if exp.old_logp is not None else logp.detach()
+            share = mask.sum() / total  # of the batch's masked mean
+            loss = share * algorithms.policy_loss(logp, old, exp.advantages[s], mask,
+                                                  p.policy_clip, p.clip_high)
+            if kl_coef > 0:
+                kl = algorithms.masked_mean(
+                    algorithms.kl_estimate(logp, exp.ref_logp[s], cfg.kl_estimator()), mask)
+                loss = loss + share * kl_coef * kl
+                kl_sum += (share * kl).item()
             loss.backward()
             policy_loss += loss.item()
+            ent_sum += (ent * mask).sum().item()
+            clip_sum += (algorithms.clip_fraction(logp.detach(), old, exp.advantages[s], mask,
+                                                  p.policy_clip, p.clip_high) * mask.sum()).item()
         if ptx and p.ptx_coef > 0:
             ptx_loss = self._lm_loss(ptx, p.micro_batch_size, p.ptx_coef)
         self.train.step(iteration)
         if self.ema is not None:
             algorithms.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
-        return PolicyStats(policy_loss, ptx_loss)
+        n = int(total.item())
+        return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
+                           ent_sum / n, clip_sum / n, n)
+
+    # DPO ------------------------------------------------------------------------------------
+    def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
+        """One DPO update on this rank's pairs (their reference log-probabilities given)."""
+        self.lm.train()
+        d, B = self.cfg.dpo, len(batch.pairs)
+        loss_sum, margins = 0.0, []
+        for s in micro_batches(B, d.micro_batch_size):
+            chosen, rejected, n_chosen = pair_logprobs(self.lm, self.tok, batch.pairs[s])
+            loss, margin = algorithms.dpo_loss(chosen, rejected, batch.ref_chosen[s],
+                                               batch.ref_rejected[s], d.beta, d.loss,
+                                               d.label_smoothing)
+            if d.sft_coef > 0:  # RPO: the chosen responses' per-token NLL
+                loss = loss + d.sft_coef * (-chosen / n_chosen).mean()
+            part = loss * len(chosen) / B
+            part.backward()
+            loss_sum += part.item()
+            margins.append(margin)
+        margin = torch.cat(margins)
+        return DPOStats(loss_sum, margin.mean().item(), (margin > 0).float().mean().item(),
+                        self.train.step(step))
 
     def save(self, path: str, ema: bool = False) -> str:
         save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
@@ -174,19 +224,29 @@ class Policy:
 
 
 class Reference:
-    """The frozen SFT policy, for the KL penalty."""
+    """The frozen SFT policy, for the KL penalty (and DPO's reference log-probabilities: only
+    then does it tokenize text)."""
 
     def __init__(self, cfg: RLHFConfig, rank: int):
-        self.lm, _ = build_lm(cfg.model, cfg.seed, tokenizer=False)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, tokenizer=cfg.algorithm == "dpo")
         self.lm.requires_grad_(False)
         self.micro = cfg.ppo.micro_batch_size
+        self.dpo_micro = cfg.dpo.micro_batch_size
 
     def load(self, path: str) -> None:
         load_module(path, self.lm)
 
-    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor,
-                 action: torch.Tensor) -> torch.Tensor:
-        return action_logprobs(self.lm, ids, valid, action, self.micro)
+    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
+                 prompt_len: int = 0) -> torch.Tensor:
+        return action_logprobs(self.lm, ids, valid, action, self.micro, prompt_len)
+
+    @torch.no_grad()
+    def pair_logprobs(self, pairs: list) -> torch.Tensor:
+        """(B, 2): the summed log-probabilities of each pair's chosen and rejected response."""
+        self.lm.eval()
+        out = [torch.stack(pair_logprobs(self.lm, self.tok, pairs[s])[:2], 1)
+               for s in micro_batches(len(pairs), self.dpo_micro)]
+        return torch.cat(out) if out else torch.zeros(0, 2)
 
 
 class Reward:
@@ -307,12 +367,23 @@ class Critic:
 
 @torch.no_grad()
 def action_logprobs(lm: GPTLM, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
-                    micro: int | None) -> torch.Tensor:
+                    micro: int | None, prompt_len: int = 0) -> torch.Tensor:
     """(B, S-1) log-probabilities of a rollout's response tokens (0 elsewhere), in eval mode,
-    ``micro`` sequences at a time."""
+    ``micro`` sequences at a time (a prompt shared by consecutive rows runs once)."""
     lm.eval()
-    return torch.cat([lm.token_logprobs(ids[s], valid[s], action[s])
+    return torch.cat([lm.token_logprobs(ids[s], valid[s], action[s], prompt_len=prompt_len)
                       for s in micro_batches(len(ids), micro)])
+
+
+def pair_logprobs(lm: GPTLM, tok, pairs: list):
+    """Summed response log-probabilities (B,) of the chosen and of the rejected responses of
+    (prompt, chosen, rejected) rows, in one batch of 2B sequences, and the chosen responses'
+    token counts (B,)."""
+    P, B = [p for p, _, _ in pairs], len(pairs)
+    ids, valid, mask = completions(tok, P + P, [c for _, c, _ in pairs]
+                                   + [r for _, _, r in pairs])
+    total = (lm.token_logprobs(ids, valid, mask) * mask).sum(1)
+    return total[:B], total[B:], mask[:B].sum(1)
 
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:

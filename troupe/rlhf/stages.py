@@ -11,7 +11,7 @@ from tqdm import tqdm
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
 from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.workers import PolicyActor, RewardActor
+from troupe.rlhf.workers import PolicyActor, RewardCalls, reward_of
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 
@@ -45,23 +45,24 @@ def run_sft(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
 def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path) -> Path:
     """Step 2: the reward model learns the preference pairs (started from the SFT policy
     when reward.init_from_sft); its weights go to out/reward/reward.trp."""
-    reward, c = graph["reward"], cfg.reward
+    reward, c = reward_of(graph, cfg), cfg.reward
     sft = out / "sft" / "policy.trp"
     if c.init_from_sft and not sft.is_file():
         raise FileNotFoundError(f"reward.init_from_sft: {sft} does not exist; run step 1 first "
                                 "or set reward.init_from_sft=false")
-    reward.invoke(RewardActor.start_training, c.steps, str(sft) if c.init_from_sft else None)
+    reward.invoke(RewardCalls.start_reward_training, c.steps,
+                  str(sft) if c.init_from_sft else None)
     for step, batch in tqdm(batches(data.pairs, c.batch_size, c.steps, cfg.seed + 20),
                             total=c.steps, desc="step 2: reward model"):
-        stats = reward.invoke(RewardActor.rm_step, batch, step)
+        stats = reward.invoke(RewardCalls.rm_step, batch, step)
         log.write({"kind": "reward", "step": step, "loss": _mean(s.loss for s in stats),
                    "accuracy": _mean(s.accuracy for s in stats)})
-    ev = reward.invoke(RewardActor.evaluate, data.eval_pairs)
+    ev = reward.invoke(RewardCalls.rm_evaluate, data.eval_pairs)
     acc = sum(e.correct for e in ev) / sum(e.count for e in ev)
     log.write({"kind": "reward_eval", "step": c.steps, "accuracy": acc,
                "loss": _mean(e.loss for e in ev)})
     path = out / "reward" / "reward.trp"
-    reward.invoke(RewardActor.save, str(path))
+    reward.invoke(RewardCalls.save_reward, str(path))
     return path
 
 

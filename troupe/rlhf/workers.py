@@ -14,8 +14,10 @@ from troupe.context import get_context
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
+    DPOStats,
     Experience,
     PolicyStats,
+    PreferenceBatch,
     RewardEval,
     RewardStats,
     Rollout,
@@ -46,6 +48,34 @@ class _Shell:
         self.role.load(path)
 
 
+class ReferenceCalls:
+    """What the frozen reference answers, wherever it lives: in its own role's workers
+    (ReferenceActor) or in the policy's (``reference_in_policy``: one process fewer per rank,
+    as verl's actor-rollout-reference worker). The driver finds it with ``reference_of``."""
+
+    reference: Reference | None = None
+
+    @dispatch(Dispatch.ALL)
+    def load_reference(self, path: str) -> None:
+        self.reference.load(path)
+
+    @dispatch(Dispatch.SHARD)
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """(B, S-1) log-probabilities of the rollout's response tokens under the reference."""
+        return self.reference.logprobs(rollout.ids, rollout.valid, rollout.action,
+                                       rollout.prompt_len)
+
+    @dispatch(Dispatch.SHARD)
+    def reference_pair_logprobs(self, pairs: list) -> torch.Tensor:
+        """(B, 2) summed log-probabilities of each (prompt, chosen, rejected) row's responses."""
+        return self.reference.pair_logprobs(pairs)
+
+
+def reference_of(graph, cfg: RLHFConfig):
+    """The role whose workers hold the reference model."""
+    return graph["policy"] if cfg.reference_in_policy else graph["reference"]
+
+
 class _TrainedShell(_Shell):
     """A role whose PPO state checkpoints hold (policy, critic): this rank's file is
     <directory>/<NAME>-RRRRR.trp."""
@@ -65,12 +95,15 @@ class _TrainedShell(_Shell):
         self.role.load_state_dict(state, str(ckpt.rank_file(directory, rank, self.NAME)))
 
 
-class PolicyActor(_TrainedShell):
+class PolicyActor(_TrainedShell, ReferenceCalls):
     NAME = "policy"
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
-        self.role = Policy(self.cfg, collectives.find_group("policy"), get_context().rank)
+        rank = get_context().rank
+        self.role = Policy(self.cfg, collectives.find_group("policy"), rank)
+        if self.cfg.reference_in_policy and self.cfg.uses_reference():
+            self.reference = Reference(self.cfg, rank)
 
     @dispatch(Dispatch.ALL)
     def start_sft(self, total_steps: int) -> None:
@@ -87,7 +120,8 @@ class PolicyActor(_TrainedShell):
         self.role.train.drop_optimizer()
 
     @dispatch(Dispatch.ALL)
-    def begin_ppo(self, sft_path: str) -> None:
+    def begin_ppo(self, sft_path: str | None) -> None:
+        """Step 3 (any algorithm) from the SFT weights (None: the model's own)."""
         torch.set_num_threads(self.cfg.ppo.threads)
         self.role.begin_ppo(sft_path)
 
@@ -98,12 +132,16 @@ class PolicyActor(_TrainedShell):
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) log-probabilities of the rollout's response tokens (0 elsewhere)."""
-        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action)
+        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action, rollout.prompt_len)
 
     @dispatch(Dispatch.SHARD)
     def ppo_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None = None) -> PolicyStats:
         return self.role.ppo_step(exp, iteration, ptx)
+
+    @dispatch(Dispatch.SHARD)
+    def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
+        return self.role.dpo_step(batch, step)
 
     @dispatch(Dispatch.RANK0)
     def save(self, path: str, ema: bool = False) -> str:
@@ -115,55 +153,74 @@ class PolicyActor(_TrainedShell):
         return self.role.export(directory)
 
 
-class ReferenceActor(_Shell):
+class ReferenceActor(_Shell, ReferenceCalls):
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
-        self.role = Reference(self.cfg, get_context().rank)
-
-    @dispatch(Dispatch.SHARD)
-    def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """(B, S-1) log-probabilities of the rollout's response tokens under the reference."""
-        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action)
+        self.role = self.reference = Reference(self.cfg, get_context().rank)
 
 
-class RewardActor(_Shell):
+class RewardCalls:
+    """What the reward model answers (step 2's training, step 3's scores), wherever it
+    lives: in its own role's workers (RewardActor) or in the critic's (``reward_in_critic``:
+    one process fewer per rank; it trains there in step 2 with the critic's data-parallel
+    group). The driver finds it with ``reward_of``."""
 
-    @dispatch(Dispatch.ALL)
-    def setup(self) -> None:
-        self.role = Reward(self.cfg, collectives.find_group("reward"), get_context().rank)
+    reward_model: Reward | None = None
 
     @dispatch(Dispatch.ALL)
-    def start_training(self, total_steps: int, init_path: str | None = None) -> None:
+    def start_reward_training(self, total_steps: int, init_path: str | None = None) -> None:
         torch.set_num_threads(self.cfg.threads)  # the reward model computes alone in step 2
         if init_path is not None:
-            self.role.init_from_policy(init_path)
-        self.role.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
+            self.reward_model.init_from_policy(init_path)
+        self.reward_model.train.use_optimizer(self.cfg.reward.optimizer, total_steps)
 
     @dispatch(Dispatch.SHARD)
     def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
-        return self.role.rm_step(examples, step)
+        return self.reward_model.rm_step(examples, step)
 
     @dispatch(Dispatch.SHARD)
-    def evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
-        return self.role.evaluate(examples)
-
-    @dispatch(Dispatch.SHARD)
-    def score(self, rollout: Rollout) -> torch.Tensor:
-        """(B,) the reward model's score of each sequence."""
-        return self.role.score(rollout.ids, rollout.valid)
+    def rm_evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
+        return self.reward_model.evaluate(examples)
 
     @dispatch(Dispatch.RANK0)
-    def save(self, path: str) -> str:
-        return self.role.save(path)
+    def save_reward(self, path: str) -> str:
+        return self.reward_model.save(path)
+
+    @dispatch(Dispatch.ALL)
+    def load_reward(self, path: str) -> None:
+        """The trained reward model for step 3, frozen (its training state freed first)."""
+        torch.set_num_threads(self.cfg.ppo.threads)
+        self.reward_model.load(path)
+
+    @dispatch(Dispatch.SHARD)
+    def reward_score(self, rollout: Rollout) -> torch.Tensor:
+        """(B,) the reward model's score of each sequence."""
+        return self.reward_model.score(rollout.ids, rollout.valid)
 
 
-class CriticActor(_TrainedShell):
+def reward_of(graph, cfg: RLHFConfig):
+    """The role whose workers hold the reward model."""
+    return graph["critic"] if cfg.reward_in_critic else graph["reward"]
+
+
+class RewardActor(_Shell, RewardCalls):
+
+    @dispatch(Dispatch.ALL)
+    def setup(self) -> None:
+        self.role = self.reward_model = Reward(self.cfg, collectives.find_group("reward"),
+                                               get_context().rank)
+
+
+class CriticActor(_TrainedShell, RewardCalls):
     NAME = "critic"
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> None:
-        self.role = Critic(self.cfg, collectives.find_group("critic"), get_context().rank)
+        group, rank = collectives.find_group("critic"), get_context().rank
+        if self.cfg.reward_in_critic and self.cfg.uses_reward_model():
+            self.reward_model = Reward(self.cfg, group, rank)
+        self.role = Critic(self.cfg, group, rank)
 
     @dispatch(Dispatch.ALL)
     def begin_ppo(self, reward_path: str) -> None:

@@ -1,0 +1,154 @@
+"""Programmatic rewards: the user's ``module:function`` run in a pool of separate processes
+(troupe/rlhf/reward_child.py), so that a call can be time-limited and a hung one killed.
+
+A call that raises, runs past the time limit, kills its process or returns something other
+than a finite number is a per-sample failure: it scores ``failure_score``, is counted and
+described, and the batch goes on (the process is replaced when it hung or died). Requests and
+replies are JSON lines (no pickle); the function must be importable from the working directory
+or PYTHONPATH, and one that cannot be imported stops the run before step 3 starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_CHILD = Path(__file__).with_name("reward_child.py")
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function cannot be used at all (not importable, or its processes exit)."""
+
+
+@dataclass
+class Scores:
+    """A batch's scores (failures at failure_score) and its failures as (index, message)."""
+
+    values: list[float]
+    failures: list[tuple[int, str]] = field(default_factory=list)
+
+
+class _Worker:
+    def __init__(self, spec: str, start_timeout_s: float):
+        self.proc = subprocess.Popen([sys.executable, str(_CHILD), spec], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, cwd=os.getcwd())
+        self.buf, self.task, self.started, self.eof = b"", None, 0.0, False
+        reply = self.read_line(start_timeout_s)
+        if reply is None or "fatal" in reply:
+            self.kill()
+            why = reply["fatal"] if reply else f"no answer within {start_timeout_s:.0f} s"
+            raise RewardFunctionError(f"reward.function {spec!r}: {why}")
+
+    def read_line(self, timeout_s: float) -> dict | None:
+        """The next reply, or None after ``timeout_s`` (0: what has arrived) or at the end of
+        the process's output (then ``eof`` is set)."""
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in self.buf:
+                if not sel.select(max(deadline - time.monotonic(), 0)):
+                    return None
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    self.eof = True
+                    return None
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def send(self, request: dict) -> None:
+        self.task, self.started = request["i"], time.monotonic()
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class RewardFunction:
+    """``spec`` = "module:function", called as fn(prompt, response, **fields) in ``workers``
+    processes, each call limited to ``timeout_s``."""
+
+    def __init__(self, spec: str, timeout_s: float = 10.0, workers: int = 2,
+                 failure_score: float = 0.0, start_timeout_s: float = 120.0):
+        self.spec, self.timeout_s, self.failure_score = spec, timeout_s, failure_score
+        self.start_timeout_s = start_timeout_s
+        self.workers = [_Worker(spec, start_timeout_s) for _ in range(workers)]
+        self.failures = 0  # over the pool's life
+
+    def __call__(self, prompts: list, responses: list[str],
+                 fields: list[dict] | None = None) -> Scores:
+        fields = fields or [{}] * len(prompts)
+        todo = [{"i": i, "prompt": p, "response": r, "fields": f}
+                for i, (p, r, f) in enumerate(zip(prompts, responses, fields))][::-1]
+        values: list[float | None] = [None] * len(todo)
+        out = Scores([])
+        with selectors.DefaultSelector() as sel:
+            for w in self.workers:
+                sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+            while todo or any(w.task is not None for w in self.workers):
+                for w in self.workers:
+                    if w.task is None and todo:
+                        self._send(w, todo.pop(), out, values, sel)
+                busy = [w for w in self.workers if w.task is not None]
+                if not busy:
+                    continue
+                wait = min(w.started + self.timeout_s for w in busy) - time.monotonic()
+                ready = {key.data for key, _ in sel.select(max(wait, 0))} if wait > 0 else set()
+                for w in busy:
+                    if w in ready or b"\n" in w.buf:
+                        self._receive(w, out, values, sel)
+                    elif time.monotonic() - w.started > self.timeout_s:
+                        self._fail(w, f"no result within {self.timeout_s:g} s", out, values,
+                                   sel)
+        out.values = [v if v is not None else self.failure_score for v in values]
+        self.failures += len(out.failures)
+        return out
+
+    def _send(self, w: _Worker, request: dict, out: Scores, values: list, sel) -> None:
+        try:
+            w.send(request)
+        except (BrokenPipeError, OSError):
+            w.task = request["i"]
+            self._fail(w, f"the reward process had exited (code {w.proc.poll()})", out,
+                       values, sel)
+
+    def _receive(self, w: _Worker, out: Scores, values: list, sel) -> None:
+        reply = w.read_line(0.0)
+        if reply is None:
+            if w.eof:
+                self._fail(w, f"the reward process exited (code {w.proc.wait()})", out,
+                           values, sel)
+            return
+        i, w.task = reply["i"], None
+        if "error" in reply:
+            out.failures.append((i, reply["error"]))
+        else:
+            values[i] = reply["value"]
+
+    def _fail(self, w: _Worker, why: str, out: Scores, values: list, sel) -> None:
+        """The sample ``w`` was scoring fails; ``w``'s process is replaced by a fresh one."""
+        out.failures.append((w.task, why))
+        sel.unregister(w.proc.stdout)
+        w.kill()
+        fresh = _Worker(self.spec, self.start_timeout_s)
+        self.workers[self.workers.index(w)] = fresh
+        sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+    def __enter__(self) -> "RewardFunction":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
