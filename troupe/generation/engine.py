@@ -21,6 +21,7 @@ import torch
 
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
 from troupe.generation.sampling import SamplingParams, checked, sample
+from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, KVCache
 
 
@@ -64,9 +65,12 @@ class ContinuousBatcher:
     """
 
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
-                 lockstep: bool = False, tokenizer=None):
+                 lockstep: bool = False, tokenizer=None, packed_decode: bool = True):
         self.lockstep, self.tokenizer = lockstep, tokenizer
         self.model = model.eval()
+        # decode steps multiply a few rows by every weight: fp32 CPU weights packed for that
+        # (troupe.kernels.small_gemm; a copy of the linear weights while the engine lives)
+        self.packed = DecodeWeights(model) if packed_decode else None
         self.cfg = model.cfg
         self.device = model.tok_emb.weight.device
         self.eos_id = eos_id
@@ -212,6 +216,10 @@ class ContinuousBatcher:
         self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
+        if self.packed:
+            with self.packed.active():
+                h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
+            return self._choose(seqs, self.packed.logits(h[:, -1]))
         h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, self.model.logits(h[:, -1]))
 

@@ -1,0 +1,64 @@
+"""The packed fp32 product for decoding: equal to F.linear for few rows (odd shapes, bias),
+used only inside ``active()`` and only for few-row inputs without autograd, and an engine that
+decodes with it gives the tokens of one that does not."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.kernels import small_gemm
+from troupe.models import GPT, GPTConfig
+
+pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="no C++ compiler")
+
+
+@pytest.mark.parametrize("N, K", [(576, 576), (1536, 576), (33, 64), (8, 16), (200, 96)])
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
+def test_packed_product_equals_linear(N, K, M):
+    g = torch.Generator().manual_seed(N * K + M)
+    w, b, x = (torch.randn(N, K, generator=g), torch.randn(N, generator=g),
+               torch.randn(M, K, generator=g))
+    packed = small_gemm.pack(w)
+    assert packed.shape == ((N + 15) // 16, K, 16)
+    torch.testing.assert_close(small_gemm.linear(x, packed, N, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(small_gemm.linear(x[:, None], packed, N),  # (M, 1, K) in
+                               F.linear(x, w)[:, None], rtol=1e-5, atol=1e-4)
+
+
+def test_active_switches_only_few_rows_without_grad():
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, d_model=32), seed=0)
+    weights = small_gemm.DecodeWeights(model)
+    lin = model.blocks[0].attn.qkv
+    assert lin in weights.layers and weights.logits_weight is not None
+    calls = []
+    real = small_gemm.linear
+    small_gemm.linear = lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1]
+    try:
+        with weights.active(), torch.no_grad():
+            lin(torch.randn(4, 32))            # few rows: packed
+            lin(torch.randn(40, 32))           # many rows: F.linear
+        with weights.active():
+            lin(torch.randn(4, 32))            # autograd on the weight: F.linear
+        lin(torch.randn(4, 32))                # outside: the class's forward
+    finally:
+        small_gemm.linear = real
+    assert calls == [(4, 32)]
+    assert "forward" not in vars(lin)
+
+
+@pytest.mark.parametrize("arch", [{}, dict(positions="rope", norm="rmsnorm", mlp="swiglu",
+                                           n_kv_head=1, out_bias=False, mlp_bias=False,
+                                           tie_embeddings=False)])
+def test_engine_tokens_with_and_without_packed_weights(arch):
+    model = GPT(GPTConfig(vocab_size=257, seq_len=64, n_layer=2, n_head=2, d_model=32, **arch),
+                seed=1)
+    prompts = [list(b"sort 4213:"), list(b"hello"), list(b"a")]
+    out = []
+    for packed in (False, True):
+        engine = ContinuousBatcher(model, 256, max_batch=4, packed_decode=packed)
+        for i, p in enumerate(prompts):
+            engine.add(str(i), p, SamplingParams(max_tokens=20))
+        out.append(engine.run())
+    assert out[0] == out[1]
