@@ -120,3 +120,14 @@ def test_bundled_reward_function_is_the_task_gold():
         p = task.prompt(rng)
         r = task.answer(p) if rng.random() < 0.3 else task.corrupt(task.answer(p), rng)
         assert sort_digits([{"role": "user", "content": p}], r) == task.gold(p, r)
+
+
+def test_parquet_rows_read_as_json_lines(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    rows = [{"prompt": [{"role": "user", "content": "sort 21"}], "ground_truth": "12"},
+            {"prompt": [{"role": "user", "content": "sort 3"}], "ground_truth": "3"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    got = read_jsonl(tmp_path / "rows.parquet")
+    assert [(e.prompt, e.fields) for e in got] == [(r["prompt"], {"ground_truth": r["ground_truth"]})
+                                                    for r in rows]

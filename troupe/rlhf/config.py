@@ -48,9 +48,10 @@ class TaskConfig(Config):
 
 
 class DataConfig(Config):
-    """Your own data: a JSON-lines file with prompt, chosen and rejected (DeepSpeed-Chat's
-    format); SFT trains on prompt + chosen, the reward model on the pairs, PPO on the prompts.
-    The last ``eval_fraction`` is held out."""
+    """Your own data: a JSON-lines (or parquet) file of rows with a prompt (text, or chat
+    messages) and optionally chosen and rejected (DeepSpeed-Chat's format) and other fields
+    for a reward function (troupe.rlhf.data); SFT trains on prompt + chosen, the reward model
+    and DPO on the pairs, step 3 on every prompt. The last ``eval_fraction`` is held out."""
 
     path: str | None = None
     eval_fraction: float = Field(default=0.05, gt=0, lt=1)
@@ -143,7 +144,9 @@ class PPOConfig(Config):
     PPO/RLOO/REINFORCE++) or as a loss term (true: GRPO's; None: true for grpo only), estimated
     by kl_estimator (None: k1 in the reward, k3 in the loss). clip_high: the upper clip of the
     ratio (DAPO's clip-higher; None: policy_clip). group_std: GRPO divides by the group's
-    standard deviation (false: Dr. GRPO)."""
+    standard deviation (false: Dr. GRPO). generation_batch: sequences the rollout engine
+    decodes at once (the others wait for a free slot: continuous batching; None: all at
+    once); 16 is what the CPU decode kernel serves, and bounds the KV cache."""
 
     iterations: int = Field(default=120, ge=0)
     threads: int = Field(default=1, ge=1)
@@ -153,6 +156,7 @@ class PPOConfig(Config):
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
     clip_high: float | None = Field(default=None, gt=0)
     group_std: bool = True
+    generation_batch: int | None = Field(default=16, ge=1)
     micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)

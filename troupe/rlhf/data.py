@@ -1,6 +1,7 @@
 """RLHF data: JSON-lines rows and the bundled task, generated at run time, whose gold reward is
 computed by a program that the learned reward model never sees.
 
+Rows come as JSON lines, or as a parquet file with the same columns (with pyarrow installed).
 A row's prompt is a string or a list of chat messages ({"role", "content"}), rendered through
 the model's chat template. chosen and rejected (DeepSpeed-Chat's format) are optional: rows
 with them feed SFT, the reward model and DPO; every row's prompt feeds the online algorithms.
@@ -43,14 +44,26 @@ def _check_prompt(prompt, where: str) -> Prompt:
                      '{"role": ..., "content": ...} messages')
 
 
+def _parquet_rows(path: Path):
+    """(row number, row) of a parquet file (pyarrow, when it is installed)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or "
+                          "give the rows as JSON lines") from None
+    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield i, {k: v for k, v in row.items() if v is not None}
+
+
 def read_jsonl(path: str | Path) -> list[Example]:
-    """Examples from a JSON-lines file (see the module's docstring); a bad line raises
-    ValueError naming the file, line and field."""
+    """Examples from a JSON-lines file, or a parquet file with the same columns (see the
+    module's docstring); a bad row raises ValueError naming the file, row and field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"RLHF data file {path} does not exist")
     out = []
-    for i, row in jsonl_objects(path):
+    rows = _parquet_rows(path) if path.suffix == ".parquet" else jsonl_objects(path)
+    for i, row in rows:
         if "prompt" not in row:
             raise ValueError(f"{path}:{i}: field prompt missing")
         prompt = _check_prompt(row["prompt"], f"{path}:{i}")

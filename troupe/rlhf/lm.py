@@ -76,11 +76,12 @@ class GPTLM(nn.Module):
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                 eos_id: int) -> list[list[int]]:
+                 eos_id: int, max_batch: int | None = None) -> list[list[int]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), all
         prompts in one batch through troupe.generation's engine: the server's engine and
         sampler, so a prompt, seed and sampling parameters give the server's tokens."""
-        engine = ContinuousBatcher(self.gpt, eos_id, max_batch=max(len(prompts), 1))
+        engine = ContinuousBatcher(self.gpt, eos_id,
+                                   max_batch=max(min(len(prompts), max_batch or len(prompts)), 1))
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)
         out = engine.run()
