@@ -62,3 +62,24 @@ def test_engine_tokens_with_and_without_packed_weights(arch):
             engine.add(str(i), p, SamplingParams(max_tokens=20))
         out.append(engine.run())
     assert out[0] == out[1]
+
+
+def test_kept_weights_refresh_in_place_after_a_change():
+    """RLHF's policy keeps its packed weights between rollouts (ppo.keep_decode_weights):
+    after the weights change, a refresh packs them into the same buffers, and generation
+    gives the tokens of freshly packed weights."""
+    from troupe.rlhf.lm import GPTLM
+    lm = GPTLM(GPT(GPTConfig(vocab_size=257, seq_len=64, n_layer=2, n_head=2, d_model=40),
+                   seed=2))  # d_model 40: the qkv rows (120) are not a multiple of 16
+    prompts = [list(b"sort 321:"), list(b"xy")]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2)]
+    lm.generate(prompts, params, 256, keep_packed=True)
+    buffers = {id(t) for t in lm._packed.layers.values()}
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.mul_(1.5)
+    kept = lm.generate(prompts, params, 256, keep_packed=True)
+    assert {id(t) for t in lm._packed.layers.values()} == buffers
+    fresh = small_gemm.DecodeWeights(lm.gpt)
+    assert all(torch.equal(lm._packed.layers[m], fresh.layers[m]) for m in fresh.layers)
+    assert kept == lm.generate(prompts, params, 256)

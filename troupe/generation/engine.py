@@ -65,12 +65,15 @@ class ContinuousBatcher:
     """
 
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
-                 lockstep: bool = False, tokenizer=None, packed_decode: bool = True):
+                 lockstep: bool = False, tokenizer=None,
+                 packed_decode: "bool | DecodeWeights" = True):
         self.lockstep, self.tokenizer = lockstep, tokenizer
         self.model = model.eval()
         # decode steps multiply a few rows by every weight: fp32 CPU weights packed for that
-        # (troupe.kernels.small_gemm; a copy of the linear weights while the engine lives)
-        self.packed = DecodeWeights(model) if packed_decode else None
+        # (troupe.kernels.small_gemm; a copy of the linear weights while the engine lives, or
+        # the caller's DecodeWeights of this model, kept between engines)
+        self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
+                       else DecodeWeights(model) if packed_decode else None)
         self.cfg = model.cfg
         self.device = model.tok_emb.weight.device
         self.eos_id = eos_id

@@ -45,11 +45,17 @@ def _extension():
     try:
         from torch.utils import cpp_extension
         flags = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for's threads
-        digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+        source = _SOURCE.read_bytes()
+        digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
         root = Path(os.environ.get("TROUPE_CACHE") or Path.home() / ".cache" / "troupe")
         build = root / "kernels" / f"small_gemm-{digest}"
         build.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=f"troupe_small_gemm_{digest}", sources=[str(_SOURCE)],
+        # compiled from a copy in the build directory: the same path from every checkout, so
+        # a second checkout of the same source finds the build instead of redoing it
+        copy = build / _SOURCE.name
+        if not copy.is_file() or copy.read_bytes() != source:
+            copy.write_bytes(source)
+        return cpp_extension.load(name=f"troupe_small_gemm_{digest}", sources=[str(copy)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no headers: the model keeps F.linear
@@ -97,6 +103,14 @@ class DecodeWeights:
     def __bool__(self) -> bool:
         return bool(self.layers)
 
+    def refresh(self) -> None:
+        """Pack the model's current weights into the buffers already held (no allocation:
+        fresh pages cost more than the copy)."""
+        for module, packed in self.layers.items():
+            _pack_into(packed, module.weight)
+        if self.logits_weight is not None:
+            _pack_into(self.logits_weight, self.model.tok_emb.weight)
+
     @contextlib.contextmanager
     def active(self):
         if not self.layers:
@@ -116,6 +130,14 @@ class DecodeWeights:
             return linear(h, self.logits_weight, self.model.cfg.vocab_size)
         with self.active():
             return self.model.logits(h)
+
+
+def _pack_into(packed: torch.Tensor, weight: torch.Tensor) -> None:
+    N, K = weight.shape
+    whole = N // 16 * 16
+    packed[:N // 16].copy_(weight.detach()[:whole].view(-1, 16, K).transpose(1, 2))
+    if whole < N:
+        packed[-1].copy_(pack(weight[whole:])[0])
 
 
 def _small(x: torch.Tensor) -> bool:

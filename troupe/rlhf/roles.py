@@ -97,7 +97,8 @@ class Policy:
         params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp, top_p=p.top_p,
                                  seed=seed) for seed in request.seeds]
         tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
-                                 self.tok.eos_id, p.generation_batch)
+                                 self.tok.eos_id, p.generation_batch,
+                                 keep_packed=p.keep_decode_weights and engine is model)
         if fused:
             unfuse_lora(model)
         rollout = self._rollout(request.prompts, tokens)
