@@ -110,7 +110,7 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
     (json.dumps({"model": NAME, "prompt": "x" * 60}).encode(), 400, "at most 48"),
     (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 500}).encode(), 400, "max_tokens"),
     (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
-    (json.dumps({"model": NAME, "prompt": "hi", "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": NAME, "prompt": "hi", "n": 17}).encode(), 400, "n"),
     (json.dumps({"model": "gpt-5", "prompt": "hi"}).encode(), 404, "not served here"),
 ])
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(app, body, status, words):
@@ -146,3 +146,49 @@ def test_the_api_key_is_in_no_file_of_the_ray_session(app):
         except OSError:
             continue
     assert not leaks, leaks
+
+
+def test_logprobs_are_the_models_log_softmax(app):
+    """Completions' logprobs (and chat's) are the served model's own log-softmax of each
+    chosen token (1e-4), with the likeliest tokens beside it."""
+    import torch
+    prompt = "Hello, troupe"
+    out = app["client"].completions.create(model=NAME, prompt=prompt, max_tokens=8,
+                                           temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    text = out.choices[0].text
+    assert "".join(lp.tokens) == text and len(lp.token_logprobs) == len(lp.tokens)
+    # (the API keys top_logprobs by token text: bytes that decode alike collapse into one key)
+    assert lp.text_offset[0] == 0 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    ids = list(prompt.encode()) + list(text.encode())
+    with torch.no_grad():
+        logits = app["model"](torch.tensor([ids]))[0][0]
+    want = torch.log_softmax(logits.float(), -1)
+    P = len(prompt.encode())
+    for i, (token, got) in enumerate(zip(text.encode(), lp.token_logprobs)):
+        assert abs(want[P - 1 + i, token].item() - got) < 1e-4
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(got, abs=1e-6)  # greedy
+    chat = app["client"].chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_n_choices_match_seeded_single_requests(app):
+    """n > 1: n choices, choice i the same as one request with seed + i; streamed, the same
+    text per index; with include_usage a last chunk carries the usage."""
+    ask = dict(model=NAME, prompt="abc", max_tokens=10, temperature=1.0)
+    many = app["client"].completions.create(n=3, seed=7, **ask)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, c in enumerate(many.choices):
+        assert c.text == app["client"].completions.create(seed=7 + i, **ask).choices[0].text
+    assert len({c.text for c in many.choices}) > 1
+    parts = list(app["client"].completions.create(n=3, seed=7, stream=True,
+                                                  stream_options={"include_usage": True}, **ask))
+    for i, c in enumerate(many.choices):
+        assert "".join(p.choices[0].text for p in parts if p.choices
+                       and p.choices[0].index == i) == c.text
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == \
+        many.usage.completion_tokens

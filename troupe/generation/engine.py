@@ -36,6 +36,8 @@ class Event:
     delta: str
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None  # of ``token``, when the sequence asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # (token, log-probability), likeliest first
 
 
 @dataclass
@@ -236,7 +238,14 @@ class ContinuousBatcher:
                 events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
                 continue
             s.out.append(token)
-            events.append(self._advance(s, token))
+            ev = self._advance(s, token)
+            if s.params.logprobs is not None:
+                logp = torch.log_softmax(logits, -1)
+                ev.logprob = float(logp[token])
+                if s.params.logprobs:
+                    top = logp.topk(s.params.logprobs)
+                    ev.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
+            events.append(ev)
         return events
 
     def _advance(self, s: _Sequence, token: int) -> Event:

@@ -13,13 +13,16 @@ import torch
 class SamplingParams:
     """max_tokens: tokens to generate at most; temperature 0 is greedy decoding; top_p keeps
     the smallest set of tokens whose probability adds up to it; seed makes sampling
-    repeatable; stop: strings that end the text (not included in it)."""
+    repeatable; stop: strings that end the text (not included in it); logprobs: report each
+    chosen token's log-probability under the model (the log-softmax of its logits, before
+    temperature and top-p) and that many of the most likely tokens beside it (None: none)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead
@@ -36,6 +39,8 @@ def checked(p: SamplingParams) -> SamplingParams:
         raise ValueError(f"temperature: must be a finite number >= 0, got {p.temperature!r}")
     if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
         raise ValueError(f"top_p: must be in (0, 1], got {p.top_p!r}")
+    if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= 20):
+        raise ValueError(f"logprobs: must be a whole number in [0, 20], got {p.logprobs!r}")
     temperature = p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0
     seed = p.seed % SEED_RANGE if p.seed is not None else None
     return replace(p, temperature=temperature, seed=seed, stop=tuple(p.stop))

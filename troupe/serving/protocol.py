@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -104,6 +105,12 @@ class RequestError(Exception):
                           "code": None}}
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
@@ -111,17 +118,19 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
 
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top log-probabilities each token reports (0: the chosen token's only;
+        None: no log-probabilities)."""
+        return None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @field_validator("stop")
     @classmethod
@@ -138,11 +147,15 @@ class _Request(BaseModel):
                                f"{limits.max_tokens}", "max_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=stop)
+                              seed=self.seed, stop=stop, logprobs=self.top_logprobs_wanted())
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -164,6 +177,17 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         """The messages as the tokenizer's chat template takes them."""
@@ -191,22 +215,62 @@ def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def completion(rid: str, model: str, text: str, finish: str | None, prompt_tokens: int,
-               completion_tokens: int, chat: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+@dataclass
+class Choice:
+    """One choice's text, finish reason, token count and (when asked) log-probabilities: per
+    token (text, log-probability, [(text, log-probability)] of the likeliest)."""
+
+    text: str = ""
+    finish: str | None = None
+    tokens: int = 0
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+
+
+def logprobs_body(items, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+    """OpenAI's logprobs object: chat's ``content`` list, or the completions API's parallel
+    lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+    if items is None:
+        return None
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+        return {"content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": u, "logprob": v, "bytes": list(u.encode())}
+                              for u, v in top]} for t, lp, top in items]}
+    offsets, at = [], offset
+    for t, _, _ in items:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+            "top_logprobs": [dict(top) for _, _, top in items], "text_offset": offsets}
+
+
+def completion(rid: str, model: str, choices: list[Choice], prompt_tokens: int,
+               chat: bool) -> dict[str, Any]:
+    out = []
+    for i, c in enumerate(choices):
+        choice: dict[str, Any] = {"index": i, "finish_reason": c.finish,
+                                  "logprobs": logprobs_body(c.logprobs, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        out.append(choice)
+    generated = sum(c.tokens for c in choices)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "created": int(time.time()), "model": model, "choices": out,
+            "usage": usage(prompt_tokens, generated)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-          first: bool = False) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+          first: bool = False, index: int = 0, logprobs=None,
+          offset: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish,
+                              "logprobs": logprobs_body(logprobs, chat, offset)}
     if chat:
         choice["delta"] = ({"role": "assistant"} if first else {}) | (
             {"content": text} if text or first else {})
@@ -214,6 +278,14 @@ def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
         choice["text"] = text
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def models(name: str, created: int) -> dict[str, Any]:

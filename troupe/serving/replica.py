@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 import torch
@@ -28,6 +28,7 @@ from troupe.serving.model import (calibrate, load_served_model, load_source, qua
                                   weight_bytes)
 from troupe.serving.protocol import (
     ChatRequest,
+    Choice,
     CompletionRequest,
     RequestError,
     ServeConfig,
@@ -36,6 +37,7 @@ from troupe.serving.protocol import (
     completion_id,
     models,
     parse,
+    usage_chunk,
 )
 from troupe.serving.runner import AsyncBatcher, SequenceFailed
 
@@ -171,38 +173,90 @@ class ServeReplica:
         req = parse(ChatRequest if chat else CompletionRequest, await self._receive(request))
         ids, params = self._prompt(req, chat)
         rid = completion_id(chat)
+        # n choices: sequences of their own (the engine prefills the shared prompt once),
+        # choice i seeded with seed + i, so that it equals a single request with that seed
+        samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
+                                          else params.seed + i)) for i in range(req.n)]
         if req.stream:  # counted in flight while it streams (see _stream)
-            return StreamingResponse(self._stream(rid, ids, params, chat),
+            return StreamingResponse(self._stream(rid, ids, samples, chat, req.include_usage()),
                                      media_type="text/event-stream")
         self.in_flight += 1
+        tasks = [asyncio.ensure_future(self._collect(sid, ids, p)) for sid, p in samples]
         try:
-            text, finish, n = "", None, 0
-            async for ev in self.engine.generate(rid, ids, params):
-                text, finish, n = text + ev.delta, ev.finish_reason, n + 1
+            choices = await asyncio.gather(*tasks)
         except SequenceFailed as e:
             raise RequestError(500, f"generation failed for this request: {e}",
                                type="server_error") from None
         finally:
+            for t in tasks:
+                t.cancel()  # the other choices' sequences, when one failed
             self.in_flight -= 1
-        return JSONResponse(completion(rid, self.cfg.model.name, text, finish, len(ids), n, chat))
+        return JSONResponse(completion(rid, self.cfg.model.name, choices, len(ids), chat))
 
-    async def _stream(self, rid: str, ids: list[int], params: SamplingParams,
-                      chat: bool) -> AsyncIterator[str]:
-        """Server-sent events; a failed sequence ends with an error event. Counted in flight
-        from its first to its last event, so a stream that never starts (the client left
-        first) is not left counted."""
+    async def _collect(self, seq_id: str, ids: list[int], params: SamplingParams) -> Choice:
+        c = Choice(logprobs=[] if params.logprobs is not None else None)
+        async for ev in self.engine.generate(seq_id, ids, params):
+            c.text, c.finish, c.tokens = c.text + ev.delta, ev.finish_reason, c.tokens + 1
+            if c.logprobs is not None and self._reported(ev):
+                c.logprobs.append(self._logprob(ev))
+        return c
+
+    def _reported(self, ev: Event) -> bool:
+        """A token whose log-probability is reported: not the end-of-text that stopped it."""
+        return ev.logprob is not None and not (ev.finish_reason == "stop"
+                                               and ev.token == self.tok.eos_id)
+
+    def _logprob(self, ev: Event) -> tuple[str, float, list[tuple[str, float]]]:
+        text = self.tok.decode([ev.token])
+        return text, ev.logprob, [(self.tok.decode([t]), lp) for t, lp in ev.top_logprobs or []]
+
+    async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
+                      chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events, the choices' chunks as they come (each names its index); a
+        failed sequence ends the stream with an error event; with include_usage a last chunk
+        carries the usage. Counted in flight from its first to its last event, so a stream
+        that never starts (the client left first) is not left counted."""
         name = self.cfg.model.name
         self.in_flight += 1
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, seq_id: str, params: SamplingParams) -> None:
+            try:
+                async for ev in self.engine.generate(seq_id, ids, params):
+                    await queue.put((index, ev))
+            except SequenceFailed as e:
+                await queue.put((index, e))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, sid, p)) for i, (sid, p) in enumerate(samples)]
+        generated, offsets, open_ = 0, [0] * len(samples), len(samples)
         try:
             if chat:
-                yield _sse(chunk(rid, name, "", None, chat, first=True))
-            async for ev in self.engine.generate(rid, ids, params):
-                if ev.delta or ev.finish_reason:
-                    yield _sse(chunk(rid, name, ev.delta, ev.finish_reason, chat))
-        except SequenceFailed as e:
-            yield _sse(RequestError(500, f"generation failed for this request: {e}",
-                                    type="server_error").body())
+                for i in range(len(samples)):
+                    yield _sse(chunk(rid, name, "", None, chat, first=True, index=i))
+            while open_:
+                index, ev = await queue.get()
+                if ev is None:
+                    open_ -= 1
+                    continue
+                if isinstance(ev, SequenceFailed):
+                    yield _sse(RequestError(500, f"generation failed for this request: {ev}",
+                                            type="server_error").body())
+                    break
+                generated += 1
+                lp = [self._logprob(ev)] if self._reported(ev) else None
+                if ev.delta or ev.finish_reason or lp:
+                    yield _sse(chunk(rid, name, ev.delta, ev.finish_reason, chat, index=index,
+                                     logprobs=lp if ev.logprob is not None else None,
+                                     offset=offsets[index]))
+                    offsets[index] += len(ev.delta)
+            else:
+                if include_usage:
+                    yield _sse(usage_chunk(rid, name, chat, len(ids), generated))
         finally:
+            for t in tasks:
+                t.cancel()
             self.in_flight -= 1
         yield "data: [DONE]\n\n"
 
