@@ -192,3 +192,33 @@ def test_n_choices_match_seeded_single_requests(app):
                        and p.choices[0].index == i) == c.text
     assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == \
         many.usage.completion_tokens
+
+
+def test_metrics_parse_and_count_the_requests_sent(app):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        with urllib.request.urlopen(app["url"] + "/metrics", timeout=30) as r:
+            assert r.headers["Content-Type"].startswith("text/plain")
+            text = r.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    ok = ("troupe_requests_total", (("outcome", "ok"), ("route", "/v1/completions")))
+    before = scrape()
+    for i in range(3):
+        app["client"].completions.create(model=NAME, prompt=f"count {i}", max_tokens=4,
+                                         temperature=0)
+    after = scrape()
+    assert after[ok] - before.get(ok, 0) == 3
+    assert after[("troupe_prompt_tokens_total", ())] - \
+        before[("troupe_prompt_tokens_total", ())] == 3 * len(b"count 0")
+    ttft = ("troupe_time_to_first_token_seconds_count", ())
+    assert after[ttft] - before[ttft] == 3
+    assert after[("troupe_generation_tokens_total", ())] - \
+        before[("troupe_generation_tokens_total", ())] >= 3
+    assert after[("troupe_requests_running", ())] == 0
+    assert 0 <= after[("troupe_kv_cache_usage_ratio", ())] <= 1

@@ -144,6 +144,16 @@ class ContinuousBatcher:
     def has_work(self) -> bool:
         return bool(self.active or self._waiting)
 
+    def waiting(self) -> int:
+        """Sequences queued for a free slot."""
+        with self._lock:
+            return len(self._waiting)
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(positions of the KV cache holding real tokens, max_batch x the model's context)."""
+        used = int(self.valid.sum()) if self.valid is not None else 0
+        return used, self.max_batch * self.cfg.seq_len
+
     def active_ids(self) -> list[str]:
         return [s.seq_id for s in self.active]
 

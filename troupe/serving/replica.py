@@ -24,6 +24,7 @@ from troupe.data import load_tokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
+from troupe.serving.metrics import ServerMetrics
 from troupe.serving.model import (calibrate, load_served_model, load_source, quantize_served,
                                   weight_bytes)
 from troupe.serving.protocol import (
@@ -62,6 +63,7 @@ class ServeReplica:
         self.created = int(time.time())
         self.in_flight = 0
         self.receiving = 0  # requests whose bodies are still arriving
+        self.metrics = ServerMetrics()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
@@ -70,6 +72,14 @@ class ServeReplica:
                                     tokenizer=self.tok.hf)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1}
+
+    def _metrics(self):
+        from starlette.responses import PlainTextResponse
+
+        waiting = getattr(self.batcher, "waiting", lambda: 0)()
+        used, capacity = getattr(self.batcher, "kv_usage", lambda: (0, 0))()
+        return PlainTextResponse(self.metrics.render(self.in_flight, waiting, used, capacity),
+                                 media_type="text/plain; version=0.0.4")
 
     def info(self) -> dict[str, Any]:
         return {"model": self.cfg.model.name, **self.details, "in_flight": self.in_flight,
@@ -82,6 +92,8 @@ class ServeReplica:
             path = request.url.path.rstrip("/") or "/"
             if path == "/health":
                 return JSONResponse({"status": "ok", **self.info()})
+            if path == "/metrics":  # unauthenticated, as /health: counts, no content
+                return self._metrics()
             self._authorize(request.headers.get("authorization"))
             if path == "/v1/models":
                 self._method(request, "GET")
@@ -90,7 +102,7 @@ class ServeReplica:
                 self._method(request, "POST")
                 return await self._complete(request, chat=path == CHAT)
             raise RequestError(404, f"no route {path}; this server has /v1/completions, "
-                               "/v1/chat/completions, /v1/models and /health")
+                               "/v1/chat/completions, /v1/models, /health and /metrics")
         except RequestError as e:
             headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401 else
                        {"Retry-After": "1"} if e.status == 429 else None)
@@ -173,29 +185,49 @@ class ServeReplica:
         req = parse(ChatRequest if chat else CompletionRequest, await self._receive(request))
         ids, params = self._prompt(req, chat)
         rid = completion_id(chat)
+        self.metrics.prompt_tokens += len(ids)
+        route, start = CHAT if chat else COMPLETIONS, time.monotonic()
         # n choices: sequences of their own (the engine prefills the shared prompt once),
         # choice i seeded with seed + i, so that it equals a single request with that seed
         samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
                                           else params.seed + i)) for i in range(req.n)]
         if req.stream:  # counted in flight while it streams (see _stream)
-            return StreamingResponse(self._stream(rid, ids, samples, chat, req.include_usage()),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream(rid, ids, samples, chat, req.include_usage(),
+                                                  start), media_type="text/event-stream")
         self.in_flight += 1
-        tasks = [asyncio.ensure_future(self._collect(sid, ids, p)) for sid, p in samples]
+        tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start)) for sid, p in samples]
         try:
             choices = await asyncio.gather(*tasks)
         except SequenceFailed as e:
+            self.metrics.finished(route, "error")
             raise RequestError(500, f"generation failed for this request: {e}",
                                type="server_error") from None
         finally:
             for t in tasks:
                 t.cancel()  # the other choices' sequences, when one failed
             self.in_flight -= 1
+        self.metrics.finished(route, "ok")
         return JSONResponse(completion(rid, self.cfg.model.name, choices, len(ids), chat))
 
-    async def _collect(self, seq_id: str, ids: list[int], params: SamplingParams) -> Choice:
-        c = Choice(logprobs=[] if params.logprobs is not None else None)
+    async def _timed(self, seq_id: str, ids: list[int], params: SamplingParams,
+                     start: float) -> AsyncIterator[Event]:
+        """The sequence's events, counted into the metrics (tokens, time to the first, time
+        between them)."""
+        last = None
         async for ev in self.engine.generate(seq_id, ids, params):
+            now = time.monotonic()
+            if last is None:
+                self.metrics.ttft.observe(now - start)
+            else:
+                self.metrics.tpot.observe(now - last)
+            last = now
+            self.metrics.generated_tokens += 1
+            yield ev
+
+    async def _collect(self, seq_id: str, ids: list[int], params: SamplingParams,
+                       start: float) -> Choice:
+        c = Choice(logprobs=[] if params.logprobs is not None else None)
+        async for ev in self._timed(seq_id, ids, params, start):
             c.text, c.finish, c.tokens = c.text + ev.delta, ev.finish_reason, c.tokens + 1
             if c.logprobs is not None and self._reported(ev):
                 c.logprobs.append(self._logprob(ev))
@@ -211,7 +243,7 @@ class ServeReplica:
         return text, ev.logprob, [(self.tok.decode([t]), lp) for t, lp in ev.top_logprobs or []]
 
     async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
-                      chat: bool, include_usage: bool) -> AsyncIterator[str]:
+                      chat: bool, include_usage: bool, start: float) -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
         carries the usage. Counted in flight from its first to its last event, so a stream
@@ -222,7 +254,7 @@ class ServeReplica:
 
         async def pump(index: int, seq_id: str, params: SamplingParams) -> None:
             try:
-                async for ev in self.engine.generate(seq_id, ids, params):
+                async for ev in self._timed(seq_id, ids, params, start):
                     await queue.put((index, ev))
             except SequenceFailed as e:
                 await queue.put((index, e))
@@ -241,6 +273,7 @@ class ServeReplica:
                     open_ -= 1
                     continue
                 if isinstance(ev, SequenceFailed):
+                    self.metrics.finished(CHAT if chat else COMPLETIONS, "error")
                     yield _sse(RequestError(500, f"generation failed for this request: {ev}",
                                             type="server_error").body())
                     break
@@ -252,6 +285,7 @@ class ServeReplica:
                                      offset=offsets[index]))
                     offsets[index] += len(ev.delta)
             else:
+                self.metrics.finished(CHAT if chat else COMPLETIONS, "ok")
                 if include_usage:
                     yield _sse(usage_chunk(rid, name, chat, len(ids), generated))
         finally:
