@@ -112,8 +112,9 @@ def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
     if alg == "ppo":
         advs, rets = [], []
         for r, ro in enumerate(rollouts):
-            rewards = algorithms.kl_rewards(logp[r], ref[r] if ref else logp[r], parts[r],
-                                            ro.action, p.kl_coef if ref else 0.0, p.clip_reward)
+            rewards = algorithms.kl_rewards(  # the KL here, unless it is a loss term
+                logp[r], ref[r] if in_reward_kl else logp[r], parts[r], ro.action,
+                p.kl_coef if in_reward_kl else 0.0, p.clip_reward, cfg.kl_estimator())
             adv, ret = algorithms.gae(rewards, out["values"][r], ro.action, p.gamma, p.lam)
             advs.append(adv)
             rets.append(ret)
