@@ -1,24 +1,27 @@
 """INT8 linear layers and INT8 decoding against fp32 on this CPU, with torch's dynamic
 quantization beside them; or, with --device cuda, against bf16 on a GPU.
 
-    python benchmarks/quant.py [--sizes 512 1024] [--tokens 64 256 1024] [--threads 1]
-    python benchmarks/quant.py --device cuda --sizes 4096 --tokens 16 256 4096 --decode-width 2048
+    python benchmarks/quant.py [--shapes 1024x1024 576x1536] [--tokens 1 8 64 256] [--threads 1]
+    python benchmarks/quant.py --device cuda --shapes 4096x4096 --tokens 16 256 4096 \
+        --decode-width 2048
 
 The baseline (--baseline, default fp32 on the CPU and bf16 on CUDA) is what each "speedup" in
 the lines divides by; torch.ao's dynamic quantization is CPU-only and left out on CUDA.
 
-"quant_linear" lines, for each (tokens M, width K = N): seconds per call (median) of nn.Linear
-in fp32, troupe's W8A8 QuantizedLinear (token-wise INT8 activations, INT8 GEMM, rescale), the
-INT8 GEMM alone, and torch.ao's dynamic INT8 Linear; weight bytes of each mode against fp32.
+"quant_linear" lines, for each (tokens M, in x out): microseconds per call (median) of
+nn.Linear in fp32, troupe's W8A8 QuantizedLinear (token-wise INT8 activations, INT8 GEMM,
+rescale; the native VNNI kernel where it runs: ``w8a8_layout`` "vnni"), the same numbers
+through torch ops (``torch._int_mm`` on the (O, I) rows), and torch.ao's dynamic INT8 Linear
+(fbgemm, one scale per tensor); relative errors against the fp32 product, and weight bytes
+against fp32.
 
-"quant_breakdown" lines: where a W8A8 call spends its time at the decoding shapes of the
---decode-width GPT (8 tokens; attention K = N, MLP up K -> 4K and down 4K -> K): the token
-quantization, the INT8 GEMM, the rescale, the whole call, and torch.ao's fused call beside them.
+"quant_weight_only" lines (CPU, M <= 16): troupe's W8A16 / W4A16 layers against PyTorch's
+packed weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``).
 
 "quant_decode" lines: end-to-end generation with the continuous batcher (troupe.serving) at
 batch 8 on a GPT of --decode-width (random weights: speed does not depend on them), in fp32,
 W8A8, W4/8A16 and under torch.ao dynamic quantization: generated tokens per second and the
-weight bytes of each.
+weight bytes of each; with --pretrained DIR, on that model (e.g. SmolLM2-135M) instead.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import torch
 
 from troupe.compression import QuantizedLinear, quantize_model
 from troupe.generation import ContinuousBatcher, SamplingParams
-from troupe.kernels.quant import channel_scales, int8_gemm, quantize_tokens
-from troupe.models import GPT, GPTConfig
+from troupe.kernels.quant import int8_linear, quantize_weight, row_layout
+from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.serving.model import weight_bytes
 
 DECODE_MODES = {"fp32": None, "w8a8": {"*": "w8a8"},
@@ -58,15 +61,20 @@ def timed(fn, repeats: int, cuda: bool = False) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024])
-    p.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--shapes", nargs="+", default=["1024x1024", "4096x4096", "576x1536",
+                                                   "1536x576"],
+                   help="in x out of the linear layers timed (SmolLM2's MLP: 576x1536, 1536x576)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--decode-width", type=int, default=1024)
     p.add_argument("--decode-layers", type=int, default=4)
+    p.add_argument("--pretrained", default=None,
+                   help="decode this Hugging Face directory instead of the random GPT")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--skip-linear", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--baseline", default=None, choices=["fp32", "bf16"],
                    help="the unquantized layers' dtype (default: fp32 on cpu, bf16 on cuda)")
@@ -81,42 +89,19 @@ def main() -> None:
     if not a.skip_linear:
         linears(a)
         if not a.cuda:
-            breakdown(a)
-    decode(a)
-
-
-def breakdown(a) -> None:
-    d = a.decode_width
-    for K, N in ((d, d), (d, 4 * d), (4 * d, d)):
-        lin = torch.nn.Linear(K, N)
-        q = QuantizedLinear(lin, "w8a8")
-        dyn = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear},
-                                                     dtype=torch.qint8)
-        x = torch.randn(a.batch, K)
-        xq, xs = quantize_tokens(x)
-        acc, cs = int8_gemm(xq, q.qw.q), channel_scales(q.qw)
-        with torch.inference_mode():
-            t = {"fp32": timed(lambda: lin(x), a.repeats),
-                 "quantize_tokens": timed(lambda: quantize_tokens(x), a.repeats),
-                 "int8_gemm": timed(lambda: int8_gemm(xq, q.qw.q), a.repeats),
-                 "rescale": timed(lambda: acc.float() * xs[:, None] * cs[None, :] + lin.bias,
-                                  a.repeats),
-                 "w8a8": timed(lambda: q(x), a.repeats),
-                 "torch_dynamic": timed(lambda: dyn(x), a.repeats)}
-        print(json.dumps({
-            "bench": "quant_breakdown", "machine": platform.node(), "threads": a.threads,
-            "tokens": a.batch, "in": K, "out": N,
-            **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
-            "gemm_share_of_w8a8": round(t["int8_gemm"] / t["w8a8"], 2),
-            "gemm_vs_torch_dynamic": round(t["int8_gemm"] / t["torch_dynamic"], 2)}), flush=True)
+            weight_only(a)
+    if not a.skip_decode:
+        decode(a)
 
 
 def decode(a) -> None:
     """Tokens per second of batch-``a.batch`` generation in each mode (the baseline figure is
     measured in the same run)."""
-    cfg = GPTConfig(seq_len=256, n_layer=a.decode_layers, n_head=a.decode_width // 64,
-                    d_model=a.decode_width)
-    base = GPT(cfg, seed=0).eval().requires_grad_(False)
+    if a.pretrained:
+        base = from_pretrained(a.pretrained).eval().requires_grad_(False)
+    else:
+        base = GPT(GPTConfig(seq_len=256, n_layer=a.decode_layers, n_head=a.decode_width // 64,
+                             d_model=a.decode_width), seed=0).eval().requires_grad_(False)
     prompts = [[(7 * i + j) % 256 for j in range(24 + 4 * i)] for i in range(a.batch)]
     modes = {a.baseline: None, **{m: r for m, r in DECODE_MODES.items() if m != "fp32"}}
     if a.cuda:
@@ -149,8 +134,9 @@ def decode(a) -> None:
         rates[mode] = best
         print(json.dumps({
             "bench": "quant_decode", "machine": platform.node(), "device": _device(a),
-            "threads": a.threads, "mode": mode, "batch": a.batch, "d_model": a.decode_width,
-            "n_layer": a.decode_layers, "decode_tokens_per_s": round(best, 1),
+            "threads": a.threads, "mode": mode, "batch": a.batch,
+            "model": a.pretrained or "random GPT", "d_model": base.cfg.d_model,
+            "n_layer": base.cfg.n_layer, "decode_tokens_per_s": round(best, 1),
             "baseline": a.baseline, "speedup_vs_baseline": round(best / rates[a.baseline], 2),
             "weight_bytes": _bytes(model),
             "weight_bytes_vs_fp32": round(_bytes(model) / _bytes(base), 4)}), flush=True)
@@ -172,9 +158,11 @@ def _bytes(model) -> int:
 
 
 def linears(a) -> None:
-    for K in a.sizes:
-        lin = torch.nn.Linear(K, K)
+    for shape in a.shapes:
+        K, N = (int(v) for v in shape.split("x"))
+        lin = torch.nn.Linear(K, N)
         w8a8 = QuantizedLinear(lin, "w8a8").to(a.device)
+        rows = row_layout(w8a8.qw)  # the torch path: torch._int_mm on the (O, I) rows
         w4 = QuantizedLinear(lin, "w4a16")
         dyn = None if a.cuda else torch.ao.quantization.quantize_dynamic(
             torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
@@ -182,29 +170,61 @@ def linears(a) -> None:
         for M in a.tokens:
             x = torch.randn(M, K, device=a.device)
             xb = x.to(a.dtype)
-            xq, _ = quantize_tokens(x)
             with torch.inference_mode():
                 t = {a.baseline: timed(lambda: ref(xb), a.repeats, a.cuda),
                      "w8a8": timed(lambda: w8a8(x), a.repeats, a.cuda),
-                     "int8_gemm": timed(lambda: int8_gemm(xq, w8a8.qw.q), a.repeats, a.cuda)}
+                     "w8a8_torch_ops": timed(lambda: int8_linear(x, rows, w8a8.bias), a.repeats,
+                                             a.cuda)}
                 exact = lin.to(a.device)(x)
                 rel = ((w8a8(x) - exact).norm() / exact.norm()).item()
                 rel_base = ((ref(xb).float() - exact).norm() / exact.norm()).item()
                 extra = {}
                 if dyn is not None:
                     t["torch_dynamic"] = timed(lambda: dyn(x), a.repeats)
-                    extra = {"torch_dynamic_speedup": round(t[a.baseline] / t["torch_dynamic"], 2),
+                    extra = {"w8a8_vs_torch_dynamic": round(t["torch_dynamic"] / t["w8a8"], 2),
+                             "torch_dynamic_speedup": round(t[a.baseline] / t["torch_dynamic"], 2),
                              "torch_dynamic_rel_error": round(
                                  ((dyn(x) - exact).norm() / exact.norm()).item(), 5)}
             print(json.dumps({
                 "bench": "quant_linear", "machine": platform.node(), "device": _device(a),
-                "threads": a.threads, "tokens": M, "in": K, "out": K, "baseline": a.baseline,
-                **{f"{k}_ms": round(v * 1e3, 4) for k, v in t.items()},
-                "w8a8_speedup": round(t[a.baseline] / t["w8a8"], 2),
-                "gemm_speedup": round(t[a.baseline] / t["int8_gemm"], 2), **extra,
+                "threads": a.threads, "tokens": M, "in": K, "out": N, "baseline": a.baseline,
+                "w8a8_layout": w8a8.qw.layout,
+                **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
+                "w8a8_speedup": round(t[a.baseline] / t["w8a8"], 2), **extra,
                 "w8a8_rel_error": round(rel, 5), "baseline_rel_error": round(rel_base, 5),
-                "int8_weight_bytes_ratio": round(w8a8.weight_nbytes / (K * K * 4), 4),
-                "int4_weight_bytes_ratio": round(w4.weight_nbytes / (K * K * 4), 4)}), flush=True)
+                "int8_weight_bytes_ratio": round(w8a8.weight_nbytes / (K * N * 4), 4),
+                "int4_weight_bytes_ratio": round(w4.weight_nbytes / (K * N * 4), 4)}), flush=True)
+
+
+def weight_only(a) -> None:
+    """troupe's weight-only layers against PyTorch's packed weight-only CPU kernels
+    (``_weight_int8pack_mm``: per-channel INT8; ``_weight_int4pack_mm_for_cpu``: INT4 in
+    groups of 64) and fp32, at decoding shapes."""
+    for shape in a.shapes:
+        K, N = (int(v) for v in shape.split("x"))
+        lin = torch.nn.Linear(K, N, bias=False)
+        w = lin.weight.detach()
+        w8, w4 = QuantizedLinear(lin, "w8a16"), QuantizedLinear(lin, "w4a16")
+        per_channel = quantize_weight(w, 8, 1, axis=0)
+        nibbles = torch.randint(0, 16, (N, K), dtype=torch.int32)  # speed does not need real ones
+        int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        scales_zeros = torch.randn(K // 64, N, 2)
+        for M in [m for m in a.tokens if m <= 16]:
+            x = torch.randn(M, K)
+            with torch.inference_mode():
+                t = {"fp32": timed(lambda: lin(x), a.repeats),
+                     "w8a16": timed(lambda: w8(x), a.repeats),
+                     "w4a16": timed(lambda: w4(x), a.repeats),
+                     "aten_int8pack": timed(lambda: torch.ops.aten._weight_int8pack_mm(
+                         x, per_channel.q, per_channel.scales), a.repeats),
+                     "aten_int4pack": timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                         x, int4pack, 64, scales_zeros), a.repeats)}
+            print(json.dumps({
+                "bench": "quant_weight_only", "machine": platform.node(), "device": _device(a),
+                "threads": a.threads, "tokens": M, "in": K, "out": N,
+                **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
+                "w8a16_vs_aten_int8pack": round(t["aten_int8pack"] / t["w8a16"], 2),
+                "w4a16_vs_aten_int4pack": round(t["aten_int4pack"] / t["w4a16"], 2)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,22 @@ def test_to_moves_the_integer_weights_and_lorc_factors():
     assert q.lorc_down.is_meta and q.lorc_up.is_meta and q.qw.q.dtype == torch.uint8
 
 
+def test_w8a8_moves_off_the_cpu_in_rows_and_packs_again_on_it():
+    """A W8A8 weight is packed for the CPU kernel only while on the CPU (when it runs here):
+    moved elsewhere it travels as (O, I) rows, and a move back packs it again."""
+    from troupe.kernels.quant import vnni_available
+
+    lin = torch.nn.Linear(64, 40)
+    q = QuantizedLinear(lin, "w8a8")
+    x = torch.randn(5, 64)
+    y = q(x)
+    assert q.qw.layout == ("vnni" if vnni_available() else "rows")
+    q.to(torch.float64)  # a cast goes through the same path and keeps the integers
+    assert torch.equal(q(x), y)
+    q.to(torch.device("meta"))
+    assert q.qw.layout == "rows" and q.qw.q.shape == (40, 64) and q.qw.q.is_meta
+
+
 def test_quantize_model_by_patterns():
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)).eval()

@@ -9,7 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from troupe.kernels.quant import (dequantize_weight, gemm_layout, int8_gemm, int8_linear,
-                                  pack_int4, quantize_tokens, quantize_weight, unpack_int4)
+                                  pack_int4, quantize_tokens, quantize_weight, row_layout,
+                                  unpack_int4, vnni_available, vnni_layout)
+
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="no AVX-512 VNNI on this CPU")
 
 
 @settings(max_examples=40, deadline=None)
@@ -72,6 +75,35 @@ def test_rescaled_product_equals_dequantized_fp32_product():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     # and close to the unquantized product
     assert ((got - x @ w.t()).norm() / (x @ w.t()).norm()).item() < 0.02
+
+
+@needs_vnni
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 8, 9, 14, 16, 33])
+@pytest.mark.parametrize("K, N", [(64, 16), (96, 33), (576, 1536), (20, 100), (2052, 40)])
+def test_vnni_kernel_equals_the_torch_path_bit_for_bit(M, K, N):
+    """The native W8A8 kernel (token quantization, VNNI GEMM, rescale in one call) gives
+    exactly int8_linear's torch ops' numbers: every tile shape (6 x 4 blocks, 4 + 4 rows, 8 x 2
+    blocks past K = 2048), output channels that are not a multiple of 16, with and without a
+    bias."""
+    g = torch.Generator().manual_seed(M * 1000 + K + N)
+    w, x, b = torch.randn(N, K, generator=g), 3 * torch.randn(M, K, generator=g), torch.randn(N)
+    x[0, 0] = 40.0  # an outlier that sets row 0's scale
+    rows = quantize_weight(w, 8, 1, axis=0)
+    packed = vnni_layout(rows)
+    assert packed.layout == "vnni" and rows.layout == "rows"
+    assert torch.equal(int8_linear(x, packed, b), int8_linear(x, rows, b))
+    assert torch.equal(int8_linear(x, packed), int8_linear(x, rows))
+    assert torch.equal(row_layout(packed).q, rows.q)
+    assert torch.equal(dequantize_weight(packed), dequantize_weight(rows))
+
+
+@needs_vnni
+def test_vnni_layout_holds_the_weight_once():
+    rows = quantize_weight(torch.randn(100, 64), 8, 1, axis=0)
+    packed = vnni_layout(rows)
+    # 7 blocks of 16 output channels (12 rows of zeros) and the column sums
+    assert packed.nbytes == 112 * 64 + 100 * 4 + 100 * 4
+    assert vnni_layout(quantize_weight(torch.randn(8, 6), 8, 1, axis=0)).layout == "rows"  # I % 4
 
 
 def test_weight_memory():

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from troupe.kernels.grouped_mlp import activation
-from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, gemm_layout, int8_linear,
-                                  quantize_weight, weight_only_linear)
+from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
+                                  quantize_weight, row_layout, vnni_layout, weight_only_linear)
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import TopKGate
 
@@ -84,7 +84,10 @@ class QuantizedLinear(nn.Module):
         """``.to(device)``, ``.cuda()`` and the like move the integer weights, their scales
         and the LoRC factors too (they are not parameters)."""
         super()._apply(fn, recurse)
-        self.qw = dataclasses.replace(self.qw, q=fn(self.qw.q), scales=fn(self.qw.scales))
+        rows = row_layout(self.qw)  # packed for the CPU kernel only while on the CPU
+        self.qw = dataclasses.replace(rows, q=fn(rows.q), scales=fn(rows.scales))
+        if self.mode == "w8a8":
+            self.qw = vnni_layout(self.qw)
         if self.lorc_down is not None:
             self.lorc_down, self.lorc_up = fn(self.lorc_down), fn(self.lorc_up)
         if self.outliers is not None:
@@ -94,6 +97,10 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.qw.layout == "vnni" and self.outliers is None and self.lorc_down is None:
+            # the native kernel's path, kept short: at decoding sizes the call is ~10 us
+            y = int8_linear(x2, self.qw, self.bias)
+            return y.view(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "w8a8" and self.outliers is not None:
             rest = x2.clone()
             rest[:, self.outliers] = 0
@@ -147,8 +154,7 @@ def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> Quantiz
     modes."""
     O, I = w_OI.shape
     if mode == "w8a8":
-        qw = quantize_weight(w_OI, 8, 1, axis=0)
-        return dataclasses.replace(qw, q=gemm_layout(qw.q))
+        return vnni_layout(quantize_weight(w_OI, 8, 1, axis=0))
     if mode in ("w8a16", "w4a16"):
         return quantize_weight(w_OI, 8 if mode == "w8a16" else 4, _divisor(I, group_size), axis=1)
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")

@@ -1,12 +1,14 @@
-"""Optional native CPU loops: C sources in csrc/ compiled on first use with the system C
-compiler, cached by content hash, and loaded with ctypes. Without a compiler (or with
-TROUPE_NATIVE=0) ``load`` returns None and callers use their torch path."""
+"""Optional native CPU loops, compiled on first use and cached by content hash: C sources in
+csrc/ built with the system C compiler and loaded with ctypes (``load``), and C++ torch
+extensions built with torch.utils.cpp_extension (``load_extension``). Without a compiler (or
+with TROUPE_NATIVE=0) both return None and callers use their torch path."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -14,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 _CSRC = Path(__file__).parent / "csrc"
+log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
@@ -42,3 +45,29 @@ def load(name: str) -> ctypes.CDLL | None:
                 return None
             os.replace(out, target)  # atomic: concurrent builders never load half a file
     return ctypes.CDLL(str(target))
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(name: str):
+    """The torch extension built from csrc/<name>.cpp (-O3 -march=native, OpenMP for
+    at::parallel_for's threads), or None when it cannot be built here."""
+    if os.environ.get("TROUPE_NATIVE", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+        flags = ["-O3", "-march=native", "-fopenmp"]
+        source = (_CSRC / f"{name}.cpp").read_bytes()
+        digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+        build = _cache_dir() / f"{name}-{digest}"
+        build.mkdir(parents=True, exist_ok=True)
+        # compiled from a copy in the build directory: the same path from every checkout, so
+        # a second checkout of the same source finds the build instead of redoing it
+        copy = build / f"{name}.cpp"
+        if not copy.is_file() or copy.read_bytes() != source:
+            copy.write_bytes(source)
+        return cpp_extension.load(name=f"troupe_{name}_{digest}", sources=[str(copy)],
+                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no headers: callers keep their torch path
+        log.warning("native kernel %s unavailable (%s): using the torch path", name, e)
+        return None

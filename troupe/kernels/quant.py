@@ -1,6 +1,8 @@
 """ZeroQuant's quantization primitives: symmetric group-wise weight quantization to INT8 or
 INT4 (two values a byte), token-wise dynamic INT8 activations, and the INT8 x INT8 -> INT32
-GEMM with its rescale. Torch ops (``torch._int_mm`` for the GEMM), on CPU or GPU tensors.
+GEMM with its rescale. Torch ops (``torch._int_mm`` for the GEMM), on CPU or GPU tensors; on a
+CPU with AVX-512 VNNI, W8A8 weights are held packed for a native kernel that quantizes the
+tokens, multiplies and rescales in one call (csrc/int8_gemm.cpp, ``vnni_layout``).
 
 Shapes: weights are (O, I) as in nn.Linear; activations (T, I) for T tokens.
 """
@@ -8,6 +10,8 @@ Shapes: weights are (O, I) as in nn.Linear; activations (T, I) for T tokens.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +39,18 @@ class QuantizedWeight:
     group_size: int
     axis: int
     shape: tuple[int, int]
+    colsum: torch.Tensor | None = None  # (O,) int32: sum of each row of q, with layout "vnni"
+
+    @property
+    def layout(self) -> str:
+        """"rows": q is (O, I) (INT4: (O, I/2)); "vnni": q is (ceil(O/16), I/4, 16, 4), the
+        native W8A8 kernel's packing."""
+        return "rows" if self.colsum is None else "vnni"
 
     @property
     def nbytes(self) -> int:
-        return self.q.untyped_storage().nbytes() + self.scales.numel() * 4
+        extra = 0 if self.colsum is None else self.colsum.numel() * 4
+        return self.q.untyped_storage().nbytes() + self.scales.numel() * 4 + extra
 
 
 def quantize_weight(w_OI: torch.Tensor, bits: int = 8, group_size: int | None = None,
@@ -77,7 +89,44 @@ def gemm_layout(q_OI: torch.Tensor) -> torch.Tensor:
     return rows[:, :I]
 
 
+def _int8_extension():
+    return _native.load_extension("int8_gemm")
+
+
+@functools.lru_cache(maxsize=None)
+def vnni_available() -> bool:
+    """Whether the native W8A8 kernel runs here (a CPU with AVX-512 VNNI and a compiler)."""
+    ext = _int8_extension()
+    return ext is not None and ext.available()
+
+
+def vnni_layout(qw: QuantizedWeight) -> QuantizedWeight:
+    """An INT8 per-output-channel weight packed for the native kernel, when it runs here and
+    the weight is on the CPU with I a multiple of 4; otherwise the row layout for
+    ``torch._int_mm`` (``gemm_layout``). The packed weight replaces the rows (no second copy):
+    ``row_layout`` gives them back."""
+    O, I = qw.shape
+    if qw.layout == "vnni":
+        return qw
+    if not (qw.bits == 8 and qw.axis == 0 and qw.group_size == 1 and I % 4 == 0
+            and qw.q.device.type == "cpu" and vnni_available()):
+        return dataclasses.replace(qw, q=gemm_layout(qw.q))
+    rows = F.pad(qw.q, (0, 0, 0, -O % 16))
+    packed = rows.view(-1, 16, I // 4, 4).transpose(1, 2).contiguous()
+    return dataclasses.replace(qw, q=packed, colsum=qw.q.sum(1, dtype=torch.int32))
+
+
+def row_layout(qw: QuantizedWeight) -> QuantizedWeight:
+    """The (O, I) integer weight of a packed one (the inverse of ``vnni_layout``)."""
+    if qw.layout == "rows":
+        return qw
+    O, I = qw.shape
+    rows = qw.q.transpose(1, 2).reshape(-1, I)[:O].contiguous()
+    return dataclasses.replace(qw, q=rows, colsum=None)
+
+
 def dequantize_weight(qw: QuantizedWeight) -> torch.Tensor:
+    qw = row_layout(qw)
     O, I = qw.shape
     q = unpack_int4(qw.q, I) if qw.bits == 4 else qw.q
     q = q.float()
@@ -167,10 +216,18 @@ def int8_gemm(xq_TI: torch.Tensor, wq_OI: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(torch.cat([xq_TI, pad]), wq_OI.t())[:T]
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
 def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None):
-    """W8A8: quantize the tokens, INT8 GEMM, rescale by s_x[:, None] * s_w[None, :]."""
+    """W8A8: quantize the tokens, INT8 GEMM, rescale by s_x[:, None] * s_w[None, :]. With a
+    ``vnni_layout`` weight, all three in the native kernel (the same numbers, bit for bit)."""
     if qw.bits != 8 or qw.axis != 0:
         raise ValueError("int8_linear needs INT8 weights with per-output-channel groups")
+    if qw.layout == "vnni":  # (a call costs ~10 us at decoding sizes: no needless copies)
+        return _int8_extension().linear(_f32(x_TI), qw.q, qw.colsum, _f32(qw.scales),
+                                        None if bias is None else _f32(bias), qw.shape[0])
     xq, xs = quantize_tokens(x_TI)
     y = int8_gemm(xq, qw.q).float() * xs[:, None] * channel_scales(qw)[None, :]
     return y + bias if bias is not None else y

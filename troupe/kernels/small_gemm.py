@@ -22,45 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import logging
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+from troupe.kernels import _native
 
 MAX_ROWS = 16
-_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 
 
-@functools.lru_cache(maxsize=None)
 def _extension():
     """The compiled extension, or None when it cannot be built here."""
-    if os.environ.get("TROUPE_NATIVE", "1") == "0":
-        return None
-    try:
-        from torch.utils import cpp_extension
-        flags = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for's threads
-        source = _SOURCE.read_bytes()
-        digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
-        root = Path(os.environ.get("TROUPE_CACHE") or Path.home() / ".cache" / "troupe")
-        build = root / "kernels" / f"small_gemm-{digest}"
-        build.mkdir(parents=True, exist_ok=True)
-        # compiled from a copy in the build directory: the same path from every checkout, so
-        # a second checkout of the same source finds the build instead of redoing it
-        copy = build / _SOURCE.name
-        if not copy.is_file() or copy.read_bytes() != source:
-            copy.write_bytes(source)
-        return cpp_extension.load(name=f"troupe_small_gemm_{digest}", sources=[str(copy)],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build), verbose=False)
-    except Exception as e:  # no compiler, no headers: the model keeps F.linear
-        log.warning("fp32 decode kernel unavailable (%s): decoding uses F.linear", e)
-        return None
+    return _native.load_extension("small_gemm")
 
 
 def available() -> bool:
@@ -100,8 +74,8 @@ class DecodeWeights:
                 and emb.weight.dtype == torch.float32 and emb.weight.device.type == "cpu":
             self.logits_weight = pack(emb.weight)
 
-    def __bool__(self) -> bool:
-        return bool(self.layers)
+    def __bool__(self) -> bool:  # a quantized model may have no fp32 layer but the logits
+        return bool(self.layers) or self.logits_weight is not None
 
     def refresh(self) -> None:
         """Pack the model's current weights into the buffers already held (no allocation:

@@ -1,0 +1,198 @@
+// W8A8 linear layers with AVX-512 VNNI: y = dq(q(x) q(W)^T) + b, where each token (row of x)
+// is quantized to INT8 with its own scale (max|x_t| / 127) and each output channel of W has
+// its own scale. One call quantizes the rows, multiplies, and rescales; no INT32 matrix is
+// ever written to memory.
+//
+// VNNI's vpdpbusd multiplies unsigned by signed bytes, four pairs summed into each INT32 lane.
+// The activations are shifted to unsigned (u = q + 128) and the shift is taken back out with
+// the weight's column sums: sum_k u_k w_k = sum_k q_k w_k + 128 sum_k w_k.
+//
+// The weight is packed as (N/16, K/4, 16, 4): for each block of 16 output channels and each
+// group of 4 inputs, one 64-byte vector holds the 16 x 4 weights vpdpbusd wants, and one
+// broadcast of a token's 4 input bytes meets it. A tile of up to 6 tokens x 4 blocks (64
+// outputs) keeps 24 accumulators in registers over the whole inner dimension; the blocks are
+// split over torch's intra-op threads (at::parallel_for).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cfloat>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TROUPE_VNNI 1
+#else
+#define TROUPE_VNNI 0
+#endif
+
+bool available() { return TROUPE_VNNI; }
+
+#if TROUPE_VNNI
+namespace {
+
+constexpr int MR = 6, NR = 4, PF = 16;
+
+// Row m of x (K floats) -> K unsigned bytes round(x / s) + 128 and s = max|x| / 127 (as
+// quantize_tokens does: the same division and round-half-to-even, so the same integers).
+void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale) {
+  __m512 amax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
+  amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + k)));
+  const float s = std::max(_mm512_reduce_max_ps(amax) / 127.0f, FLT_MIN);
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127),
+                shift = _mm512_set1_epi32(128);
+  for (k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : tail;
+    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), sv));
+    q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), shift);
+    _mm_mask_storeu_epi8(u + k, m, _mm512_cvtepi32_epi8(q));
+  }
+}
+
+// y[m0:m0+R, 16 b0 : 16 (b0+C)] for R tokens and C blocks of 16 outputs.
+template <int R, int C>
+void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const int32_t *colsum,
+          const float *sw, const float *bias, int64_t b0, int64_t N, float *y) {
+  const int64_t KQ = K / 4;
+  const int8_t *w = wp + b0 * KQ * 64;
+  // every loop over i and j is unrolled (the pragmas), or GCC keeps the accumulator array
+  // on the stack, a load and a store around every vpdpbusd
+  __m512i acc[R][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) acc[i][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < KQ; k++) {
+    __m512i wv[C];
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) {
+      // weights come from memory once per call: ask for them PF steps ahead, or with many
+      // tokens per step the hardware prefetcher leaves a decode step waiting on DRAM
+      _mm_prefetch((const char *)(w + (j * KQ + k + PF) * 64), _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(w + (j * KQ + k) * 64);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      int32_t four;
+      std::memcpy(&four, u + i * K + 4 * k, 4);
+      const __m512i a = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
+      for (int j = 0; j < C; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], a, wv[j]);
+    }
+  }
+  // the epilogue reads the sums back from a small buffer: GCC keeps them in registers
+  // through the loop above only while nothing but whole-array stores follows it
+  alignas(64) int32_t sums[R][C * 16];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 4
+    for (int j = 0; j < C; j++) _mm512_store_si512(sums[i] + j * 16, acc[i][j]);
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int j = 0; j < C; j++) {
+    const int64_t n = (b0 + j) * 16;
+    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, colsum + n), 7);
+    const __m512 s = _mm512_maskz_loadu_ps(keep, sw + n);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < R; i++) {
+      // (acc * s_x) * s_w + b, in the order int8_linear's torch ops use: bit-identical
+      // (explicit rounding: never contracted into an FMA)
+      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[i] + j * 16), shift));
+      v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx[i]), RN), s, RN);
+      if (bias) v = _mm512_add_round_ps(v, b, RN);
+      _mm512_mask_storeu_ps(y + i * N + n, keep, v);
+    }
+  }
+}
+
+template <int C>
+void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t *wp,
+          const int32_t *cs, const float *sw, const float *b, int64_t b0, int64_t N, float *y) {
+  switch (r) {
+    case 1: tile<1, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    case 2: tile<2, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    case 3: tile<3, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    case 4: tile<4, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    case 5: tile<5, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    default: tile<6, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+  }
+}
+
+}  // namespace
+#endif
+
+// x (M, K) fp32, K a multiple of 4; wp (NB, K/4, 16, 4) int8 (output channels past n_out are
+// zeros); colsum (n_out) int32, scales and bias (n_out) fp32 (bias may be absent), with
+// 16 (NB - 1) < n_out <= 16 NB. Returns y (M, n_out) fp32.
+torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
+                     torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n_out) {
+#if TROUPE_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "int8_gemm.linear: x must be a contiguous (M, K) float32 tensor");
+  const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0);
+  TORCH_CHECK(K % 4 == 0 && wp.size(1) * 4 == K, "int8_gemm.linear: x has K = ", K,
+              ", the packed weight ", wp.size(1) * 4);
+  TORCH_CHECK(n_out <= NB * 16 && n_out > (NB - 1) * 16, "int8_gemm.linear: n_out ", n_out,
+              " does not fit ", NB, " blocks of 16");
+  TORCH_CHECK(colsum.numel() == n_out && scales.numel() == n_out &&
+              (!bias.has_value() || bias->numel() == n_out),
+              "int8_gemm.linear: colsum, scales and bias need ", n_out, " values");
+  auto u = torch::empty({M, K}, x.options().dtype(torch::kUInt8));
+  auto sx = torch::empty({M}, x.options());
+  auto y = torch::empty({M, n_out}, x.options());
+  const float *xp = x.data_ptr<float>();
+  uint8_t *up = u.data_ptr<uint8_t>();
+  float *sp = sx.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) quantize_row(xp + m * K, K, up + m * K, sp + m);
+  });
+  const int8_t *w = wp.data_ptr<int8_t>();
+  const int32_t *cs = colsum.data_ptr<int32_t>();
+  const float *sw = scales.data_ptr<float>();
+  const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float *yp = y.data_ptr<float>();
+  const int64_t panels = (NB + NR - 1) / NR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) {
+      const int64_t b0 = p * NR, c = std::min<int64_t>(NR, NB - b0);
+      for (int64_t m = 0; m < M;) {
+        // 7 or 8 rows left: one pass of 8 x 2-block tiles when the panel is too large to be
+        // read twice from L2 (K > 2048), else 4 + 4 rows (or 4 + 3) over the whole panel
+        const int64_t left = M - m;
+        const int64_t r = left <= MR ? left : left > 8 ? MR : K > 2048 ? left : 4;
+        const uint8_t *um = up + m * K;
+        const float *sm = sp + m;
+        float *ym = yp + m * n_out;
+        m += r;
+        if (r > MR) {  // the last 7 or 8 rows: tiles of 2 blocks, the weight still read once
+          for (int64_t j = b0; j < b0 + c; j += 2) {
+            const bool two = j + 1 < b0 + c;
+            if (r == 7) two ? tile<7, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym)
+                            : tile<7, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym);
+            else two ? tile<8, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym)
+                     : tile<8, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym);
+          }
+          continue;
+        }
+        switch (c) {
+          case 1: rows<1>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
+          case 2: rows<2>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
+          case 3: rows<3>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
+          default: rows<4>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
+        }
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8_gemm.linear: this build has no AVX-512 VNNI");
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available);
+  m.def("linear", &linear);
+}
