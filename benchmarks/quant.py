@@ -36,6 +36,7 @@ import time
 import torch
 
 from troupe.compression import QuantizedLinear, quantize_model
+from troupe.compression.quantize import outlier_channels
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.kernels.quant import int8_linear, quantize_weight, row_layout
 from troupe.models import GPT, GPTConfig, from_pretrained
@@ -75,6 +76,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--skip-linear", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--scoring", action="store_true",
+                   help="also time a scoring forward (what RLHF's frozen roles run)")
+    p.add_argument("--score-batch", type=int, default=16)
+    p.add_argument("--score-len", type=int, default=128)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--baseline", default=None, choices=["fp32", "bf16"],
                    help="the unquantized layers' dtype (default: fp32 on cpu, bf16 on cuda)")
@@ -92,6 +97,8 @@ def main() -> None:
             weight_only(a)
     if not a.skip_decode:
         decode(a)
+    if a.scoring and not a.cuda:
+        scoring(a)
 
 
 def decode(a) -> None:
@@ -140,6 +147,42 @@ def decode(a) -> None:
             "baseline": a.baseline, "speedup_vs_baseline": round(best / rates[a.baseline], 2),
             "weight_bytes": _bytes(model),
             "weight_bytes_vs_fp32": round(_bytes(model) / _bytes(base), 4)}), flush=True)
+
+
+def scoring(a) -> None:
+    """Seconds of one no-grad forward over --score-batch sequences of --score-len tokens (the
+    pass RLHF's reference and reward roles run on each batch of rollouts) in fp32, W8A8 (as
+    ppo.quantize_frozen=w8a8 holds them: 1 in 36 input channels kept fp32, calibrated on the
+    batch) and under torch.ao, with the log-probabilities' mean absolute error against fp32
+    (the ids are random tokens: a harder input than text)."""
+    if a.pretrained:
+        base = from_pretrained(a.pretrained).eval().requires_grad_(False)
+    else:
+        base = GPT(GPTConfig(seq_len=256, n_layer=a.decode_layers, n_head=a.decode_width // 64,
+                             d_model=a.decode_width), seed=0).eval().requires_grad_(False)
+    S = min(a.score_len, base.cfg.seq_len)
+    ids = torch.randint(0, base.cfg.vocab_size, (a.score_batch, S),
+                        generator=torch.Generator().manual_seed(0))
+    w8a8 = copy.deepcopy(base)  # as troupe.rlhf.roles.quantize_frozen does it
+    quantize_model(w8a8, {"*": "w8a8"}, outliers=outlier_channels(
+        base, [ids], max(1, base.cfg.d_model // 36)))
+    ao = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base), {torch.nn.Linear},
+                                                dtype=torch.qint8)
+    with torch.inference_mode():
+        ref = torch.log_softmax(base(ids)[0].float(), -1)
+        t, err = {}, {}
+        for mode, model in (("fp32", base), ("w8a8", w8a8), ("torch_dynamic", ao)):
+            t[mode] = timed(lambda: model(ids), 3)
+            lp = torch.log_softmax(model(ids)[0].float(), -1)
+            err[mode] = (lp - ref).abs().mean().item()
+    print(json.dumps({
+        "bench": "quant_scoring", "machine": platform.node(), "threads": a.threads,
+        "model": a.pretrained or "random GPT", "batch": a.score_batch, "seq_len": S,
+        **{f"{k}_s": round(v, 4) for k, v in t.items()},
+        "w8a8_speedup": round(t["fp32"] / t["w8a8"], 2),
+        "torch_dynamic_speedup": round(t["fp32"] / t["torch_dynamic"], 2),
+        **{f"{k}_mean_abs_logprob_error": round(v, 5) for k, v in err.items() if k != "fp32"}}),
+        flush=True)
 
 
 def _device(a) -> str:

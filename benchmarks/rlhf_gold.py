@@ -8,7 +8,8 @@ Runs `python apps/rlhf.py` (all three steps, the embedded local Ray) once per al
 seed and prints one JSON line each, then one per algorithm with the mean margin: held-out
 reward-model accuracy, gold reward and exact-answer rate of the SFT policy and of the step-3
 policy on held-out prompts (sampling at the recipe's temperature), the final KL (per sequence;
-for GRPO the loss term's per-token estimate), and the wall time of the whole run. GRPO and
+for GRPO the loss term's per-token estimate), the mean seconds of an iteration's generation, scoring (reference, reward, critic) and
+training, and the wall time of the whole run. GRPO and
 RLOO sample 4 responses for each of 8 prompts per iteration (PPO: 1 for each of 32). dpo is the
 recipe's (RPO: DPO plus the chosen responses' NLL); dpo_plain is DPO alone at a lower rate.
 """
@@ -34,12 +35,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--algorithms", nargs="+", default=["ppo"], choices=list(EXTRA))
     p.add_argument("--config", default=str(ROOT / "apps" / "configs" / "rlhf-sort.yaml"))
+    p.add_argument("--tag", default="", help="appended to the run directories' names")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     for alg in a.algorithms:
         margins = []
         for seed in a.seeds:
-            out = ROOT / "runs" / f"rlhf-{alg}-seed{seed}"
+            out = ROOT / "runs" / f"rlhf-{alg}-seed{seed}{a.tag}"
             t0 = time.perf_counter()
             subprocess.run([sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config", a.config,
                             f"algorithm={alg.split('_plain')[0]}", f"seed={seed}",
@@ -51,6 +53,9 @@ def main() -> None:
             recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             kl = [r.get("kl", r.get("kl_loss")) for r in recs if r["kind"] == "ppo"]
             kl = [k for k in kl if k is not None] or [float("nan")]
+            steps = [r for r in recs if r["kind"] == "ppo" and "score_s" in r]
+            timing = {f"{k}_mean": round(sum(r[k] for r in steps) / max(len(steps), 1), 4)
+                      for k in ("generate_s", "score_s", "train_s")}
             before, after = s["ppo"]["before"], s["ppo"]["after"]
             margins.append(after["gold"] - before["gold"])
             print(json.dumps({"bench": "rlhf_gold", "machine": platform.node(), "algorithm": alg,
@@ -62,7 +67,8 @@ def main() -> None:
                               "final_exact": round(after["exact"], 4),
                               "gold_margin": round(margins[-1], 4),
                               "kl_last10_mean": round(sum(kl[-10:]) / len(kl[-10:]), 4),
-                              "kl_max": round(max(kl), 4), "wall_s": round(wall, 1)}), flush=True)
+                              "kl_max": round(max(kl), 4), **timing,
+                              "overrides": a.overrides, "wall_s": round(wall, 1)}), flush=True)
         print(json.dumps({"bench": "rlhf_gold", "algorithm": alg, "seeds": a.seeds,
                           "mean_gold_margin": round(sum(margins) / len(margins), 4),
                           "min_gold_margin": round(min(margins), 4)}), flush=True)

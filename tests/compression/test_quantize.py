@@ -195,3 +195,29 @@ def test_smollm2_w8a8_perplexity_within_one_percent(smollm2):
     calibration = [data.train_batch(10_000 + i, 4, 256)[0] for i in range(2)]
     quantize_model(model, {"*": "w8a8"}, outliers=outlier_channels(model, calibration, 16))
     assert perplexity(model) / base - 1 < 0.01
+
+
+def test_requantize_equals_a_fresh_quantized_copy_after_an_update():
+    """RLHF's INT8 rollouts re-quantize their copy in place after each policy update: the
+    result is exactly a fresh copy quantized from the updated weights, and a model that does
+    not match is refused by name."""
+    import copy
+
+    from troupe.compression import requantize
+    from troupe.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32), seed=0).eval()
+    engine = copy.deepcopy(model)
+    quantize_model(engine, {"*": "w8a8"})
+    with torch.no_grad():  # an "update": every weight moves
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    requantize(engine, model)
+    fresh = copy.deepcopy(model)
+    quantize_model(fresh, {"*": "w8a8"})
+    ids = torch.randint(0, 256, (3, 12))
+    with torch.no_grad():
+        assert torch.equal(engine(ids)[0], fresh(ids)[0])
+    other = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=64), seed=0)
+    with pytest.raises(ValueError, match="blocks.0"):
+        requantize(engine, other)

@@ -158,6 +158,52 @@ def test_int8_generation_layout():
     assert agree > 0.9
     assert all(isinstance(m, torch.nn.Linear) or "Quantized" not in type(m).__name__
                for m in policy.lm.modules())
+    # after an update the INT8 copy is re-quantized in place, not made again, and generates
+    # what a fresh copy of the updated policy would
+    policy.cfg.ppo.int8_generation = True
+    engine = policy._int8[1]
+    policy.sft_step(SortTask().demonstrations(32, 99), 41)
+    again = policy.generate(request)
+    assert policy._int8[1] is engine
+    policy._int8 = None
+    assert torch.equal(policy.generate(request).ids, again.ids)
+
+
+def test_frozen_roles_in_w8a8(tmp_path):
+    """ppo.quantize_frozen=w8a8: the reference and reward models load as W8A8 (the value head
+    fp32) and score close to their fp32 selves."""
+    from troupe.compression import QuantizedLinear
+    from troupe.rlhf.roles import Reference
+
+    fp32, w8a8 = RLHFConfig(**SMALL), RLHFConfig(**{**SMALL, "ppo": {"quantize_frozen": "w8a8"}})
+    policy = Policy(fp32, None, 0)
+    policy.train.use_optimizer(fp32.sft.optimizer, 30)
+    for s in range(1, 31):
+        policy.sft_step(SortTask().demonstrations(32, s), s)
+    path = policy.save(str(tmp_path / "sft"))
+    g = policy.generate(RolloutRequest(SortTask().prompts(16, 3), list(range(16))))
+    refs = []
+    for cfg in (fp32, w8a8):
+        ref = Reference(cfg, 0)
+        ref.load(path)
+        refs.append(ref.logprobs(g.ids, g.valid, g.action))
+    assert any(isinstance(m, QuantizedLinear) for m in ref.lm.modules())
+    mask = g.action.bool()
+    err = (refs[1] - refs[0])[mask].abs()
+    assert err.max() < 0.1 and err.mean() < 0.02, (err.max(), err.mean())
+
+    reward = Reward(fp32, None, 0)
+    with torch.no_grad():
+        reward.model.head.weight.normal_()
+    rpath = reward.save(str(tmp_path / "rm"))
+    scores = []
+    for cfg in (fp32, w8a8):
+        rm = Reward(cfg, None, 0)
+        rm.load(rpath)
+        scores.append(rm.score(g.ids, g.valid))
+    assert type(rm.model.head) is torch.nn.Linear
+    assert any(isinstance(m, QuantizedLinear) for m in rm.model.lm.modules())
+    torch.testing.assert_close(scores[1], scores[0], rtol=0.05, atol=0.05)
 
 
 def test_micro_batches_give_the_whole_batch_step():

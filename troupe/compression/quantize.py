@@ -52,6 +52,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"lorc_rank must be in 0..{min(O, I)} for a {O}x{I} layer, "
                              f"got {lorc_rank}")
         self.mode, self.in_features, self.out_features = mode, I, O
+        self.group_size = group_size
         w = linear.weight.detach().float()
         self.outliers: torch.Tensor | None = None  # (k,) input channels kept in fp32 (w8a8)
         self.outlier_w: torch.Tensor | None = None  # (O, k) their weight columns
@@ -113,6 +114,34 @@ class QuantizedLinear(nn.Module):
         if self.lorc_down is not None:
             y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+def requantize(quantized: nn.Module, source: nn.Module) -> None:
+    """Bring ``quantized`` (a ``quantize_model`` copy of ``source``) up to date with source's
+    current weights in place: each QuantizedLinear re-quantized from the nn.Linear of the same
+    name, every other parameter and buffer copied. What RLHF's INT8 rollouts do after each
+    policy update instead of copying and quantizing the whole model again. ValueError naming
+    the layer when the two models do not match."""
+    layers = dict(source.named_modules())
+    for name, q in quantized.named_modules():
+        if not isinstance(q, QuantizedLinear):
+            continue
+        lin = layers.get(name)
+        if not isinstance(lin, nn.Linear) or lin.weight.shape != (q.out_features, q.in_features):
+            raise ValueError(f"requantize: {name!r} is not a {q.in_features} -> "
+                             f"{q.out_features} nn.Linear in the source model")
+        if q.lorc_down is not None or q.outliers is not None:
+            raise ValueError(f"requantize: {name!r} has LoRC factors or outlier channels, "
+                             "which need calibration: quantize a fresh copy")
+        q.qw = quantize_for(lin.weight.detach().float().to(q.qw.scales.device), q.mode,
+                            q.group_size)
+        if q.bias is not None:
+            q.bias.data.copy_(lin.bias.detach())
+    tensors = dict(source.named_parameters()) | dict(source.named_buffers())
+    for name, t in [*quantized.named_parameters(), *quantized.named_buffers()]:
+        src = tensors.get(name)
+        if src is not None and src.shape == t.shape:
+            t.data.copy_(src.detach())
 
 
 class QuantizedExperts(nn.Module):

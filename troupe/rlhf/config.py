@@ -149,7 +149,12 @@ class PPOConfig(Config):
     once); 16 is what the CPU decode kernel serves, and bounds the KV cache.
     keep_decode_weights: the policy keeps its weights packed for the CPU decode kernel between
     rollouts, refreshed in place (faster rollouts; a second copy of the linear weights held
-    throughout, 0.54 GB for SmolLM2)."""
+    throughout, 0.54 GB for SmolLM2). quantize_frozen: "w8a8" holds the frozen reference and
+    reward models' linear layers as W8A8 (troupe.compression, quantized once when step 3 loads
+    them; the reward's value head and the tied output embedding stay fp32): their scoring
+    passes run on the INT8 kernel at a quarter of the weight bytes. int8_generation: rollouts
+    with W8A8 weights, an INT8 copy of the policy kept and re-quantized in place after each
+    update."""
 
     iterations: int = Field(default=120, ge=0)
     threads: int = Field(default=1, ge=1)
@@ -161,6 +166,7 @@ class PPOConfig(Config):
     group_std: bool = True
     generation_batch: int | None = Field(default=16, ge=1)
     keep_decode_weights: bool = False
+    quantize_frozen: Literal["none", "w8a8"] = "none"
     micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
@@ -178,7 +184,7 @@ class PPOConfig(Config):
     ema_beta: float = Field(default=0.992, gt=0, lt=1)
     ptx_coef: float = Field(default=0.0, ge=0)
     lora: LoRAConfig = LoRAConfig()
-    int8_generation: bool = False  # roll out with W8A8 weights (troupe.compression)
+    int8_generation: bool = False
     checkpoint_every: int = Field(default=40, ge=0)
     eval_every: int = Field(default=20, ge=1)
 

@@ -16,7 +16,8 @@ import time
 import torch
 
 from troupe.collectives import Communicator
-from troupe.compression import quantize_model
+from troupe.compression import quantize_model, requantize
+from troupe.compression.quantize import outlier_channels
 from troupe.generation import SamplingParams
 from troupe.models.io import load_module, save_module
 from troupe.models import save_pretrained
@@ -47,6 +48,7 @@ class Policy:
         self.lm, self.tok = build_lm(cfg.model, cfg.seed)
         self.train = Trainable(self.lm, group)
         self.ema = None
+        self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
 
     # step 1 ---------------------------------------------------------------------------------
     def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
@@ -93,7 +95,7 @@ class Policy:
         fused = self.cfg.ppo.lora.enabled and fuse_lora(model)
         p = self.cfg.ppo
         temp = p.temperature if request.temperature is None else request.temperature
-        engine = self._int8_copy(model) if p.int8_generation else model
+        engine = self._int8_engine(model) if p.int8_generation else model
         params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp, top_p=p.top_p,
                                  seed=seed) for seed in request.seeds]
         tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
@@ -119,14 +121,18 @@ class Policy:
         responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
         return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
 
-    @staticmethod
-    def _int8_copy(model):
-        """The inference layout with INT8 weights: a copy whose linear layers run W8A8 through
-        troupe's INT8 GEMM (the tied output embedding stays fp32). Rebuilt for every batch of
-        rollouts, since the policy changes between them."""
-        engine = copy.deepcopy(model)
-        quantize_model(engine, {"*": "w8a8"})
-        return engine
+    def _int8_engine(self, model):
+        """The inference layout with INT8 weights: a copy whose linear layers run W8A8 (the
+        tied output embedding stays fp32), made at the first rollout and re-quantized in
+        place from the policy's current weights at each later one (the policy changes only
+        between rollouts: once per update)."""
+        if self._int8 is None or self._int8[0] is not model:
+            engine = copy.deepcopy(model)
+            quantize_model(engine, {"*": "w8a8"})
+            self._int8 = (model, engine)
+        else:
+            requantize(self._int8[1], model)
+        return self._int8[1]
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
@@ -224,6 +230,17 @@ class Policy:
         load_module(path, self.lm)
 
 
+def quantize_frozen(gpt: torch.nn.Module, ids: torch.Tensor) -> None:
+    """A frozen role's model in W8A8 (ppo.quantize_frozen), at its first scoring call: each
+    layer keeps 1 in 36 of its input channels in fp32 (16 for SmolLM2's 576), those with the
+    largest activations on this first batch of rollouts (prompts and responses: the data the
+    role will score), which is what keeps a real LLM's INT8 error small
+    (troupe.compression.quantize)."""
+    with torch.no_grad():
+        outliers = outlier_channels(gpt, [ids], max(1, gpt.cfg.d_model // 36))
+    quantize_model(gpt, {"*": "w8a8"}, outliers=outliers)
+
+
 class Reference:
     """The frozen SFT policy, for the KL penalty (and DPO's reference log-probabilities: only
     then does it tokenize text)."""
@@ -233,12 +250,17 @@ class Reference:
         self.lm.requires_grad_(False)
         self.micro = cfg.ppo.micro_batch_size
         self.dpo_micro = cfg.dpo.micro_batch_size
+        self.quantize, self.to_quantize = cfg.ppo.quantize_frozen, False
 
     def load(self, path: str) -> None:
         load_module(path, self.lm)
+        self.to_quantize = self.quantize == "w8a8"  # at the first scoring call
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
+        if self.to_quantize:
+            quantize_frozen(self.lm.gpt, ids)
+            self.to_quantize = False
         return action_logprobs(self.lm, ids, valid, action, self.micro, prompt_len)
 
     @torch.no_grad()
@@ -259,6 +281,7 @@ class Reward:
         lm, self.tok = build_lm(cfg.model, cfg.seed + 1)
         self.model = ValueModel(lm)
         self.train = Trainable(self.model, group)
+        self.to_quantize = False  # set when load() freezes the model
 
     def _pairs(self, examples: list[tuple[str, str, str]]):
         P = [e[0] for e in examples]
@@ -296,6 +319,9 @@ class Reward:
     @torch.no_grad()
     def score(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
+        if self.to_quantize:
+            quantize_frozen(self.model.lm.gpt, ids)  # the value head stays fp32
+            self.to_quantize = False
         out = []
         for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size):
             values = self.model(ids[s], valid[s])
@@ -315,6 +341,7 @@ class Reward:
         are freed first)."""
         self.train.release()
         load_module(path, self.model)
+        self.to_quantize = self.cfg.ppo.quantize_frozen == "w8a8"  # at the first score call
 
 
 class Critic:
