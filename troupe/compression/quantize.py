@@ -98,10 +98,6 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.qw.layout == "vnni" and self.outliers is None and self.lorc_down is None:
-            # the native kernel's path, kept short: at decoding sizes the call is ~10 us
-            y = int8_linear(x2, self.qw, self.bias)
-            return y.view(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "w8a8" and self.outliers is not None:
             rest = x2.clone()
             rest[:, self.outliers] = 0
@@ -135,8 +131,7 @@ def requantize(quantized: nn.Module, source: nn.Module) -> None:
                              "which need calibration: quantize a fresh copy")
         q.qw = quantize_for(lin.weight.detach().float().to(q.qw.scales.device), q.mode,
                             q.group_size)
-        if q.bias is not None:
-            q.bias.data.copy_(lin.bias.detach())
+    # the biases (parameters of the same names), embeddings, norms: copied as they are
     tensors = dict(source.named_parameters()) | dict(source.named_buffers())
     for name, t in [*quantized.named_parameters(), *quantized.named_buffers()]:
         src = tensors.get(name)
