@@ -44,7 +44,11 @@ def test_lorc_compensates_the_weight_error():
             assert q.weight_nbytes == q.qw.nbytes + 4 * r * (96 + 64)
     assert errors[0] > errors[1] > errors[2]
     full = QuantizedLinear(lin, "w4a16", group_size=32, lorc_rank=64)
-    assert torch.allclose(full(x), want, rtol=1e-5, atol=1e-5)
+    # the weight is whole again; what is left is the 16-bit tokens' rounding (half an INT16
+    # step of max|x_t| times sum |w| at most)
+    step = x.abs().amax(1, keepdim=True) / 32767
+    bound = 0.5 * step * lin.weight.abs().sum(1)[None, :] + 1e-5
+    assert ((full(x) - want).abs() <= bound).all()
     with pytest.raises(ValueError, match="lorc_rank must be in 0..64"):
         QuantizedLinear(lin, "w8a8", lorc_rank=65)
 

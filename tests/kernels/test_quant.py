@@ -156,3 +156,55 @@ def test_weight_only_linear_matches_the_dequantized_product(bits, T):
     qw = quantize_weight(w, bits, 32, axis=1)
     want = F.linear(x.double(), dequantize_weight(qw).double(), b.double())
     torch.testing.assert_close(weight_only_linear(x, qw, b).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _int16_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x as the weight-only kernel sees it: each row rounded to INT16 steps of max|x_t| / 32767
+    (the scale and the division in fp32, as the kernel does them), in float64."""
+    s = (x.abs().amax(1, keepdim=True) / 32767).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(x / s).clamp(-32767, 32767).double() * s.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 17, 33])
+@pytest.mark.parametrize("K, N, group", [(64, 16, 64), (96, 33, 32), (576, 1536, 64),
+                                         (1024, 40, 512), (48, 100, 4)])
+def test_weight_only_kernel_is_the_int16_token_product(bits, M, K, N, group):
+    """The native W8A16 / W4A16 kernel computes x16 @ dq(W)^T + b, x16 the tokens rounded to
+    INT16 (exact integer products; the group sums scaled in fp32): every row count (tiles of
+    up to 8), output channels that are not a multiple of 16, groups from 4 to 512 inputs; and
+    stays within the INT16 rounding bound (half a step times sum |w|) of the fp32 product."""
+    g = torch.Generator().manual_seed(bits * 10_000 + M * 100 + K + N)
+    w, x, b = torch.randn(N, K, generator=g), 3 * torch.randn(M, K, generator=g), torch.randn(N)
+    x[0, 0] = 40.0  # an outlier that sets row 0's scale
+    rows = quantize_weight(w, bits, group, axis=1)
+    packed = vnni_layout(rows)
+    assert packed.layout == "vnni16" and rows.layout == "rows"
+    from troupe.kernels.quant import weight_only_linear
+
+    got = weight_only_linear(x, packed, b).double()
+    dq = dequantize_weight(rows).double()
+    want = _int16_tokens(x) @ dq.t() + b.double()
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    step = x.abs().amax(1, keepdim=True).double() / 32767
+    bound = 0.5 * step * dq.abs().sum(1)[None, :] + 1e-6 * want.abs().max()
+    assert ((got - (x.double() @ dq.t() + b.double())).abs() <= bound).all()
+    no_bias = weight_only_linear(x, packed).double()
+    assert (no_bias + b.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_packing_round_trips(bits):
+    rows = quantize_weight(torch.randn(100, 128), bits, 32, axis=1)
+    packed = vnni_layout(rows)
+    back = row_layout(packed)
+    assert back.layout == "rows"
+    assert torch.equal(back.q, rows.q) and torch.equal(back.scales, rows.scales)
+    assert torch.equal(dequantize_weight(packed), dequantize_weight(rows))
+    # 7 blocks of 16 outputs (12 of zeros), 128 inputs, 1 or 1/2 byte each, and 4 group scales
+    assert packed.nbytes == 112 * 128 * bits // 8 + 112 * 4 * 4
+    for group in (6, 1024):  # not a multiple of 4, or an INT32 sum that could overflow
+        odd = quantize_weight(torch.randn(16, 1024 if group == 1024 else 96), bits, group, axis=1)
+        assert vnni_layout(odd).layout == "rows"

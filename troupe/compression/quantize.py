@@ -2,8 +2,9 @@
 
 Modes: "w8a8" (INT8 weights per output channel, token-wise INT8 activations, INT8 GEMM;
 optionally a few calibrated outlier input channels kept in fp32, below),
-"w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights with fp32 activations;
-a native row-at-a-time loop for a few tokens, the dequantized weight's fp32 GEMM for more),
+"w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights with 16-bit
+activations: token-wise INT16 in the native VNNI kernel; elsewhere fp32 activations, a portable
+row-at-a-time loop for a few tokens and the dequantized weight's fp32 GEMM for more),
 "fp32" (leave the layer alone). MoE experts (stacked weights) are quantized expert by expert,
 each expert's two matrices like Linears (QuantizedExperts).
 
@@ -86,9 +87,7 @@ class QuantizedLinear(nn.Module):
         and the LoRC factors too (they are not parameters)."""
         super()._apply(fn, recurse)
         rows = row_layout(self.qw)  # packed for the CPU kernel only while on the CPU
-        self.qw = dataclasses.replace(rows, q=fn(rows.q), scales=fn(rows.scales))
-        if self.mode == "w8a8":
-            self.qw = vnni_layout(self.qw)
+        self.qw = vnni_layout(dataclasses.replace(rows, q=fn(rows.q), scales=fn(rows.scales)))
         if self.lorc_down is not None:
             self.lorc_down, self.lorc_up = fn(self.lorc_down), fn(self.lorc_up)
         if self.outliers is not None:
@@ -180,7 +179,8 @@ def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> Quantiz
     if mode == "w8a8":
         return vnni_layout(quantize_weight(w_OI, 8, 1, axis=0))
     if mode in ("w8a16", "w4a16"):
-        return quantize_weight(w_OI, 8 if mode == "w8a16" else 4, _divisor(I, group_size), axis=1)
+        return vnni_layout(quantize_weight(w_OI, 8 if mode == "w8a16" else 4,
+                                           _divisor(I, group_size), axis=1))
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
 
 

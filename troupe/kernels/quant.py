@@ -1,8 +1,9 @@
 """ZeroQuant's quantization primitives: symmetric group-wise weight quantization to INT8 or
 INT4 (two values a byte), token-wise dynamic INT8 activations, and the INT8 x INT8 -> INT32
 GEMM with its rescale. Torch ops (``torch._int_mm`` for the GEMM), on CPU or GPU tensors; on a
-CPU with AVX-512 VNNI, W8A8 weights are held packed for a native kernel that quantizes the
-tokens, multiplies and rescales in one call (csrc/int8_gemm.cpp, ``vnni_layout``).
+CPU with AVX-512 VNNI, weights are held packed for native kernels that quantize the tokens,
+multiply and rescale in one call (``vnni_layout``): W8A8 (csrc/int8_gemm.cpp, INT8 tokens) and
+the weight-only W8A16 / W4A16 (csrc/wq_gemm.cpp, INT16 tokens against the widened weights).
 
 Shapes: weights are (O, I) as in nn.Linear; activations (T, I) for T tokens.
 """
@@ -40,12 +41,11 @@ class QuantizedWeight:
     axis: int
     shape: tuple[int, int]
     colsum: torch.Tensor | None = None  # (O,) int32: sum of each row of q, with layout "vnni"
-
-    @property
-    def layout(self) -> str:
-        """"rows": q is (O, I) (INT4: (O, I/2)); "vnni": q is (ceil(O/16), I/4, 16, 4), the
-        native W8A8 kernel's packing."""
-        return "rows" if self.colsum is None else "vnni"
+    # "rows": q is (O, I) (INT4: (O, I/2)) and scales as above; "vnni": q is
+    # (ceil(O/16), I/4, 16, 4), the native W8A8 kernel's packing; "vnni16": the weight-only
+    # kernel's packing (csrc/wq_gemm.cpp: q (NB, I/4, 2, 16, 2) INT8 or (NB, I/4, 16, 2)
+    # nibble pairs, scales (NB, I/group_size, 16)), NB = ceil(O/16)
+    layout: str = "rows"
 
     @property
     def nbytes(self) -> int:
@@ -93,36 +93,62 @@ def _int8_extension():
     return _native.load_extension("int8_gemm")
 
 
+def _wq_extension():
+    return _native.load_extension("wq_gemm")
+
+
 @functools.lru_cache(maxsize=None)
 def vnni_available() -> bool:
-    """Whether the native W8A8 kernel runs here (a CPU with AVX-512 VNNI and a compiler)."""
-    ext = _int8_extension()
-    return ext is not None and ext.available()
+    """Whether the native kernels run here (a CPU with AVX-512 VNNI and a compiler)."""
+    ext, wq = _int8_extension(), _wq_extension()
+    return ext is not None and ext.available() and wq is not None and wq.available()
 
 
 def vnni_layout(qw: QuantizedWeight) -> QuantizedWeight:
-    """An INT8 per-output-channel weight packed for the native kernel, when it runs here and
-    the weight is on the CPU with I a multiple of 4; otherwise the row layout for
-    ``torch._int_mm`` (``gemm_layout``). The packed weight replaces the rows (no second copy):
-    ``row_layout`` gives them back."""
+    """A weight packed for its native kernel when that runs here and the weight is on the CPU
+    with I a multiple of 4: INT8 per output channel (W8A8) as "vnni"; group-wise along the
+    input (weight-only), with groups a multiple of 4 up to 512, as "vnni16". Otherwise the row
+    layout, for ``torch._int_mm`` (``gemm_layout``) or the portable weight-only loop. The
+    packed weight replaces the rows (no second copy): ``row_layout`` gives them back."""
     O, I = qw.shape
-    if qw.layout == "vnni":
+    if qw.layout != "rows":
         return qw
-    if not (qw.bits == 8 and qw.axis == 0 and qw.group_size == 1 and I % 4 == 0
-            and qw.q.device.type == "cpu" and vnni_available()):
+    native = I % 4 == 0 and qw.q.device.type == "cpu" and vnni_available()
+    NB, pad = -(-O // 16), -O % 16
+    if qw.axis == 1:
+        if not (native and qw.group_size % 4 == 0 and qw.group_size <= 512):
+            return qw
+        q = F.pad(unpack_int4(qw.q, I) if qw.bits == 4 else qw.q, (0, 0, 0, pad))
+        if qw.bits == 8:  # [block][quad][pair][output][2]
+            packed = q.view(NB, 16, I // 4, 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+        else:  # [block][quad][output][2]: pair 0's nibble + 8, then pair 1's in the high half
+            u = (q + 8).to(torch.uint8).view(NB, 16, I // 4, 2, 2)
+            packed = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).transpose(1, 2).contiguous()
+        scales = F.pad(qw.scales, (0, 0, 0, pad)).view(NB, 16, -1).transpose(1, 2).contiguous()
+        return dataclasses.replace(qw, q=packed, scales=scales, layout="vnni16")
+    if not (native and qw.bits == 8 and qw.group_size == 1):
         return dataclasses.replace(qw, q=gemm_layout(qw.q))
-    rows = F.pad(qw.q, (0, 0, 0, -O % 16))
-    packed = rows.view(-1, 16, I // 4, 4).transpose(1, 2).contiguous()
-    return dataclasses.replace(qw, q=packed, colsum=qw.q.sum(1, dtype=torch.int32))
+    rows = F.pad(qw.q, (0, 0, 0, pad))
+    packed = rows.view(NB, 16, I // 4, 4).transpose(1, 2).contiguous()
+    return dataclasses.replace(qw, q=packed, colsum=qw.q.sum(1, dtype=torch.int32),
+                               layout="vnni")
 
 
 def row_layout(qw: QuantizedWeight) -> QuantizedWeight:
     """The (O, I) integer weight of a packed one (the inverse of ``vnni_layout``)."""
-    if qw.layout == "rows":
-        return qw
     O, I = qw.shape
-    rows = qw.q.transpose(1, 2).reshape(-1, I)[:O].contiguous()
-    return dataclasses.replace(qw, q=rows, colsum=None)
+    if qw.layout == "vnni":
+        rows = qw.q.transpose(1, 2).reshape(-1, I)[:O].contiguous()
+        return dataclasses.replace(qw, q=rows, colsum=None, layout="rows")
+    if qw.layout == "vnni16":
+        if qw.bits == 8:
+            rows = qw.q.permute(0, 3, 1, 2, 4).reshape(-1, I)[:O].contiguous()
+        else:
+            halves = torch.stack([qw.q & 15, qw.q >> 4], dim=3)  # [block][quad][output][pair][2]
+            rows = pack_int4(halves.permute(0, 2, 1, 3, 4).reshape(-1, I)[:O].to(torch.int8) - 8)
+        scales = qw.scales.transpose(1, 2).reshape(-1, qw.scales.shape[1])[:O].contiguous()
+        return dataclasses.replace(qw, q=rows, scales=scales, layout="rows")
+    return qw
 
 
 def dequantize_weight(qw: QuantizedWeight) -> torch.Tensor:
@@ -140,9 +166,15 @@ NATIVE_MAX_TOKENS = 16  # above this the fp32 GEMM of the dequantized weight is 
 
 def weight_only_linear(x_TI: torch.Tensor, qw: QuantizedWeight,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dq(W)^T + b for group-wise (axis 1) INT8/INT4 weights with fp activations. For a
-    few tokens on the CPU (decoding) a native loop dequantizes one weight row at a time
-    (csrc/quant.c); otherwise, or without a C compiler, the weight is dequantized whole."""
+    """x @ dq(W)^T + b for group-wise (axis 1) INT8/INT4 weights with 16-bit activations.
+    With a ``vnni_layout`` weight ("vnni16"), the native kernel: each token to INT16 with its
+    own scale (max|x_t| / 32767), exact integer products, group scales on INT32 partial sums
+    (csrc/wq_gemm.cpp). Otherwise fp32 activations: for a few tokens on the CPU a portable
+    native loop dequantizes one weight row at a time (csrc/quant.c); for more, or without a C
+    compiler, or on a GPU, the weight is dequantized whole."""
+    if qw.layout == "vnni16":  # any number of tokens: 4x fp32 at 64 and more (RESULTS.md)
+        return _wq_extension().linear(_f32(x_TI), qw.q, qw.bits, qw.scales, qw.group_size,
+                                      None if bias is None else _f32(bias), qw.shape[0])
     T = x_TI.shape[0]
     O, I = qw.shape
     native = (T <= NATIVE_MAX_TOKENS and qw.axis == 1 and I % 8 == 0 and qw.group_size % 2 == 0
