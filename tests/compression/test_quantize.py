@@ -225,3 +225,40 @@ def test_requantize_equals_a_fresh_quantized_copy_after_an_update():
     other = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=64), seed=0)
     with pytest.raises(ValueError, match="blocks.0"):
         requantize(engine, other)
+
+
+def test_a_tied_output_projection_is_quantized_only_when_named():
+    """A tied model's output projection is the embedding matrix: the rule "lm_head" makes it a
+    separate W8A16 lm_head (the embedding stays fp32 for the lookups), "*" leaves it alone; the
+    decode engine then uses the quantized head instead of packing the fp32 embedding, and
+    requantize follows the source's embedding."""
+    from troupe.compression import requantize
+    from troupe.compression.quantize import unmatched_patterns
+    from troupe.generation import ContinuousBatcher, SamplingParams
+
+    model = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32), seed=0).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ref = model(ids)[0]
+    everything = copy.deepcopy(model)
+    assert "lm_head" not in quantize_model(everything, {"*": "w8a8"})
+    assert getattr(everything, "lm_head", None) is None
+    assert unmatched_patterns(model, {"lm_head": "w8a16"}) == []
+    head = copy.deepcopy(model)
+    assert quantize_model(head, {"lm_head": "w8a16"}) == {"lm_head": "w8a16"}
+    assert isinstance(head.lm_head, QuantizedLinear) and head.tok_emb.weight.dtype == torch.float32
+    with torch.no_grad():
+        out = head(ids)[0]
+    assert not torch.equal(out, ref) and ((out - ref).norm() / ref.norm()).item() < 0.01
+    engine = ContinuousBatcher(head, eos_id=None, max_batch=2)
+    assert engine.packed.logits_weight is None  # the quantized head, not the fp32 embedding
+    engine.add("a", ids[0].tolist(), SamplingParams(max_tokens=3))
+    want = int(out[0, -1].argmax())
+    assert engine.run()["a"][0] == want
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(1.5)
+    requantize(head, model)
+    fresh = copy.deepcopy(model)
+    quantize_model(fresh, {"lm_head": "w8a16"})
+    with torch.no_grad():
+        assert torch.equal(head(ids)[0], fresh(ids)[0])

@@ -121,7 +121,7 @@ def requantize(quantized: nn.Module, source: nn.Module) -> None:
     for name, q in quantized.named_modules():
         if not isinstance(q, QuantizedLinear):
             continue
-        lin = layers.get(name)
+        lin = layers.get(name) or (tied_output(source) if name == "lm_head" else None)
         if not isinstance(lin, nn.Linear) or lin.weight.shape != (q.out_features, q.in_features):
             raise ValueError(f"requantize: {name!r} is not a {q.in_features} -> "
                              f"{q.out_features} nn.Linear in the source model")
@@ -200,14 +200,36 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     each MoE Experts module likewise by QuantizedExperts; returns {module name: mode} for the
     replaced ones. Example: {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"} (ZeroQuant's W4/8).
     MoE gates stay fp32 whatever the rules say: they are tiny, and routing is where a small
-    error changes a token's whole path. ``outliers``: {layer name: input channels to keep in
-    fp32} for the w8a8 layers (``outlier_channels``)."""
+    error changes a token's whole path. A tied output projection (``tied_output``) is
+    quantized only by a rule named exactly "lm_head". ``outliers``: {layer name: input
+    channels to keep in fp32} for the w8a8 layers (``outlier_channels``)."""
     rules = gates_stay_fp32(model, rules)
     outliers = outliers or {}
     done = replace_linears(model, rules, lambda lin, mode, name: QuantizedLinear(
         lin, mode, group_size, lorc_rank, outliers.get(name)))
     done.update(quantize_experts(model, rules, group_size, lorc_rank))
+    mode = rules.get("lm_head", "fp32")
+    if mode != "fp32" and tied_output(model) is not None:
+        model.lm_head = QuantizedLinear(tied_output(model), mode, group_size, lorc_rank,
+                                        outliers.get("lm_head"))
+        done["lm_head"] = mode
     return done
+
+
+def tied_output(model: nn.Module) -> nn.Linear | None:
+    """A model's output projection when it is the input embedding's matrix (no Linear of its
+    own; GPT with ``tie_embeddings``), as a Linear sharing that matrix; else None. A rule
+    named exactly "lm_head" quantizes it into a separate ``model.lm_head`` (the embedding stays
+    fp32 for the lookups): at 49152 x 576, SmolLM2's is a fifth of its weights and, in fp32,
+    a quarter of a W4/8A16 decode step (benchmarks/RESULTS.md)."""
+    cfg, emb = getattr(model, "cfg", None), getattr(model, "tok_emb", None)
+    if not getattr(cfg, "tie_embeddings", False) or emb is None or \
+            getattr(model, "lm_head", None) is not None:
+        return None
+    V, C = emb.weight.shape
+    lin = nn.Linear(C, V, bias=False, device="meta")
+    lin.weight = nn.Parameter(emb.weight.detach(), requires_grad=False)
+    return lin
 
 
 def gates_stay_fp32(model: nn.Module, rules: dict[str, str]) -> dict[str, str]:
@@ -238,6 +260,8 @@ def unmatched_patterns(model: nn.Module, rules: dict[str, str]) -> list[str]:
     """The patterns of ``rules`` that match no Linear layer nor MoE experts module of
     ``model`` (a typo that would quietly leave the model unquantized)."""
     names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Experts))]
+    if tied_output(model) is not None:
+        names.append("lm_head")
     return [pat for pat in rules if not any(fnmatch.fnmatch(n, pat) for n in names)]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
-from troupe.generation.sampling import SamplingParams, checked, sample
+from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, finite_rows, sample
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, KVCache
 
@@ -241,9 +241,15 @@ class ContinuousBatcher:
     def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
         events = []
         logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
-        for s, logits in zip(seqs, logits_BV):
+        # the finiteness test and the greedy choices of the whole batch at once
+        finite = finite_rows(logits_BV).tolist()
+        greedy = logits_BV.argmax(-1).tolist()
+        for i, (s, logits) in enumerate(zip(seqs, logits_BV)):
             try:
-                token = sample(logits, s.params, s.generator)
+                if not finite[i]:
+                    raise FloatingPointError(NON_FINITE)
+                token = greedy[i] if s.params.temperature <= 0 else \
+                    sample(logits, s.params, s.generator)
             except Exception as e:  # this sequence ends; the others go on
                 events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
                 continue

@@ -71,6 +71,7 @@ class DecodeWeights:
                 self.layers[module] = pack(w)
         emb = getattr(model, "tok_emb", None)
         if getattr(getattr(model, "cfg", None), "tie_embeddings", False) and emb is not None \
+                and getattr(model, "lm_head", None) is None \
                 and emb.weight.dtype == torch.float32 and emb.weight.device.type == "cpu":
             self.logits_weight = pack(emb.weight)
 

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
+from troupe.kernels.decode_attention import decode_attention
 from troupe.models.layers import MLP, apply_rope, norm, rope_angles, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 
@@ -157,18 +158,26 @@ class Attention(nn.Module):
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
         B, T, C = x_BTC.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_dim
-        q, k, v = self.qkv(x_BTC).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if self.rope:
+        qkv = self.qkv(x_BTC).view(B, T, H + 2 * Hkv, D)
+        if self.rope:  # q and k rotated together (their heads side by side in qkv)
             if angles is None:
                 pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
                 angles = rope_angles(pos, self.inv_freq)
-            q, k = apply_rope(q, angles), apply_rope(k, angles)
+            q, k = apply_rope(qkv[:, :, :H + Hkv], angles).split([H, Hkv], dim=2)
+            v = qkv[:, :, H + Hkv:]
+        else:
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if cache is not None:  # append this step's keys and values, attend over all so far
             k, v = cache.extend(layer, k, v)
         dropout = self.dropout if self.training else 0.0
         gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
         # read in place by the attention kernel (no copy of the cache per step)
+        # a decode step on the CPU: the native kernel (None where it does not apply)
+        y = decode_attention(q, k, v, mask) if cache is not None and T == 1 and not dropout \
+            else None
+        if y is not None:
+            return self.proj(y.transpose(1, 2).reshape(B, T, C))
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout,
                                                enable_gqa=gqa)
@@ -283,10 +292,11 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Next-token logits of hidden states (..., C): the tied embedding or the lm_head."""
-        if self.cfg.tie_embeddings:
-            return F.linear(h, self.tok_emb.weight)
-        return self.lm_head(h)  # a Linear, or what quantization made of it
+        """Next-token logits of hidden states (..., C): the lm_head (a Linear, or what
+        quantization made of it: a tied model gets one when its output projection is
+        quantized, troupe.compression.quantize_model), else the tied embedding."""
+        head = getattr(self, "lm_head", None)
+        return F.linear(h, self.tok_emb.weight) if head is None else head(h)
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,

@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op (a decode step has 60 of these)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
@@ -53,22 +55,22 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
 
 
 def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of positions ``pos`` ((T,) or (B, T)) times the frequencies, shaped to
-    broadcast over (B, H, T, D/2); computed once per forward and shared by every layer."""
+    """The rotation of positions ``pos`` ((T,) or (B, T)) as ``apply_rope`` takes it:
+    (cos, cos) and (-sin, sin) of the positions times the frequencies, each (..., T, 1, D),
+    broadcasting over (B, T, heads, D); computed once per forward and shared by every layer."""
     angles = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # (..., T, D/2)
     cos, sin = angles.cos(), angles.sin()
-    if cos.dim() == 3:  # (B, T, D/2): one position row per sequence
-        cos, sin = cos[:, None], sin[:, None]
-    return cos, sin
+    return torch.cat([cos, cos], -1).unsqueeze(-2), torch.cat([-sin, sin], -1).unsqueeze(-2)
 
 
-def apply_rope(x_BHTD: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by ``rope_angles``, half-split layout (the first D/2 features
-    pair with the last D/2, as in Hugging Face's Llama)."""
+def apply_rope(x_BTHD: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate x (B, T, heads, D) by ``rope_angles``, half-split layout (the first D/2 features
+    pair with the last D/2, as in Hugging Face's Llama): x1 cos - x2 sin, x2 cos + x1 sin,
+    written as x (cos, cos) + (x2, x1) (-sin, sin) (the same numbers, in four ops)."""
     cos, sin = angles
-    x1, x2 = x_BHTD.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x_BHTD.dtype)
+    x = x_BTHD.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([x2, x1], -1) * sin).to(x_BTHD.dtype)
 
 
 class MLP(nn.Module):
