@@ -15,8 +15,9 @@ through torch ops (``torch._int_mm`` on the (O, I) rows), and torch.ao's dynamic
 (fbgemm, one scale per tensor); relative errors against the fp32 product, and weight bytes
 against fp32.
 
-"quant_weight_only" lines (CPU, M <= 16): troupe's W8A16 / W4A16 layers against PyTorch's
-packed weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``).
+"quant_weight_only" lines (CPU, M <= 16): troupe's W8A16 / W4A16 layers (16-bit tokens against
+INT8 / INT4 weights in groups of 64; the native VNNI kernel where it runs) against fp32 and
+PyTorch's packed weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``).
 
 "quant_decode" lines: end-to-end generation with the continuous batcher (troupe.serving) at
 batch 8 on a GPT of --decode-width (random weights: speed does not depend on them), in fp32,
@@ -38,12 +39,17 @@ import torch
 from troupe.compression import QuantizedLinear, quantize_model
 from troupe.compression.quantize import outlier_channels
 from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.kernels import small_gemm
 from troupe.kernels.quant import int8_linear, quantize_weight, row_layout
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.serving.model import weight_bytes
 
+# W4/8A16: ZeroQuant's INT4 MLP and INT8 attention weights, and the output projection in INT8
+# (a tied one too: SmolLM2's is a fifth of its weights); W8A8 and torch.ao leave a tied output
+# projection in fp32 (torch.ao cannot reach it: it is no Linear), so the two compare like for like
 DECODE_MODES = {"fp32": None, "w8a8": {"*": "w8a8"},
-                "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16"}, "torch_dynamic": "ao"}
+                "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16", "lm_head": "w8a16"},
+                "torch_dynamic": "ao"}
 
 
 def timed(fn, repeats: int, cuda: bool = False) -> float:
@@ -252,23 +258,35 @@ def weight_only(a) -> None:
         nibbles = torch.randint(0, 16, (N, K), dtype=torch.int32)  # speed does not need real ones
         int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibbles, 1)
         scales_zeros = torch.randn(K // 64, N, 2)
-        for M in [m for m in a.tokens if m <= 16]:
+        packed = small_gemm.pack(w) if small_gemm.available() else None
+        for M in a.tokens:
             x = torch.randn(M, K)
             with torch.inference_mode():
                 t = {"fp32": timed(lambda: lin(x), a.repeats),
                      "w8a16": timed(lambda: w8(x), a.repeats),
-                     "w4a16": timed(lambda: w4(x), a.repeats),
-                     "aten_int8pack": timed(lambda: torch.ops.aten._weight_int8pack_mm(
-                         x, per_channel.q, per_channel.scales), a.repeats),
-                     "aten_int4pack": timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                         x, int4pack, 64, scales_zeros), a.repeats)}
+                     "w4a16": timed(lambda: w4(x), a.repeats)}
+                if packed is not None and M <= small_gemm.MAX_ROWS:  # what fp32 decoding uses
+                    t["fp32_packed"] = timed(lambda: small_gemm.linear(x, packed, N), a.repeats)
+                if M <= 16:  # (10-200 ms a call above that)
+                    t["aten_int8pack"] = timed(lambda: torch.ops.aten._weight_int8pack_mm(
+                        x, per_channel.q, per_channel.scales), a.repeats)
+                    t["aten_int4pack"] = timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                        x, int4pack, 64, scales_zeros), a.repeats)
+                exact = lin(x)
+                err = {m: round(((q(x) - exact).norm() / exact.norm()).item(), 5)
+                       for m, q in (("w8a16", w8), ("w4a16", w4))}
+            fp32 = min(t["fp32"], t.get("fp32_packed", float("inf")))  # the faster fp32 path
+            extra = {} if M > 16 else {
+                "w8a16_vs_aten_int8pack": round(t["aten_int8pack"] / t["w8a16"], 2),
+                "w4a16_vs_aten_int4pack": round(t["aten_int4pack"] / t["w4a16"], 2)}
             print(json.dumps({
                 "bench": "quant_weight_only", "machine": platform.node(), "device": _device(a),
                 "threads": a.threads, "tokens": M, "in": K, "out": N,
+                "w8a16_layout": w8.qw.layout,
                 **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
-                "w8a16_vs_aten_int8pack": round(t["aten_int8pack"] / t["w8a16"], 2),
-                "w4a16_vs_aten_int4pack": round(t["aten_int4pack"] / t["w4a16"], 2)}), flush=True)
-
+                "w8a16_vs_fp32": round(fp32 / t["w8a16"], 2),
+                "w4a16_vs_fp32": round(fp32 / t["w4a16"], 2), **extra,
+                **{f"{k}_rel_error": v for k, v in err.items()}}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,8 @@
 // Attention of one new token per sequence over its cached keys and values (a decode step):
 // out[b, h] = softmax(scale q[b, h] . K[b, h']^T, masked) V[b, h'] with h' = h / (H / Hkv) (grouped
 // queries share a key/value head). The cache is read once, in place (any strides between rows),
-// each key row meeting the G query heads that share it, and the values likewise; torch's CPU
-// flash-attention kernel took 0.15-0.6 ms a call at these shapes (benchmarks/RESULTS.md).
+// each key row meeting the G query heads that share it, and the values likewise, with
+// software prefetch (the cache is cold: the weights streamed through since the last step).
 //
 // Work is split over (sequence, key/value head) pairs with torch's intra-op threads. GCC's
 // vector extensions (64-byte vectors) compile to AVX-512 where the CPU has it and to pairs of

@@ -29,7 +29,7 @@ bool available() { return TROUPE_VNNI; }
 #if TROUPE_VNNI
 namespace {
 
-constexpr int MR = 6, NR = 4, PF = 16;
+constexpr int MR = 6, NR = 4, PF = 48;
 
 // Row m of x (K floats) -> K unsigned bytes round(x / s) + 128 and s = max|x| / 127 (as
 // quantize_tokens does: the same division and round-half-to-even, so the same integers).

@@ -37,7 +37,7 @@ bool available() { return TROUPE_VNNI; }
 #if TROUPE_VNNI
 namespace {
 
-constexpr int PF = 8;  // prefetch distance, in quads of inputs
+constexpr int PF = 64;  // prefetch distance, in quads of inputs
 
 // Row of x (K floats) -> K INT16 round(x / s), s = max|x| / 32767; and, for INT4 weights, the
 // zero-point correction 8 * sum_{k in g} a_k of each group g.
