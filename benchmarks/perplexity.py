@@ -6,7 +6,8 @@ by the model's tokenizer).
     python benchmarks/perplexity.py runs/dense-tiny/checkpoints/step-00001000
     python benchmarks/perplexity.py --pretrained ~/.cache/troupe/smollm2-135m-instruct --seq-len 256
 
-Modes: W8A8 everywhere; W4/8A16 (INT4 weights in the MLPs, INT8 in attention, fp activations);
+Modes: W8A8 everywhere; W4/8A16 (INT4 weights in the MLPs, INT8 in attention, 16-bit
+activations), also with the output projection in INT8 ("+head", as benchmarks/quant.py decodes);
 W4/8A8 (INT4 MLP weights, W8A8 attention), for each --group-sizes; each plain (PTQ), with LoRC
 (rank --lorc-rank) and after LKD, which distills each block on training batches (the original
 data) and is evaluated on the held-out ones. torch.ao's dynamic INT8 quantization beside them.
@@ -37,6 +38,7 @@ from troupe.pretrain.export import load_full_model  # noqa: E402
 
 MODES = {"w8a8": {"*": "w8a8"},
          "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16"},
+         "w4/8a16+head": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16", "lm_head": "w8a16"},
          "w4/8a8": {"*.attn.*": "w8a8", "*.ffn.*": "w4a16"}}
 
 

@@ -9,8 +9,9 @@ the responses report over the wall time from the first request sent to the last 
 the chat template, prefill and detokenization included: what a client sees). transformers
 generates the same chat-templated prompts as one left-padded batch on ``threads`` threads in
 this process (tokens up to each sequence's eos). The server runs fp32 (the same tokens as
-transformers expected; the line says how many match) and W8A8 (troupe's INT8 kernel, 16
-calibrated outlier channels a layer). llama.cpp, the other peer a user would pick, has no
+transformers expected; the line says how many match), W8A8 (troupe's INT8 kernel, 16
+calibrated outlier channels a layer) and W4/8A16 (INT4 MLP, INT8 attention and output
+projection, 16-bit tokens). llama.cpp, the other peer a user would pick, has no
 prebuilt llama-cpp-python wheel on this machine's package index, so it is not measured.
 """
 
@@ -84,7 +85,9 @@ def main() -> None:
     del hf
 
     troupe.init(num_cpus=max(2, a.threads))
-    for mode, rules in (("fp32", {}), ("w8a8", {"*": "w8a8"})):
+    modes = (("fp32", {}), ("w8a8", {"*": "w8a8"}),
+             ("w4/8a16", {"*.attn.*": "w8a16", "*.ffn.*": "w4a16", "lm_head": "w8a16"}))
+    for mode, rules in modes:
         cfg = ServeConfig(model={"pretrained": model_dir, "name": "smollm2"}, quantize=rules,
                           port=a.port, threads=a.threads, num_cpus=a.threads,
                           limits={"max_batch": a.batch, "max_concurrent": a.batch})
