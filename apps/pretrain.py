@@ -39,11 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", default="auto", help="'auto', a checkpoint directory")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration (overrides applied) and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50")
     args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(PretrainConfig, args.config, args.overrides,
-                          lambda c: check_pretrained(c.model.pretrained))
+                          lambda c: check_pretrained(c.model.pretrained),
+                          print_config=args.print_config)
     troupe.init()
     try:
         records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)

@@ -43,11 +43,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only this step (repeatable); default: all three in order")
     p.add_argument("--resume", action="store_true",
                    help="continue PPO from the latest checkpoint in <out_dir>/ppo/checkpoints")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration (overrides applied) and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppo.iterations=50")
     args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(RLHFConfig, args.config, args.overrides,
-                          lambda c: check_pretrained(c.model.pretrained))
+                          lambda c: check_pretrained(c.model.pretrained),
+                          print_config=args.print_config)
     steps = tuple(s for s in rlhf.STEPS if s in (args.step or cfg.steps))
     if args.resume and steps != ("ppo",):
         print("--resume continues PPO from its checkpoint: use it with --step ppo alone",

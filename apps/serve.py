@@ -53,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="apps/configs/serve-tiny.yaml", help="YAML config")
     p.add_argument("--check", metavar="PROMPT", default=None,
                    help="send one completion of PROMPT, print it and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration (overrides applied) and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. port=8001")
     args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source)
+    cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source,
+                          print_config=args.print_config)
     troupe.init()
     url = serve.deploy(cfg)
     print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)

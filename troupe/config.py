@@ -118,10 +118,11 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def load_app_config(cls: type[C], path: str | Path | None, overrides: Sequence[str],
-                    check: Callable[[C], Any] | None = None) -> C:
+                    check: Callable[[C], Any] | None = None, print_config: bool = False) -> C:
     """``load_config`` for an app's command line: a bad file, key or value (or what ``check``
     refuses with ConfigError or FileNotFoundError) is printed to stderr and the app exits with
-    status 2, before anything starts."""
+    status 2, before anything starts. ``print_config`` (the apps' --print-config): print the
+    validated configuration as YAML (``dump_config``) and exit 0, before anything starts."""
     try:
         cfg = load_config(cls, path, overrides)
         if check is not None:
@@ -129,7 +130,16 @@ def load_app_config(cls: type[C], path: str | Path | None, overrides: Sequence[s
     except (ConfigError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         raise SystemExit(2) from None
+    if print_config:
+        print(dump_config(cfg), end="")
+        raise SystemExit(0)
     return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The whole configuration as YAML, every default filled in and the overrides applied, in
+    the fields' order: a recipe that ``load_config`` reads back to the same configuration."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
 def load_config(

@@ -70,3 +70,46 @@ def test_a_quantize_pattern_that_matches_nothing_exits_2(capsys, tmp_path):
     recipe.write_text(f"model: {{file: {path}, name: m}}\nquantize: {{'*.attnn.*': w8a8}}\n")
     code, err = _exit_code_and_message(capsys, "serve", ["--config", str(recipe)])
     assert code == 2 and "pattern '*.attnn.*' matches no layer" in err, err
+
+
+@pytest.fixture
+def served_file(tmp_path):
+    from troupe.models import GPT, GPTConfig
+    from troupe.serving.model import save_model
+    path = tmp_path / "m.trp"
+    save_model(GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)), path)
+    return path
+
+
+@pytest.mark.parametrize("app,config_cls,default", [
+    ("pretrain", "troupe.pretrain.config.PretrainConfig", "moe-tiny.yaml"),
+    ("rlhf", "troupe.rlhf.config.RLHFConfig", "rlhf-sort.yaml"),
+    ("serve", "troupe.serving.protocol.ServeConfig", "serve-tiny.yaml")])
+def test_print_config_prints_what_would_run_and_starts_nothing(capsys, monkeypatch, tmp_path,
+                                                               served_file, app, config_cls,
+                                                               default):
+    """--print-config: the validated configuration with the overrides applied, as YAML that
+    reads back to the same configuration; exit 0 and Ray never started. A bad key still exits
+    2 naming it."""
+    import importlib
+
+    import troupe
+    from troupe.config import load_config
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("--print-config started Ray")
+
+    monkeypatch.setattr(troupe, "init", no_ray)
+    module, _, name = config_cls.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    overrides = {"pretrain": ["train.steps=3"], "rlhf": ["seed=3"],
+                 "serve": [f"model.file={served_file}", "model.checkpoint=null", "port=8123"]}[app]
+    with pytest.raises(SystemExit) as e:
+        _app(app).main(["--print-config", *overrides])
+    assert e.value.code == 0
+    recipe = tmp_path / "printed.yaml"
+    recipe.write_text(capsys.readouterr().out)
+    assert load_config(cls, recipe) == load_config(cls, ROOT / "apps" / "configs" / default,
+                                                   overrides)
+    code, err = _exit_code_and_message(capsys, app, ["--print-config", "no_such_key=1"])
+    assert code == 2 and "no_such_key" in err
