@@ -45,7 +45,9 @@ class TrainConfig(Config):
     placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
     workers' resources. checkpoint_dir: where checkpoints go (default out_dir/checkpoints): a
     directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
-    filesystem's package, e.g. s3fs, installed on every node)."""
+    filesystem's package, e.g. s3fs, installed on every node). activation_checkpointing:
+    recompute each block's activations in the backward instead of keeping them (the same
+    gradients; less memory for about a third more compute: benchmarks/RESULTS.md)."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -61,6 +63,7 @@ class TrainConfig(Config):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(default=600.0, gt=0)
     checkpoint_dir: str | None = None
+    activation_checkpointing: bool = False
 
 
 class PretrainConfig(Config):

@@ -101,6 +101,7 @@ class PretrainWorker:
         pretrained = cfg.model.pretrained
         self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
         self.model = apply_expert_parallel(build_model(cfg, self.arch), ep)
+        self.model.checkpoint_activations = cfg.train.activation_checkpointing
         dense, expert = expert_parameters(self.model)
         self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
         if offload is not None:
