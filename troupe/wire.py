@@ -205,7 +205,7 @@ class _Decoder:
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()  # host: a size query
         if not (isinstance(offset, int) and isinstance(nbytes, int)) or nbytes != numel * itemsize:
             raise WireFormatError(
                 f"tensor of shape {shape} and dtype {dtype_name} needs {numel * itemsize} bytes, "
@@ -223,7 +223,7 @@ class _Decoder:
         self.next_free = offset + nbytes
         try:
             if nbytes == 0:
-                return torch.empty(shape, dtype=dtype)
+                return torch.empty(shape, dtype=dtype)  # host: wire data lands in host memory
             view = self.data[start : start + nbytes]
             buf = bytearray(view) if self.copy else view
             t = torch.frombuffer(buf, dtype=torch.uint8)

@@ -127,7 +127,7 @@ class TorchCommunicator:
 
     def exchange_splits(self, input_splits: Sequence[int]) -> list[int]:
         """Tell every rank how many rows it gets from this one; returns rows to receive."""
-        counts = torch.tensor(list(input_splits), dtype=torch.int64)
+        counts = torch.tensor(list(input_splits), dtype=torch.int64)  # host: gloo's memory
         out = torch.empty_like(counts)
         self._run("exchange_splits", lambda: self.pg.alltoall_base(
             out, counts, [1] * self.world_size, [1] * self.world_size, dist.AllToAllOptions()))

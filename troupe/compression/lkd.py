@@ -48,9 +48,13 @@ class FakeQuantLinear(nn.Module):
         return QuantizedLinear(lin, self.mode, self.group_size)
 
 
-def random_batches(vocab: int, n: int, batch: int, seq_len: int, seed: int = 0):
+def random_batches(vocab: int, n: int, batch: int, seq_len: int, seed: int = 0,
+                   device: torch.device | str = "cpu"):
+    """``n`` batches of random token ids, the same on every device (drawn with a CPU
+    generator, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (batch, seq_len), generator=g) for _ in range(n)]
+    return [torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)  # host: drawn
+            for _ in range(n)]
 
 
 def layerwise_distill(teacher: GPT, rules: dict[str, str], batches: Iterable[torch.Tensor],

@@ -208,10 +208,11 @@ class ContinuousBatcher:
         rows = [first.setdefault(tuple(s.prompt), len(first)) for s in seqs]
         prompts = list(first)
         P = max(len(x) for x in prompts)
-        idx = torch.full((len(prompts), P), self.eos_id or 0, dtype=torch.long)  # padding
-        valid = torch.zeros(len(prompts), P, dtype=torch.bool)
+        # filled from Python lists in host memory, then moved to the model's device in one copy
+        idx = torch.full((len(prompts), P), self.eos_id or 0, dtype=torch.long)  # host: padding
+        valid = torch.zeros(len(prompts), P, dtype=torch.bool)  # host: (as idx)
         for i, x in enumerate(prompts):
-            idx[i, P - len(x):] = torch.tensor(x)
+            idx[i, P - len(x):] = torch.tensor(x)  # host: (as idx)
             valid[i, P - len(x):] = True
         idx, valid = idx.to(self.device), valid.to(self.device)
         # room for the prompt and a few tokens; decoding grows it (see _make_room)

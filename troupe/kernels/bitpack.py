@@ -106,12 +106,13 @@ _tables: dict[torch.device, torch.Tensor] = {}
 def _table(device: torch.device) -> torch.Tensor:
     """Row b holds the 8 signs (+1/-1) of byte b, most significant bit first."""
     if device not in _tables:
-        bits = (torch.arange(256).view(-1, 1) >> torch.arange(7, -1, -1)) & 1
+        bits = (torch.arange(256, device=device).view(-1, 1)
+                >> torch.arange(7, -1, -1, device=device)) & 1
         _tables[device] = (bits.float() * 2 - 1).to(device)
     return _tables[device]
 
 
-_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
+_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # host: a constant, moved where used
 
 
 def _pack_torch(flat: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def accumulate_(e_N: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tenso
     float32 tensor."""
     N = e_N.numel()
     if N == 0:
-        return torch.zeros(1)
+        return torch.zeros(1, device=e_N.device)
     if x is not None:
         x = x.detach().reshape(-1)
         if x.dtype != torch.float32:
@@ -50,7 +50,7 @@ def accumulate_(e_N: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tenso
     if lib is not None:
         n = 0 if x is None else x.numel()
         sumsq = lib.onebit_accumulate(e_N.data_ptr(), 0 if x is None else x.data_ptr(), n, N)
-        return torch.tensor([math.sqrt(sumsq / N)], dtype=torch.float32)
+        return torch.tensor([math.sqrt(sumsq / N)], dtype=torch.float32, device=e_N.device)
     if x is not None:
         e_N[: x.numel()] += x
     return (torch.linalg.vector_norm(e_N) / math.sqrt(N)).reshape(1).float()
@@ -63,7 +63,7 @@ def pack_update_(e_N: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_update_ needs a multiple of 8 elements, got {N}")
     lib = _lib(e_N)
     if lib is not None:
-        packed = torch.empty(N // 8, dtype=torch.uint8)
+        packed = torch.empty(N // 8, dtype=torch.uint8, device=e_N.device)
         lib.onebit_pack_update(e_N.data_ptr(), packed.data_ptr(), N, float(scale))
         return packed
     packed = pack_signs(e_N)

@@ -84,7 +84,7 @@ def gemm_layout(q_OI: torch.Tensor) -> torch.Tensor:
     O, I = q_OI.shape
     if q_OI.device.type != "cpu" or I % 2048:
         return q_OI
-    rows = torch.empty(O, I + 16, dtype=q_OI.dtype)
+    rows = torch.empty(O, I + 16, dtype=q_OI.dtype, device=q_OI.device)
     rows[:, :I] = q_OI
     return rows[:, :I]
 
@@ -184,7 +184,7 @@ def weight_only_linear(x_TI: torch.Tensor, qw: QuantizedWeight,
     if lib is None:
         return F.linear(x_TI, dequantize_weight(qw), bias)
     x = x_TI.float().contiguous()
-    y = torch.empty(T, O, dtype=torch.float32)
+    y = torch.empty(T, O, dtype=torch.float32, device=x.device)
     b = None if bias is None else bias.detach().float().contiguous()
     rc = lib.wq_linear(x.data_ptr(), T, I, qw.q.data_ptr(), qw.bits, qw.scales.data_ptr(),
                        qw.group_size, O, None if b is None else b.data_ptr(), y.data_ptr())

@@ -261,7 +261,8 @@ class GPT(nn.Module):
                 else:
                     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
                     s = out_std if name.endswith("proj.weight") else std
-                    p.copy_(torch.randn(p.shape, generator=g) * s)
+                    # drawn with a CPU generator: every device starts from the same weights
+                    p.copy_(torch.randn(p.shape, generator=g) * s)  # host: then copied into p
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 ltd: tuple[int, range, torch.Generator] | None = None, **kw):
@@ -354,7 +355,8 @@ def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random-LTD: ``keep`` random positions of each sequence, in order, go through the block."""
     B, T, C = x_BTC.shape
-    idx_BK = torch.rand(B, T, generator=gen).argsort(dim=1)[:, :keep].sort(dim=1).values
+    idx_BK = torch.rand(B, T, generator=gen, device=gen.device).argsort(dim=1)[:, :keep]
+    idx_BK = idx_BK.sort(dim=1).values
     idx_BKC = idx_BK.to(x_BTC.device)[:, :, None].expand(B, keep, C)
     # causal among the kept, in order, each at its own position
     y, aux = block(torch.gather(x_BTC, 1, idx_BKC), pos=idx_BK.to(x_BTC.device))

@@ -219,7 +219,7 @@ class _SafetensorsFile:
         if dtype is None:
             raise ValueError(f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
                              f"which troupe does not read")
-        out = torch.empty(info["shape"], dtype=dtype)
+        out = torch.empty(info["shape"], dtype=dtype)  # host: read from the file
         start, end = info["data_offsets"]
         nbytes = out.numel() * out.element_size()
         if end - start != nbytes:
@@ -417,7 +417,8 @@ def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Pat
             tensors[prefix + target] = part.contiguous()  # views of the weights where it can
     if kind == "gpt2" and not model.cfg.qkv_bias:  # troupe's GPT has none; GPT-2 a zero one
         for i in range(model.cfg.n_layer):
-            tensors[f"transformer.h.{i}.attn.c_attn.bias"] = torch.zeros(3 * model.cfg.d_model)
+            tensors[f"transformer.h.{i}.attn.c_attn.bias"] = torch.zeros(
+                3 * model.cfg.d_model, device=model.tok_emb.weight.device)
     _write_safetensors(directory / "model.safetensors", tensors)
     (directory / "config.json").write_text(json.dumps(hf, indent=2))
     if tokenizer_from is not None:

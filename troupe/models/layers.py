@@ -37,7 +37,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     """Inverse frequencies (head_dim / 2,) of rotary embeddings; ``scaling`` with
     rope_type "llama3" (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings) stretches the long wavelengths as Llama 3.1 does."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64)  # host: a buffer, moves with its module
+    inv = 1.0 / theta ** (steps.float() / head_dim)
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))

@@ -95,4 +95,4 @@ def build_shard_rule(cfg: OptimizerConfig, numels: list[int], padded: int, lo: i
         return LambRule(segment_ids(numels, padded, lo, hi), len(numels) + 1, norm_group, comm,
                         cfg.betas, cfg.eps, cfg.weight_decay, cfg.min_coeff, cfg.max_coeff)
     return AdamRule(hi - lo, cfg.betas, cfg.eps, cfg.weight_decay, cfg.name == "adamw",
-                    cfg.bias_correction)
+                    cfg.bias_correction, device="cpu")  # the owners are host-memory actors

@@ -12,7 +12,8 @@ from torch import nn
 
 class FlatParams:
     """Re-homes ``params`` (and their grads) into two flat fp32 buffers padded to a multiple of
-    ``align``; afterwards each ``p.data`` and ``p.grad`` is a view into ``data`` / ``grad``.
+    ``align``, on the parameters' device; afterwards each ``p.data`` and ``p.grad`` is a view
+    into ``data`` / ``grad``.
 
     segments[i] = (offset, numel) of the i-th parameter; padding stays zero.
     """
@@ -21,8 +22,11 @@ class FlatParams:
         self.params = [p for p in params if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.padded = padded_size([p.numel() for p in self.params], align)
-        self.data = torch.zeros(self.padded, dtype=torch.float32)
-        self.grad = torch.zeros(self.padded, dtype=torch.float32)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        if any(p.device != self.device for p in self.params):
+            raise ValueError("FlatParams: the parameters are on more than one device")
+        self.data = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         self.segments: list[tuple[int, int]] = []
         offset = 0
         for p in self.params:
@@ -40,7 +44,7 @@ class FlatParams:
 
     def segment_ids(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """For each element of [lo, hi): the index of its parameter (len(params) for padding)."""
-        return segment_ids([n for _, n in self.segments], self.padded, lo, hi)
+        return segment_ids([n for _, n in self.segments], self.padded, lo, hi).to(self.device)
 
 
 def padded_size(numels: list[int], align: int) -> int:
@@ -52,7 +56,7 @@ def segment_ids(numels: list[int], padded: int, lo: int = 0, hi: int | None = No
     """Tensor index of each element of [lo, hi) of a flat buffer of tensors of ``numels``
     elements (len(numels) for the padding), without the tensors themselves."""
     hi = padded if hi is None else hi
-    ids = torch.full((padded,), len(numels), dtype=torch.int64)
+    ids = torch.full((padded,), len(numels), dtype=torch.int64)  # host: filled here, then moved
     offset = 0
     for i, n in enumerate(numels):
         ids[offset:offset + n] = i

@@ -45,7 +45,8 @@ class OffloadedOptimizer(Optimizer):
 
     def pull_params(self) -> None:
         """Receive every owner's chunk into the flat parameters."""
-        got = self.group.all_to_all(torch.empty(0), _splits(self.W, 0, self.chunk),
+        got = self.group.all_to_all(torch.empty(0, device=self.flat.device),
+                                    _splits(self.W, 0, self.chunk),
                                     _splits(self.W, 0, 0))
         self.flat.data.copy_(got)
 
@@ -74,18 +75,20 @@ class ParameterShard:
         self.chunk = padded // self.W
         self.index = group.rank - self.W
         self.lo, self.hi = self.index * self.chunk, (self.index + 1) * self.chunk
-        self.params = torch.zeros(self.chunk)
+        self.params = torch.zeros(self.chunk)  # host: an owner is a host-memory actor
         self.t = 0
 
     def receive_params(self) -> None:
         """The other end of the trainers' push_params: this owner's chunk, from trainer 0."""
-        got = self.group.all_to_all(torch.empty(0), [self.chunk] + [0] * (2 * self.W - 1),
+        got = self.group.all_to_all(torch.empty(0),  # host: (an owner)
+                                    [self.chunk] + [0] * (2 * self.W - 1),
                                     [0] * (2 * self.W))
         self.params.copy_(got)
 
     def step(self, lr: float) -> None:
         self.t += 1
-        grads = self.group.all_to_all(torch.empty(0), _splits(self.W, self.chunk, 0),
+        grads = self.group.all_to_all(torch.empty(0),  # host: (an owner)
+                                      _splits(self.W, self.chunk, 0),
                                       _splits(self.W, 0, 0))
         g = grads.view(self.W, self.chunk).sum(0).div_(self.W)
         if self.grad_scale != 1.0:

@@ -81,8 +81,8 @@ class OneBitAdam(_Compressed):
         super().__init__(flat, group, grad_scale)
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
         self.bias_correction = bias_correction
-        n = flat.numel
-        self.m, self.v = torch.zeros(n), torch.zeros(n)
+        n, dev = flat.numel, flat.device
+        self.m, self.v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
         self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -126,9 +126,9 @@ class ZeroOneAdam(_Compressed):
         self.bias_correction = bias_correction
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        n = flat.numel
-        self.m, self.v = torch.zeros(n), torch.zeros(n)
-        self.acc, self.anchor = torch.zeros(n), torch.zeros(n)
+        n, dev = flat.numel, flat.device
+        self.m, self.v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        self.acc, self.anchor = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
         self._init_onebit("m", "acc")
         self.sched = dict(var_interval=1, var_counter=0, var_updates=0, local_interval=1,
                           local_counter=0, lrs=0.0)
@@ -208,11 +208,11 @@ class OneBitLamb(_Compressed):
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
-        n, T = flat.numel, len(flat.params)
+        n, T, dev = flat.numel, len(flat.params), flat.device
         self.seg = flat.segment_ids(0, n)
-        self.m, self.v, self.v_fresh = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-        self.coeff_freeze, self.last_factor = torch.zeros(T), torch.ones(T)
-        self.scaling = torch.ones(T)
+        self.m, self.v, self.v_fresh = (torch.zeros(n, device=dev) for _ in range(3))
+        self.coeff_freeze = torch.zeros(T, device=dev)
+        self.last_factor, self.scaling = torch.ones(T, device=dev), torch.ones(T, device=dev)
         self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -221,7 +221,7 @@ class OneBitLamb(_Compressed):
                 "scaling": self.scaling}
 
     def _per_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(self.flat.params)).index_add_(0, self.seg, x)
+        return torch.zeros(len(self.flat.params), device=x.device).index_add_(0, self.seg, x)
 
     def step(self, lr: float) -> None:
         self.t += 1
@@ -251,8 +251,8 @@ class OneBitLamb(_Compressed):
         u_pre = self.m / bc1 / denom
         u = u_pre + self.wd * p if self.wd else u_pre
         ratio = denom.div_((self.v_fresh / bc2_fresh).sqrt_().add_(self.eps))
-        factor = torch.zeros(len(self.flat.params)).scatter_reduce_(0, self.seg, ratio, "amax",
-                                                                    include_self=False)
+        factor = torch.zeros(len(self.flat.params), device=ratio.device).scatter_reduce_(
+            0, self.seg, ratio, "amax", include_self=False)
         if self.wd:
             r = (self._per_tensor(u_pre * u_pre).sqrt() / self._per_tensor(u * u).sqrt()
                  .clamp_min(1e-30)).clamp_(max=1.0)
@@ -272,7 +272,7 @@ class OneBitLamb(_Compressed):
         counts = self._per_tensor(torch.ones_like(self.m))
         scales = self._per_tensor(self.m * self.m).sqrt() / counts.sqrt()
         ok = scales > 0
-        united = scales[ok].mean() if ok.any() else torch.tensor(1.0)
+        united = scales[ok].mean() if ok.any() else torch.tensor(1.0, device=scales.device)
         self.scaling.copy_(torch.where(ok, united / scales.clamp_min(1e-30), torch.ones_like(scales)))
 
 

@@ -31,10 +31,11 @@ class AdamRule(ShardRule):
     """Adam (L2 weight decay added to the gradient) or, with decoupled=True, AdamW."""
 
     def __init__(self, size: int, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decoupled: bool = False, bias_correction: bool = True):
+                 weight_decay: float = 0.0, decoupled: bool = False, bias_correction: bool = True,
+                 device: torch.device | str = "cpu"):
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.decoupled, self.bias_correction = decoupled, bias_correction
-        self.m, self.v = torch.zeros(size), torch.zeros(size)
+        self.m, self.v = torch.zeros(size, device=device), torch.zeros(size, device=device)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"m": self.m, "v": self.v}
@@ -71,7 +72,8 @@ class LambRule(ShardRule):
             segments, num_segments, norm_group, comm)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.min_coeff, self.max_coeff = min_coeff, max_coeff
-        self.m, self.v = torch.zeros(len(segments)), torch.zeros(len(segments))
+        self.m = torch.zeros(len(segments), device=segments.device)
+        self.v = torch.zeros(len(segments), device=segments.device)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"m": self.m, "v": self.v}
@@ -84,7 +86,7 @@ class LambRule(ShardRule):
         u = (self.m / bc1).div_((self.v / bc2).sqrt_().add_(self.eps))
         if self.wd:
             u.add_(p, alpha=self.wd)
-        norms = torch.zeros(2, self.num_segments)  # squared ||w||, ||u|| per tensor
+        norms = torch.zeros(2, self.num_segments, device=p.device)  # squared ||w||, ||u||
         norms[0].index_add_(0, self.seg, p * p)
         norms[1].index_add_(0, self.seg, u * u)
         group = self.norm_group
@@ -144,7 +146,7 @@ class Adam(ShardedOptimizer):
                  bias_correction: bool = True, grad_scale: float = 1.0):
         super().__init__(flat, group, grad_scale)
         self.rule = AdamRule(self.hi - self.lo, betas, eps, weight_decay, decoupled,
-                             bias_correction)
+                             bias_correction, device=flat.device)
 
 
 class Lamb(ShardedOptimizer):

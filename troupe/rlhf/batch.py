@@ -8,13 +8,14 @@ from troupe.data import Tokenizer
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, valid), both (B, max length), real tokens right-aligned."""
+    """(ids, valid), both (B, max length), real tokens right-aligned; in host memory, as batches
+    travel between the roles (troupe.wire)."""
     S = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(seqs), S, dtype=torch.bool)
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)  # host: a batch between roles
+    valid = torch.zeros(len(seqs), S, dtype=torch.bool)  # host: (as ids)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, S - len(s):] = torch.tensor(s)
+            ids[i, S - len(s):] = torch.tensor(s)  # host: (as ids)
             valid[i, S - len(s):] = True
     return ids, valid
 
@@ -34,7 +35,7 @@ def completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
         starts.append(len(pi))
     ids, valid = left_pad(seqs, tok.pad_id)
     S = ids.shape[1]
-    mask = torch.zeros(len(seqs), S - 1)
+    mask = torch.zeros(len(seqs), S - 1, device=ids.device)
     for i, (s, start) in enumerate(zip(seqs, starts)):
         first = S - len(s) + start  # index of the first response token
         mask[i, first - 1:] = 1.0  # target t+1 is predicted at t

@@ -86,7 +86,7 @@ class Trainable:
         for p in self.flat.params:
             p.grad = None
             p.requires_grad_(False)
-        self.flat.grad = torch.empty(0)
+        self.flat.grad = torch.empty(0, device=self.flat.device)
         self.opt = None
 
     def step(self, step: int) -> float:

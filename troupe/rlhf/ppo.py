@@ -89,13 +89,13 @@ def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
     if cfg.uses_critic():
         calls["values"] = graph["critic"].invoke_async(CriticActor.values, batch)
     rows = [len(ro.responses) for ro in rollouts]
-    score = torch.zeros(sum(rows))
+    score = torch.zeros(sum(rows))  # host: the driver's sums of what the roles sent back
     stats: dict = {}
     if reward_fn is not None:
         prompts = [q for ro in rollouts for q in ro.prompts]
         responses = [r for ro in rollouts for r in ro.responses]
         got = reward_fn(prompts, responses, fields)
-        score += cfg.reward.function_coef * torch.tensor(got.values)
+        score += cfg.reward.function_coef * torch.tensor(got.values)  # host: (as score)
         stats["reward_failures"] = len(got.failures)
         if got.failures:
             i, why = got.failures[0]

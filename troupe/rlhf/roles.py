@@ -111,12 +111,13 @@ class Policy:
         """Prompts and sampled tokens as left-padded sequences with their masks."""
         eos, N = self.tok.eos_id, self.cfg.ppo.max_new_tokens
         p_ids, p_valid = prompts(self.tok, texts)
-        resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens], dtype=torch.long)
+        resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens],  # host: a rollout
+                            dtype=torch.long)
         rmask = response_mask(resp, eos)
         ids = torch.cat([p_ids, resp], 1)
         valid = torch.cat([p_valid, rmask.bool()], 1)
         P = p_ids.shape[1]
-        action = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+        action = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
         action[:, P - 1:] = rmask  # target t+1 predicted at t
         responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
         return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
@@ -269,7 +270,7 @@ class Reference:
         self.lm.eval()
         out = [torch.stack(pair_logprobs(self.lm, self.tok, pairs[s])[:2], 1)
                for s in micro_batches(len(pairs), self.dpo_micro)]
-        return torch.cat(out) if out else torch.zeros(0, 2)
+        return torch.cat(out) if out else torch.zeros(0, 2)  # host: no pairs, nothing to place
 
 
 class Reward:
@@ -325,7 +326,8 @@ class Reward:
         out = []
         for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size):
             values = self.model(ids[s], valid[s])
-            out.append(values[torch.arange(len(values)), last_real(valid[s])])
+            out.append(values[torch.arange(len(values), device=values.device),
+                              last_real(valid[s])])
         return torch.cat(out)
 
     def init_from_policy(self, path: str) -> None:

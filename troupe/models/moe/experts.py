@@ -41,8 +41,11 @@ class Experts(nn.Module):
         with torch.no_grad():
             for e in range(self.num_local):
                 g = torch.Generator().manual_seed(seed ^ zlib.crc32(f"{prefix}:{self.first + e}".encode()))
-                self.w1[e].copy_(torch.randn(self.w1.shape[1:], generator=g) * std)
-                self.w2[e].copy_(torch.randn(self.w2.shape[1:], generator=g) * out_std)
+                # drawn with a CPU generator, so that every device starts from the same experts
+                w1 = torch.randn(self.w1.shape[1:], generator=g)  # host: then copied into place
+                w2 = torch.randn(self.w2.shape[1:], generator=g)  # host: (as w1)
+                self.w1[e].copy_(w1 * std)
+                self.w2[e].copy_(w2 * out_std)
             if self.bias:
                 self.b1.zero_()
                 self.b2.zero_()
