@@ -46,6 +46,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_reproduces_uninterrupted_run(cluster, tmp_path, case):
     full = pretrain.run(_cfg(tmp_path, "full", **CASES[case]), resume=None, progress=False)
+    assert all(r["peak_memory_mb"] > 50 for r in full if r["kind"] == "train")  # each rank's
     over = dict(CASES[case])
     if case == "moe-zero-one-adam":  # checkpoints behind an fsspec URL, written in place
         over["train__checkpoint_dir"] = f"file://{tmp_path}/store/split"

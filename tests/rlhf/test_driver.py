@@ -42,6 +42,10 @@ def test_three_steps_end_to_end(cluster, tmp_path):
            if '"kind": "ppo"' in line]
     assert [r["step"] for r in ppo] == [1, 2, 3]
     assert all(r["generate_s"] > 0 and r["score_s"] > 0 and r["train_s"] > 0 for r in ppo)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"kind": "ppo_eval"' in line and '"peak_memory_mb"' in line]
+    assert evals and set(evals[-1]["peak_memory_mb"]) == set(rlhf.roles(cfg))
+    assert all(mb > 50 for mb in evals[-1]["peak_memory_mb"].values())  # torch alone is more
     # step 3 alone reuses the weights of steps 1 and 2
     again = rlhf.run(cfg, ("ppo",))
     assert "after" in again["ppo"]
@@ -100,7 +104,8 @@ def _ppo(graph, cfg, out, hook=None, resume=False):
     final = {}
     for r in log.records():
         if r["kind"] in ("ppo", "ppo_eval"):
-            final[(r["kind"], r["step"])] = {k: v for k, v in r.items() if not k.endswith("_s")}
+            final[(r["kind"], r["step"])] = {k: v for k, v in r.items()
+                                             if not k.endswith("_s") and k != "peak_memory_mb"}
     return res, final
 
 

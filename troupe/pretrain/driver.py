@@ -211,7 +211,8 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "loss": sum(r.loss for r in ranks) / len(ranks),
             "aux_loss": sum(r.aux_loss for r in ranks) / len(ranks),
             "tokens": sum(r.tokens for r in ranks),
-            "seconds": max(r.seconds for r in ranks)}]
+            "seconds": max(r.seconds for r in ranks),
+            "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]
     if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
         val = sum(graph["trainer"].invoke(PretrainRank.evaluate)) / T.num_workers
         out.append({"kind": "eval", "step": step, "val_loss": val})

@@ -27,6 +27,7 @@ from troupe.optim import (
 )
 from troupe.parallel import apply_expert_parallel
 from troupe.pretrain.config import PretrainConfig
+from troupe.runtime.metrics import peak_memory_mb
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class StepStats:
     tokens: int          # tokens in this rank's batch
     bytes_sent: int      # by this rank's optimizers since the start
     seconds: float
+    peak_memory_mb: float = 0.0  # this rank's so far (runtime.metrics.peak_memory_mb)
 
 
 class Bucket:
@@ -135,7 +137,7 @@ class PretrainWorker:
         self.step = step
         return StepStats(step, lm_loss_value, aux.detach().item(), lr, seq_len, keep, x.numel(),
                          sum(b.optimizer.comm.bytes_sent for b in self.buckets),
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, peak_memory_mb())
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -150,6 +150,13 @@ def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
     return exps, stats
 
 
+def role_memory(graph: Graph) -> dict[str, float]:
+    """Each role's peak memory so far (MiB, the most of its workers; the CUDA allocator's or
+    the resident set's: runtime.metrics.peak_memory_mb), asked at the evaluations only."""
+    return {name: round(max(group.invoke(PolicyActor.peak_memory_mb)), 1)
+            for name, group in graph.roles.items()}
+
+
 def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
                   reward_fn: RewardFunction | None = None) -> dict:
     """Generate, score, and update the policy (and critic) once; returns the metrics."""
@@ -316,6 +323,7 @@ def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pa
     log.write(ppo_iteration(graph, cfg, data, it, state.rng, reward_fn))
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:
-        log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99)})
+        log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99),
+                   "peak_memory_mb": role_memory(graph)})
     if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
         save_checkpoint(graph, out / "ppo" / "checkpoints", out, state)

@@ -25,6 +25,7 @@ from troupe.rlhf.experience import (
     SFTStats,
 )
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
+from troupe.runtime.metrics import peak_memory_mb
 
 
 def _config(config: dict | RLHFConfig) -> RLHFConfig:
@@ -40,6 +41,11 @@ class _Shell:
         self.cfg = _config(config)
         torch.set_num_threads(self.cfg.ppo.threads)  # reference and critic work in step 3 only
         self.role = None
+
+    @dispatch(Dispatch.ALL)
+    def peak_memory_mb(self) -> float:
+        """This worker's peak memory so far (troupe.runtime.metrics.peak_memory_mb)."""
+        return peak_memory_mb()
 
     @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:

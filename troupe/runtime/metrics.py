@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 class MetricsLog:
@@ -27,6 +31,16 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         kept = [r for r in self.records() if r.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory so far, in MiB: the CUDA allocator's high-water mark when
+    this process has used CUDA, else the resident set's (ru_maxrss: the weights, activations
+    and everything else the process touched)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def plot_losses(records: list[dict[str, Any]], path: str | Path, title: str) -> Path:
