@@ -23,4 +23,4 @@ def test_peak_memory_follows_what_the_process_touched():
     before, after, later = json.loads(out.strip().splitlines()[-1])
     assert before > 50  # the interpreter and torch alone
     assert 240 < after - before < 300
-    assert later == after
+    assert later > after - 2  # 256 MiB freed, the mark stays (the kernel batches its counts)

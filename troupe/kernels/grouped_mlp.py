@@ -20,7 +20,10 @@ experts-sized buffer (whose first touch costs page faults on every step) and no 
 ``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight still get a gradient
 returned the ordinary way; tensor hooks on the stacked weights do not see in-place additions.
 
-Torch ops only: the same code runs on CPU and CUDA tensors, any float dtype.
+Torch ops only: the same code runs on CPU and CUDA tensors, any float dtype. Under
+``torch.autocast`` (bf16 mixed precision) the rows and weights are cast to the autocast dtype
+first, as autocast casts a Linear's, and the experts run in it; the casts carry the gradients
+back to the fp32 weights (without the in-place accumulation above).
 """
 
 from __future__ import annotations
@@ -169,7 +172,13 @@ def grouped_mlp(x_AM: torch.Tensor, counts: list[int], w1_EMH: torch.Tensor,
         raise ValueError(f"counts {counts} do not fit {x_AM.shape[0]} rows of "
                          f"{w1_EMH.shape[0]} experts")
     weights = (w1_EMH, b1_EH, w2_EHM, b2_EM)
+    device = x_AM.device.type
+    if torch.is_autocast_enabled(device):  # one dtype for everything, as autocast's matmuls
+        dtype = torch.get_autocast_dtype(device)
+        x_AM = x_AM.to(dtype)
+        weights = tuple(None if w is None else w.to(dtype) for w in weights)
     track = torch.is_grad_enabled()
     accumulators = tuple(get_gradient_edge(w).node if track and w is not None and
                          w.requires_grad and w.is_leaf else None for w in weights)
-    return _GroupedMLP.apply(x_AM.contiguous(), *weights, counts, swiglu, accumulators)
+    with torch.autocast(device, enabled=False):  # the ops run in the dtype just chosen
+        return _GroupedMLP.apply(x_AM.contiguous(), *weights, counts, swiglu, accumulators)

@@ -47,7 +47,10 @@ class TrainConfig(Config):
     directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
     filesystem's package, e.g. s3fs, installed on every node). activation_checkpointing:
     recompute each block's activations in the backward instead of keeping them (the same
-    gradients; less memory for about a third more compute: benchmarks/RESULTS.md)."""
+    gradients; less memory for about a third more compute: benchmarks/RESULTS.md).
+    precision: "bf16" runs the forward and backward under bf16 autocast (matmuls, attention and
+    the MoE experts in bf16) while the fp32 master weights, gradients and optimizer state stay
+    in the flat buffers and ZeRO shards; "fp32" (default) everything in fp32."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -64,6 +67,7 @@ class TrainConfig(Config):
     placement_timeout_s: float = Field(default=600.0, gt=0)
     checkpoint_dir: str | None = None
     activation_checkpointing: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class PretrainConfig(Config):

@@ -30,7 +30,7 @@ def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
                              f"has {tok.vocab_size} tokens")
         gpt = GPT(cfg.gpt, seed=seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
-    return GPTLM(gpt), tok
+    return GPTLM(gpt, cfg.precision), tok
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:

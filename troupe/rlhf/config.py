@@ -18,12 +18,15 @@ class ModelConfig(Config):
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
     as a user turn through the model's chat template (when its tokenizer has one).
     activation_checkpointing: the trained roles recompute each block's activations in the
-    backward instead of keeping them (less memory, about a third more compute in training)."""
+    backward instead of keeping them (less memory, about a third more compute in training).
+    precision: "bf16" runs every role's forward and backward except generation under bf16
+    autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
     activation_checkpointing: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class TaskConfig(Config):

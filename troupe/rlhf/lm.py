@@ -17,19 +17,27 @@ from troupe.models import GPT, SharedPrefix
 
 
 class GPTLM(nn.Module):
-    """A GPT on left-padded sequences; generation runs on troupe.generation's engine."""
+    """A GPT on left-padded sequences; generation runs on troupe.generation's engine.
+    ``precision`` "bf16": every forward but generation (training, log-probabilities, values)
+    runs under bf16 autocast, the weights staying fp32; log-softmax in fp32."""
 
-    def __init__(self, gpt: GPT):
+    def __init__(self, gpt: GPT, precision: str = "fp32"):
         super().__init__()
-        self.gpt = gpt
+        self.gpt, self.precision = gpt, precision
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
 
+    def autocast(self):
+        device = self.gpt.tok_emb.weight.device.type
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
     def logits(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        return self.gpt(ids_BS, valid_BS=valid_BS)[0]
+        with self.autocast():
+            return self.gpt(ids_BS, valid_BS=valid_BS)[0].float()
 
     def hidden(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, S, C): no vocabulary projection (the value head reads them)."""
-        return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
+        with self.autocast():
+            return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
 
     def token_logprobs(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
                        where_BR: torch.Tensor, entropy: bool = False, prompt_len: int = 0):
@@ -44,7 +52,9 @@ class GPTLM(nn.Module):
                  else self.hidden(ids_BS, valid_BS))
         h_BRC = h_BSC[:, :-1]
         at = where_BR.bool()
-        logp_NV = F.log_softmax(self.gpt.logits(h_BRC[at]).float(), dim=-1)
+        with self.autocast():
+            logits_NV = self.gpt.logits(h_BRC[at])
+        logp_NV = F.log_softmax(logits_NV.float(), dim=-1)
         out = torch.zeros(where_BR.shape, dtype=logp_NV.dtype, device=logp_NV.device)
         out[at] = logp_NV.gather(-1, ids_BS[:, 1:][at][:, None]).squeeze(-1)
         if not entropy:
@@ -70,9 +80,10 @@ class GPTLM(nn.Module):
         first = torch.cat([same.new_ones(1), ~same])  # (B,) a row that starts a new prompt
         rows = first.long().cumsum(0) - 1             # (B,) its prompt's index
         prefix = SharedPrefix(rows)
-        h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],
-                                   cache=prefix)[0]
-        h_rest = self.gpt.hidden(ids_BS[:, P:], valid_BS=valid_BS, cache=prefix.attend())[0]
+        with self.autocast():
+            h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],
+                                       cache=prefix)[0]
+            h_rest = self.gpt.hidden(ids_BS[:, P:], valid_BS=valid_BS, cache=prefix.attend())[0]
         return torch.cat([h_prompt.index_select(0, rows), h_rest], 1)
 
     @torch.inference_mode()
@@ -111,4 +122,5 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lm.hidden(ids_BS, valid_BS)).squeeze(-1)  # (B, S)
+        with self.lm.autocast():
+            return self.head(self.lm.hidden(ids_BS, valid_BS)).squeeze(-1).float()  # (B, S)

@@ -35,10 +35,20 @@ class MetricsLog:
 
 def peak_memory_mb() -> float:
     """This process's peak memory so far, in MiB: the CUDA allocator's high-water mark when
-    this process has used CUDA, else the resident set's (ru_maxrss: the weights, activations
-    and everything else the process touched)."""
+    this process has used CUDA, else the resident set's (the weights, activations and
+    everything else the process touched). On Linux that is VmHWM, the peak of this program's
+    own address space: ru_maxrss would also carry the peak of the process it was forked from
+    (a fork copies it and exec keeps it: a worker started by a 2 GB process would report 2 GB
+    before doing anything)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**20 if sys.platform == "darwin" else 2**10)
 

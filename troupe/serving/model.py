@@ -125,9 +125,15 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
     each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
     the model's tokenizer (default: loaded from the source)."""
-    model = load_source(cfg.model)
+    model = with_precision(load_source(cfg.model), cfg)
     tok = tok or load_tokenizer(cfg.model.pretrained)
     return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
+
+
+def with_precision(model: GPT, cfg: ServeConfig) -> GPT:
+    """``model`` in ``cfg.precision``, before quantization (which reads the weights in fp32
+    and keeps its scales in fp32 whatever the rest is)."""
+    return model.to(torch.bfloat16) if cfg.precision == "bf16" else model
 
 
 def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.Tensor] | None:

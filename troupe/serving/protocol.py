@@ -67,7 +67,9 @@ class ServeConfig(Config):
     windows of text (the standard library's docstrings, in the model's tokenizer); 0: none. api_key_env: the environment variable
     holding the bearer token clients must send (unset or empty: no authentication).
     expert_parallel: for MoE models, spread each replica's experts over this many expert
-    actors, which exchange tokens with all_to_all (1: the replica holds every expert)."""
+    actors, which exchange tokens with all_to_all (1: the replica holds every expert).
+    precision: "bf16" holds the weights that stay unquantized (embeddings, norms, fp32 layers)
+    and the KV cache in bf16 and computes in it; "fp32" (default) in fp32."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -81,6 +83,7 @@ class ServeConfig(Config):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
     expert_parallel: int = Field(default=1, ge=1)
+    precision: Literal["fp32", "bf16"] = "fp32"
 
     @field_validator("quantize")
     @classmethod

@@ -26,7 +26,7 @@ from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
 from troupe.serving.model import (calibrate, load_served_model, load_source, quantize_served,
-                                  weight_bytes)
+                                  weight_bytes, with_precision)
 from troupe.serving.protocol import (
     ChatRequest,
     Choice,
@@ -322,7 +322,7 @@ class ServeRank:
     @dispatch(Dispatch.ALL)
     def setup(self) -> RankModel:
         tok = load_tokenizer(self.cfg.model.pretrained)
-        model = load_source(self.cfg.model)
+        model = with_precision(load_source(self.cfg.model), self.cfg)
         outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
         model = apply_expert_parallel(model, collectives.get_group("ep"))
         modes = quantize_served(model, self.cfg, outliers)
