@@ -208,3 +208,32 @@ def test_weight_only_packing_round_trips(bits):
     for group in (6, 1024):  # not a multiple of 4, or an INT32 sum that could overflow
         odd = quantize_weight(torch.randn(16, 1024 if group == 1024 else 96), bits, group, axis=1)
         assert vnni_layout(odd).layout == "rows"
+
+
+@needs_vnni
+@pytest.mark.parametrize("M", [1, 6, 8, 13])
+@pytest.mark.parametrize("K, N, k", [(64, 16, 1), (96, 33, 3), (576, 1536, 16)])
+def test_vnni_kernel_fuses_the_outlier_channels(M, K, N, k):
+    """W8A8 with k input channels kept fp32: the native kernel (the channels zeroed while the
+    tokens are quantized, their fp32 product added in the epilogue) equals the torch path
+    (clone, zero, INT8 product, plus the fp32 product beside it) to fp32 rounding; the INT8 part
+    is bit for bit the same, so what differs is only the order of the fp32 additions."""
+    g = torch.Generator().manual_seed(M * 1000 + K + N + k)
+    w, x, b = torch.randn(N, K, generator=g), 3 * torch.randn(M, K, generator=g), torch.randn(N)
+    channels = torch.randperm(K, generator=g)[:k].sort().values
+    x[:, channels] *= 50  # outliers: they would set every token's scale
+    rows_w = w[:, channels].t().contiguous()
+    w = w.clone()
+    w[:, channels] = 0
+    rows = quantize_weight(w, 8, 1, axis=0)
+    packed = vnni_layout(rows)
+    got = int8_linear(x, packed, b, (channels, rows_w))
+    want = int8_linear(x, rows, b, (channels, rows_w))
+    # two fp32 sums of the same terms (the rescaled INT8 product, the bias, k products) in
+    # different orders: within a few ulps of the sum of the terms' magnitudes
+    side = x[:, channels].abs() @ rows_w.abs() + b.abs() + want.abs()
+    assert ((got - want).abs() <= (k + 2) * 2**-23 * side + 1e-6).all()
+    plain = int8_linear(x, packed, b)  # without them the outliers wreck the scales
+    assert (plain - want).abs().max() > 10 * (got - want).abs().max()
+    with pytest.raises(RuntimeError, match="outlier channel"):
+        int8_linear(x, packed, b, (torch.tensor([K]), rows_w[:1]))

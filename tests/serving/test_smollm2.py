@@ -24,7 +24,10 @@ def client(cluster, serve_port, smollm2):
 def test_the_capital_of_france_is_paris_streamed_or_not(client):
     client, cfg = client
     name = cfg.model.name
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # "What is the capital of France?" puts SmolLM2's first token on a near-tie even in fp32
+    # ("The" 25.33 against "L" 25.24): W8A8's greedy answer then turns on fp32 rounding order.
+    # This wording leaves a margin of 1.44 logits.
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     whole = client.chat.completions.create(model=name, messages=messages, max_tokens=40,
                                            temperature=0)
     text = whole.choices[0].message.content

@@ -56,10 +56,10 @@ class QuantizedLinear(nn.Module):
         self.group_size = group_size
         w = linear.weight.detach().float()
         self.outliers: torch.Tensor | None = None  # (k,) input channels kept in fp32 (w8a8)
-        self.outlier_w: torch.Tensor | None = None  # (O, k) their weight columns
+        self.outlier_w: torch.Tensor | None = None  # (k, O) their weight columns, as rows
         if outliers is not None and len(outliers) and mode == "w8a8":
-            self.outliers = outliers.to(device=w.device, dtype=torch.long)
-            self.outlier_w = w[:, self.outliers].contiguous()
+            self.outliers = outliers.to(device=w.device, dtype=torch.long).contiguous()
+            self.outlier_w = w[:, self.outliers].t().contiguous()
             w = w.clone()
             w[:, self.outliers] = 0  # the INT8 part never sees them: its scales ignore them
         self.qw = quantize_for(w, mode, group_size)
@@ -97,13 +97,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.mode == "w8a8" and self.outliers is not None:
-            rest = x2.clone()
-            rest[:, self.outliers] = 0
-            y = int8_linear(rest, self.qw, self.bias) + x2[:, self.outliers].float() @ \
-                self.outlier_w.t()
-        elif self.mode == "w8a8":
-            y = int8_linear(x2, self.qw, self.bias)
+        if self.mode == "w8a8":
+            y = int8_linear(x2, self.qw, self.bias, None if self.outliers is None else
+                            (self.outliers, self.outlier_w))
         else:
             y = weight_only_linear(x2, self.qw, self.bias)
         if self.lorc_down is not None:

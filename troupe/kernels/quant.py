@@ -252,14 +252,25 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
-def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None):
+def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                outliers: tuple[torch.Tensor, torch.Tensor] | None = None):
     """W8A8: quantize the tokens, INT8 GEMM, rescale by s_x[:, None] * s_w[None, :]. With a
-    ``vnni_layout`` weight, all three in the native kernel (the same numbers, bit for bit)."""
+    ``vnni_layout`` weight, all three in the native kernel (the same numbers, bit for bit).
+    ``outliers``: (channels (k,) int64, rows (k, O) fp32): those input channels stay fp32 and
+    add x[:, channels] @ rows; the INT8 part sees zeros there (the weight should too); in the
+    native kernel's epilogue, else beside the INT8 product."""
     if qw.bits != 8 or qw.axis != 0:
         raise ValueError("int8_linear needs INT8 weights with per-output-channel groups")
     if qw.layout == "vnni":  # (a call costs ~10 us at decoding sizes: no needless copies)
+        channels, rows = outliers if outliers is not None else (None, None)
         return _int8_extension().linear(_f32(x_TI), qw.q, qw.colsum, _f32(qw.scales),
-                                        None if bias is None else _f32(bias), qw.shape[0])
+                                        None if bias is None else _f32(bias), qw.shape[0],
+                                        channels, None if rows is None else _f32(rows))
+    if outliers is not None:
+        channels, rows = outliers
+        rest = x_TI.clone()
+        rest[:, channels] = 0
+        return int8_linear(rest, qw, bias) + x_TI[:, channels].float() @ rows
     xq, xs = quantize_tokens(x_TI)
     y = int8_gemm(xq, qw.q).float() * xs[:, None] * channel_scales(qw)[None, :]
     return y + bias if bias is not None else y

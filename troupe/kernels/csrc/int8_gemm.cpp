@@ -12,11 +12,17 @@
 // broadcast of a token's 4 input bytes meets it. A tile of up to 6 tokens x 4 blocks (64
 // outputs) keeps 24 accumulators in registers over the whole inner dimension; the blocks are
 // split over torch's intra-op threads (at::parallel_for).
+//
+// Outlier channels (LLM.int8()'s decomposition, troupe.compression.quantize): k input channels
+// stay fp32. Each token is quantized without them (zeros there, so its scale ignores them),
+// and the epilogue adds x[:, channels] @ W[:, channels]^T from an fp32 (k, N) copy of those
+// weight columns: one call instead of the clone, zeroing, gather and fp32 GEMM beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cfloat>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TROUPE_VNNI 1
@@ -30,6 +36,14 @@ bool available() { return TROUPE_VNNI; }
 namespace {
 
 constexpr int MR = 6, NR = 4, PF = 48;
+
+// the fp32 side of the outlier channels: this tile's tokens' values there (k a token) and
+// the weights' (k, N) rows; k == 0 when there are none
+struct Outliers {
+  const float *x;
+  int64_t k;
+  const float *w;
+};
 
 // Row m of x (K floats) -> K unsigned bytes round(x / s) + 128 and s = max|x| / 127 (as
 // quantize_tokens does: the same division and round-half-to-even, so the same integers).
@@ -55,7 +69,7 @@ void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale) {
 // y[m0:m0+R, 16 b0 : 16 (b0+C)] for R tokens and C blocks of 16 outputs.
 template <int R, int C>
 void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const int32_t *colsum,
-          const float *sw, const float *bias, int64_t b0, int64_t N, float *y) {
+          const float *sw, const float *bias, int64_t b0, int64_t N, float *y, Outliers ol) {
   const int64_t KQ = K / 4;
   const int8_t *w = wp + b0 * KQ * 64;
   // every loop over i and j is unrolled (the pragmas), or GCC keeps the accumulator array
@@ -103,6 +117,9 @@ void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const 
       __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[i] + j * 16), shift));
       v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx[i]), RN), s, RN);
       if (bias) v = _mm512_add_round_ps(v, b, RN);
+      for (int64_t c = 0; c < ol.k; c++)  // + the fp32 outlier channels
+        v = _mm512_fmadd_ps(_mm512_set1_ps(ol.x[i * ol.k + c]),
+                            _mm512_maskz_loadu_ps(keep, ol.w + c * N + n), v);
       _mm512_mask_storeu_ps(y + i * N + n, keep, v);
     }
   }
@@ -110,14 +127,15 @@ void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const 
 
 template <int C>
 void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t *wp,
-          const int32_t *cs, const float *sw, const float *b, int64_t b0, int64_t N, float *y) {
+          const int32_t *cs, const float *sw, const float *b, int64_t b0, int64_t N, float *y,
+          Outliers ol) {
   switch (r) {
-    case 1: tile<1, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
-    case 2: tile<2, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
-    case 3: tile<3, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
-    case 4: tile<4, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
-    case 5: tile<5, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
-    default: tile<6, C>(u, sx, K, wp, cs, sw, b, b0, N, y); break;
+    case 1: tile<1, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
+    case 2: tile<2, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
+    case 3: tile<3, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
+    case 4: tile<4, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
+    case 5: tile<5, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
+    default: tile<6, C>(u, sx, K, wp, cs, sw, b, b0, N, y, ol); break;
   }
 }
 
@@ -126,9 +144,12 @@ void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t 
 
 // x (M, K) fp32, K a multiple of 4; wp (NB, K/4, 16, 4) int8 (output channels past n_out are
 // zeros); colsum (n_out) int32, scales and bias (n_out) fp32 (bias may be absent), with
-// 16 (NB - 1) < n_out <= 16 NB. Returns y (M, n_out) fp32.
+// 16 (NB - 1) < n_out <= 16 NB; outlier channels (k) int64 and their fp32 weight rows
+// (k, n_out), both or neither. Returns y (M, n_out) fp32.
 torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
-                     torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n_out) {
+                     torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n_out,
+                     c10::optional<torch::Tensor> channels,
+                     c10::optional<torch::Tensor> channel_rows) {
 #if TROUPE_VNNI
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "int8_gemm.linear: x must be a contiguous (M, K) float32 tensor");
@@ -140,15 +161,43 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
   TORCH_CHECK(colsum.numel() == n_out && scales.numel() == n_out &&
               (!bias.has_value() || bias->numel() == n_out),
               "int8_gemm.linear: colsum, scales and bias need ", n_out, " values");
+  TORCH_CHECK(channels.has_value() == channel_rows.has_value(),
+              "int8_gemm.linear: outlier channels and their weight rows go together");
+  const int64_t k = channels.has_value() ? channels->numel() : 0;
+  const int64_t *ch = k ? channels->data_ptr<int64_t>() : nullptr;
+  if (k) {
+    TORCH_CHECK(channels->scalar_type() == torch::kLong && channels->is_contiguous() &&
+                channel_rows->scalar_type() == torch::kFloat && channel_rows->is_contiguous() &&
+                channel_rows->dim() == 2 && channel_rows->size(0) == k &&
+                channel_rows->size(1) == n_out,
+                "int8_gemm.linear: outlier channels (k) int64 and rows (k, ", n_out, ") float32");
+    for (int64_t c = 0; c < k; c++)
+      TORCH_CHECK(ch[c] >= 0 && ch[c] < K, "int8_gemm.linear: outlier channel ", ch[c],
+                  " outside 0..", K - 1);
+  }
   auto u = torch::empty({M, K}, x.options().dtype(torch::kUInt8));
   auto sx = torch::empty({M}, x.options());
+  auto xo = torch::empty({M, k}, x.options());
   auto y = torch::empty({M, n_out}, x.options());
   const float *xp = x.data_ptr<float>();
   uint8_t *up = u.data_ptr<uint8_t>();
-  float *sp = sx.data_ptr<float>();
+  float *sp = sx.data_ptr<float>(), *xop = xo.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) quantize_row(xp + m * K, K, up + m * K, sp + m);
+    std::vector<float> row(k ? K : 0);
+    for (int64_t m = m0; m < m1; m++) {
+      const float *xm = xp + m * K;
+      if (k) {  // the outlier channels set aside, zeros in their place
+        std::memcpy(row.data(), xm, K * sizeof(float));
+        for (int64_t c = 0; c < k; c++) {
+          xop[m * k + c] = row[ch[c]];
+          row[ch[c]] = 0.0f;
+        }
+        xm = row.data();
+      }
+      quantize_row(xm, K, up + m * K, sp + m);
+    }
   });
+  const float *rows_w = k ? channel_rows->data_ptr<float>() : nullptr;
   const int8_t *w = wp.data_ptr<int8_t>();
   const int32_t *cs = colsum.data_ptr<int32_t>();
   const float *sw = scales.data_ptr<float>();
@@ -166,22 +215,23 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
         const uint8_t *um = up + m * K;
         const float *sm = sp + m;
         float *ym = yp + m * n_out;
+        const Outliers ol{xop + m * k, k, rows_w};
         m += r;
         if (r > MR) {  // the last 7 or 8 rows: tiles of 2 blocks, the weight still read once
           for (int64_t j = b0; j < b0 + c; j += 2) {
             const bool two = j + 1 < b0 + c;
-            if (r == 7) two ? tile<7, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym)
-                            : tile<7, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym);
-            else two ? tile<8, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym)
-                     : tile<8, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym);
+            if (r == 7) two ? tile<7, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym, ol)
+                            : tile<7, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym, ol);
+            else two ? tile<8, 2>(um, sm, K, w, cs, sw, b, j, n_out, ym, ol)
+                     : tile<8, 1>(um, sm, K, w, cs, sw, b, j, n_out, ym, ol);
           }
           continue;
         }
         switch (c) {
-          case 1: rows<1>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
-          case 2: rows<2>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
-          case 3: rows<3>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
-          default: rows<4>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym); break;
+          case 1: rows<1>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym, ol); break;
+          case 2: rows<2>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym, ol); break;
+          case 3: rows<3>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym, ol); break;
+          default: rows<4>(r, um, sm, K, w, cs, sw, b, b0, n_out, ym, ol); break;
         }
       }
     }
