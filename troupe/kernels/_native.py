@@ -49,23 +49,28 @@ def load(name: str) -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def load_extension(name: str):
-    """The torch extension built from csrc/<name>.cpp (-O3 -march=native, OpenMP for
-    at::parallel_for's threads), or None when it cannot be built here."""
+    """The torch extension built from csrc/<name>.cpp and the headers beside it (-O3
+    -march=native, OpenMP for at::parallel_for's threads), or None when it cannot be built
+    here."""
     if os.environ.get("TROUPE_NATIVE", "1") == "0":
         return None
     try:
         from torch.utils import cpp_extension
         flags = ["-O3", "-march=native", "-fopenmp"]
-        source = (_CSRC / f"{name}.cpp").read_bytes()
-        digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+        files = {f"{name}.cpp": (_CSRC / f"{name}.cpp").read_bytes(),
+                 **{h.name: h.read_bytes() for h in sorted(_CSRC.glob("*.h"))}}
+        digest = hashlib.sha256(b"".join(files.values()) + " ".join(flags).encode())
+        digest = digest.hexdigest()[:12]
         build = _cache_dir() / f"{name}-{digest}"
         build.mkdir(parents=True, exist_ok=True)
-        # compiled from a copy in the build directory: the same path from every checkout, so
-        # a second checkout of the same source finds the build instead of redoing it
-        copy = build / f"{name}.cpp"
-        if not copy.is_file() or copy.read_bytes() != source:
-            copy.write_bytes(source)
-        return cpp_extension.load(name=f"troupe_{name}_{digest}", sources=[str(copy)],
+        # compiled from copies in the build directory: the same paths from every checkout, so
+        # a second checkout of the same sources finds the build instead of redoing it
+        for file_name, data in files.items():
+            copy = build / file_name
+            if not copy.is_file() or copy.read_bytes() != data:
+                copy.write_bytes(data)
+        return cpp_extension.load(name=f"troupe_{name}_{digest}",
+                                  sources=[str(build / f"{name}.cpp")],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                   build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no headers: callers keep their torch path

@@ -24,13 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TROUPE_VNNI 1
-#else
-#define TROUPE_VNNI 0
-#endif
-
-bool available() { return TROUPE_VNNI; }
+#include "vnni.h"
 
 #if TROUPE_VNNI
 namespace {
@@ -48,17 +42,13 @@ struct Outliers {
 // Row m of x (K floats) -> K unsigned bytes round(x / s) + 128 and s = max|x| / 127 (as
 // quantize_tokens does: the same division and round-half-to-even, so the same integers).
 void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale) {
-  __m512 amax = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-  amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + k)));
-  const float s = std::max(_mm512_reduce_max_ps(amax) / 127.0f, FLT_MIN);
+  const __mmask16 tail = tail_mask(K);
+  const float s = std::max(row_absmax(x, K) / 127.0f, FLT_MIN);
   *scale = s;
   const __m512 sv = _mm512_set1_ps(s);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127),
                 shift = _mm512_set1_epi32(128);
-  for (k = 0; k < K; k += 16) {
+  for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : tail;
     __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), sv));
     q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), shift);

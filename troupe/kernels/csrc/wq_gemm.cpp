@@ -26,13 +26,7 @@
 #include <cfloat>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TROUPE_VNNI 1
-#else
-#define TROUPE_VNNI 0
-#endif
-
-bool available() { return TROUPE_VNNI; }
+#include "vnni.h"
 
 #if TROUPE_VNNI
 namespace {
@@ -43,16 +37,12 @@ constexpr int PF = 64;  // prefetch distance, in quads of inputs
 // zero-point correction 8 * sum_{k in g} a_k of each group g.
 void quantize_row(const float *x, int64_t K, int64_t gs, bool nibbles, int16_t *a, float *scale,
                   int32_t *corr) {
-  __m512 amax = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-  amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + k)));
-  const float s = std::max(_mm512_reduce_max_ps(amax) / 32767.0f, FLT_MIN);
+  const __mmask16 tail = tail_mask(K);
+  const float s = std::max(row_absmax(x, K) / 32767.0f, FLT_MIN);
   *scale = s;
   const __m512 sv = _mm512_set1_ps(s);
   const __m512i lo = _mm512_set1_epi32(-32767), hi = _mm512_set1_epi32(32767);
-  for (k = 0; k < K; k += 16) {
+  for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : tail;
     __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), sv));
     _mm512_mask_cvtepi32_storeu_epi16(a + k, m, _mm512_min_epi32(_mm512_max_epi32(q, lo), hi));
