@@ -204,10 +204,9 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     done = replace_linears(model, rules, lambda lin, mode, name: QuantizedLinear(
         lin, mode, group_size, lorc_rank, outliers.get(name)))
     done.update(quantize_experts(model, rules, group_size, lorc_rank))
-    mode = rules.get("lm_head", "fp32")
-    if mode != "fp32" and tied_output(model) is not None:
-        model.lm_head = QuantizedLinear(tied_output(model), mode, group_size, lorc_rank,
-                                        outliers.get("lm_head"))
+    mode, tied = rules.get("lm_head", "fp32"), tied_output(model)
+    if mode != "fp32" and tied is not None:
+        model.lm_head = QuantizedLinear(tied, mode, group_size, lorc_rank, outliers.get("lm_head"))
         done["lm_head"] = mode
     return done
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
-from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, finite_rows, sample
+from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, draw, finite_rows
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, KVCache
 
@@ -250,7 +250,7 @@ class ContinuousBatcher:
                 if not finite[i]:
                     raise FloatingPointError(NON_FINITE)
                 token = greedy[i] if s.params.temperature <= 0 else \
-                    sample(logits, s.params, s.generator)
+                    draw(logits, s.params, s.generator)
             except Exception as e:  # this sequence ends; the others go on
                 events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
                 continue

@@ -57,7 +57,7 @@ def sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | Non
         raise FloatingPointError(NON_FINITE)
     if p.temperature <= 0:
         return int(logits_V.argmax())
-    return _draw(logits_V, p, gen)
+    return draw(logits_V, p, gen)
 
 
 def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,8 @@ def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_BV.amax(-1)) & torch.isfinite(logits_BV.amin(-1))
 
 
-def _draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """``sample``'s draw at a temperature above 0, for logits already known to be finite."""
     probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one
     if p.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)

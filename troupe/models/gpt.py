@@ -292,6 +292,12 @@ class GPT(nn.Module):
                                  if pos is None else pos)
         return self.drop(x)
 
+    def mixed_precision(self, precision: str):
+        """A context for ``precision``: "bf16" runs what it encloses under bf16 autocast on
+        this model's device (the weights stay fp32), "fp32" changes nothing."""
+        return torch.autocast(self.tok_emb.weight.device.type, dtype=torch.bfloat16,
+                              enabled=precision == "bf16")
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states (..., C): the lm_head (a Linear, or what
         quantization made of it: a tied model gets one when its output projection is

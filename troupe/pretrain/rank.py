@@ -126,7 +126,7 @@ class PretrainWorker:
             gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + step * 131 + self.rank)
             ltd = (keep, cfg.random_ltd.layers(self.arch.n_layer), gen)
         self.model.train()
-        with self._precision():
+        with self.model.mixed_precision(cfg.train.precision):
             _, lm_loss, aux = self.model(x, y, ltd=ltd)
         lm_loss_value = lm_loss.item()
         coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
@@ -145,16 +145,10 @@ class PretrainWorker:
         """Mean validation loss over this rank's share of the fixed validation windows."""
         self.model.eval()
         c = self.cfg
-        with self._precision():
+        with self.model.mixed_precision(c.train.precision):
             losses = [self.model(x, y)[1].item() for x, y in self.data.val_batches(
                 c.train.eval_batches, c.train.batch_size, self.window, self.rank, self.world)]
         return sum(losses) / len(losses)
-
-    def _precision(self):
-        """bf16 autocast for train.precision=bf16 (the weights stay fp32), else nothing."""
-        device = next(self.model.parameters()).device.type
-        return torch.autocast(device, dtype=torch.bfloat16,
-                              enabled=self.cfg.train.precision == "bf16")
 
     def memory(self) -> dict:
         """Bytes of parameters and of optimizer state held by this rank."""

@@ -27,8 +27,7 @@ class GPTLM(nn.Module):
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
 
     def autocast(self):
-        device = self.gpt.tok_emb.weight.device.type
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+        return self.gpt.mixed_precision(self.precision)
 
     def logits(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         with self.autocast():
