@@ -4,12 +4,19 @@ static check over troupe/. A call to a torch factory (torch.zeros, torch.tensor,
 by the module's ``.to()`` or the default-device context, as torch's own layers are), or say on
 its line why it lives in host memory: a ``# host: <reason>`` comment (wire deserialization,
 CPU-only kernels, batches that cross actors, CPU generators). ``*_like`` and ``new_*``
-factories derive the device by construction and are not flagged."""
+factories derive the device by construction and are not flagged. Then troupe.devices itself:
+the device setting the apps resolve, a worker's device, and moving a message's tensors."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
+
+import pytest
+import torch
+
+from troupe.devices import cluster_device, move, to_host, worker_device
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "randperm",
@@ -61,3 +68,64 @@ def scores(x):
 '''
     assert unplaced_tensors(planted, "planted.py") == ["planted.py:10: torch.arange",
                                                        "planted.py:6: torch.zeros"]
+
+
+# ---- troupe.devices: the setting, a worker's device, moving messages ------------------------
+
+
+@pytest.mark.parametrize("setting, gpus, needed, embedded, expected", [
+    ("auto", 0, 2, True, "cpu"),      # a laptop
+    ("auto", 1, 2, False, "cpu"),     # two ranks, one GPU: NCCL wants a GPU per rank
+    ("auto", 8, 2, False, "cuda"),
+    ("auto", 8, 0, False, "cpu"),     # nothing asks for a GPU
+    ("cpu", 8, 2, False, "cpu"),
+    ("cuda", 0, 2, False, "cuda"),    # an autoscaler starts the GPU nodes
+    ("cuda", 2, 2, True, "cuda"),
+])
+def test_cluster_device(setting, gpus, needed, embedded, expected):
+    assert cluster_device(setting, gpus, needed, embedded) == expected
+
+
+def test_cuda_on_a_local_cluster_without_gpus_is_refused_by_name():
+    with pytest.raises(ValueError, match="device=cuda: the workers need 2 GPUs"):
+        cluster_device("cuda", 0, 2, embedded=True)
+    with pytest.raises(ValueError, match="device='tpu'"):
+        cluster_device("tpu", 0, 0)
+
+
+def test_worker_device():
+    assert worker_device("cpu") == worker_device("auto") == torch.device("cpu")  # not a worker
+    if torch.cuda.is_available():
+        assert worker_device("cuda").type == "cuda"
+    else:
+        with pytest.raises(RuntimeError, match="device=cuda"):
+            worker_device("cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    ids: torch.Tensor
+    parts: list
+    note: str = "kept"
+
+
+def test_move_reaches_every_tensor_of_a_message_and_keeps_the_rest():
+    a, b, c = torch.ones(2), torch.zeros(3, dtype=torch.long), torch.arange(4)
+    msg = Message(a, [b, {"c": c, "n": 1}, (c, "x")])
+    out = move(msg, "meta")  # a device other than the host's
+    assert out.ids.device.type == "meta" and out.note == "kept"
+    assert out.parts[0].device.type == out.parts[1]["c"].device.type == "meta"
+    assert out.parts[1]["n"] == 1 and isinstance(out.parts[2], tuple)
+    assert out.parts[2][0].device.type == "meta" and out.parts[2][1] == "x"
+    assert msg.ids is a and a.device.type == "cpu"  # the original is left as it was
+    same = move(msg, "cpu")
+    assert same.ids is a and same.parts[1]["c"] is c  # already there: no copies
+    assert to_host(msg) is msg  # nothing on a GPU: the message itself
+
+
+@pytest.mark.gpu
+def test_to_host_brings_cuda_tensors_back():
+    msg = Message(torch.ones(2, device="cuda"), [torch.zeros(1, device="cuda"), 3])
+    out = to_host(msg)
+    assert out.ids.device.type == "cpu" and out.parts[0].device.type == "cpu"
+    assert out.parts[1] == 3

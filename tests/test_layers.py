@@ -1,6 +1,6 @@
 """Imports point downward (DESIGN.md, "Layers"), and an application never imports another:
 
-    leaves (context, errors, config, wire) <- kernels <- collectives
+    leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
     <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export)
 """
@@ -13,7 +13,7 @@ import pytest
 import troupe
 
 ROOT = Path(troupe.__file__).parent
-LEAVES = {"troupe.context", "troupe.errors", "troupe.wire", "troupe.config"}
+LEAVES = {"troupe.context", "troupe.devices", "troupe.errors", "troupe.wire", "troupe.config"}
 LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression": 3, "data": 3,
           "checkpoint": 3, "parallel": 4, "generation": 4, "actors": 5, "runtime": 6,
           "pretrain": 7, "rlhf": 7, "serving": 7}

@@ -49,8 +49,10 @@ def dp_input(rank: int, numel: int) -> torch.Tensor:
     return shared + torch.randn(numel, generator=torch.Generator().manual_seed(5 + rank))
 
 
-def _repeat(g, numel, steps, checkpoint_at, make_input=rank_input):
-    x, state = make_input(g.rank, numel), collectives.OneBitState()
+def _repeat(g, numel, steps, checkpoint_at, make_input=rank_input, device="cpu"):
+    """``steps`` calls on this rank's input (on ``device``), the error-feedback state saved
+    and restored through the wire format (host memory) before call ``checkpoint_at``."""
+    x, state = make_input(g.rank, numel).to(device), collectives.OneBitState()
     outs = []
     for step in range(steps):
         if step == checkpoint_at:  # save and restore through the wire format mid-way

@@ -207,3 +207,20 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     again = pretrain.run(cfg, resume="auto", progress=False)
     assert [(r["kind"], r["step"]) for r in again] == [("train", 3), ("eval", 3)]
     assert _train_key(again) == _train_key(full)[-2:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
+def test_resume_on_cuda_reproduces_the_uninterrupted_run(cluster, tmp_path, optimizer):
+    """train.device=cuda on one GPU (a dense model: one rank, so no NCCL group): stopping and
+    resuming from the checkpoint (its CUDA random stream included) gives the uninterrupted
+    run's losses exactly, and the ranks' peak memory is the CUDA allocator's."""
+    over = dict(model__moe=None, train__num_workers=1, train__device="cuda",
+                optimizer__name=optimizer)
+    full = pretrain.run(_cfg(tmp_path, "full", **over), resume=None, progress=False)
+    cfg = _cfg(tmp_path, "split", **over)
+    first = pretrain.run(cfg, resume=None, stop_after=4, progress=False)
+    second = pretrain.run(cfg, resume="auto", progress=False)
+    key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
+    assert [key(r) for r in first + second] == [key(r) for r in full]
+    assert all(0 < r["peak_memory_mb"] < 2000 for r in full if r["kind"] == "train")

@@ -255,3 +255,42 @@ def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, 
         runs[fused].append(summary.get("reward_accuracy"))
     assert runs[True] == runs[False]
     assert len(runs[True]) == (5 if algorithm == "grpo" else 16)  # (+ 10 reward steps, 1 eval)
+
+
+def test_roles_compute_where_the_device_setting_resolves(trained, cluster):
+    """device=auto with two ranks: cuda when the cluster has a GPU per rank, else the CPU;
+    every worker of every role reports the same device."""
+    cfg, graph, _ = trained
+    want = "cuda" if cluster.num_gpus >= cfg.workers else "cpu"
+    for role in rlhf.roles(cfg):
+        assert [d.split(":")[0] for d in graph[role].call("device_name")] == [want] * 2, role
+
+
+def test_gpu_shares_and_a_device_the_cluster_lacks(cluster, tmp_path):
+    colocated = _cfg(tmp_path, "gpus")
+    assert rlhf.gpus_per_worker(colocated, "cpu") == 0
+    assert rlhf.gpus_per_worker(colocated, "cuda") == 1 / 4  # policy, reference, reward, critic
+    assert rlhf.gpus_per_worker(_cfg(tmp_path, "apart", colocate=False), "cuda") == 1
+    assert rlhf.gpus_per_worker(_cfg(tmp_path, "given", num_gpus=0.5), "cuda") == 0.5
+    if cluster.num_gpus == 0:
+        with pytest.raises(ValueError, match="device=cuda: the workers need 2 GPUs"):
+            rlhf.build_graph(_cfg(tmp_path, "cuda", device="cuda"))
+
+
+@pytest.mark.gpu
+def test_three_steps_on_cuda(cluster, tmp_path):
+    """device=cuda, one rank: every role on the GPU (a third of it each, colocated), all three
+    steps through, the rewards finite and the exported policy on the host's disk."""
+    cfg = _cfg(tmp_path, "cuda", workers=1, device="cuda",
+               model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32),
+                          precision="bf16"))
+    graph = rlhf.build_graph(cfg)
+    try:
+        for role in rlhf.roles(cfg):
+            assert graph[role].call("device_name")[0].startswith("cuda"), role
+    finally:
+        graph.shutdown()
+    summary = rlhf.run(cfg)
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary["ppo"]["after"].values()
+               if isinstance(v, float))
+    assert (tmp_path / "cuda" / "policy-hf" / "config.json").is_file()

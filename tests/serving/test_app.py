@@ -24,7 +24,7 @@ def app(cluster, serve_port, tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "tiny.trp"
     save_model(GPT(GPTConfig(seq_len=96, n_layer=2, n_head=2, d_model=64), seed=3), path)
     cfg = ServeConfig(model={"file": str(path), "name": NAME}, quantize={"*": "w8a8"},
-                      group_size=16, port=serve_port, api_key_env=KEY_ENV,
+                      group_size=16, port=serve_port, api_key_env=KEY_ENV, device="cpu",
                       limits={"max_tokens": 40, "max_prompt_tokens": 48, "max_body_bytes": 4096,
                               "max_concurrent": 16, "max_batch": 8})
     os.environ[KEY_ENV] = KEY

@@ -23,6 +23,7 @@ from troupe import collectives
 from troupe.actors.store import KeyValue, RayStore
 from troupe.collectives import straggler
 from troupe.context import WorkerContext, _set_context
+from troupe.devices import to_host
 
 
 class RoleWorker:
@@ -50,7 +51,7 @@ class RoleWorker:
                                  f"no public method {method!r}")
         self.in_flight = method
         try:
-            return fn(*args, **kwargs)
+            return to_host(fn(*args, **kwargs))  # the driver may have no GPU
         finally:
             self.in_flight = None
             return_free_memory()

@@ -61,6 +61,9 @@ class OneBitState:
         if self.worker_error is None:
             self.worker_error = torch.zeros(padded, device=device)
             self.server_error = torch.zeros(padded // world_size, device=device)
+        if self.worker_error.device != device:  # restored from host memory (a checkpoint)
+            self.worker_error = self.worker_error.to(device)
+            self.server_error = self.server_error.to(device)
         if self.worker_error.numel() != padded or self.server_error.numel() != padded // world_size:
             raise ValueError(
                 f"OneBitState holds errors for {self.worker_error.numel()} padded elements, this "

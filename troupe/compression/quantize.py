@@ -300,8 +300,9 @@ def outlier_channels(model: nn.Module, batches: Iterable[torch.Tensor],
                if isinstance(m, nn.Linear)]
     try:
         model.eval()
+        device = next(model.parameters()).device
         for ids in batches:
-            model(ids)
+            model(ids.to(device))
     finally:
         for h in handles:
             h.remove()

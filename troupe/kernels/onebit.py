@@ -6,7 +6,9 @@
 
 On CPU, float32 buffers go through fused C loops (csrc/onebit.c, one pass each) when a C
 compiler is present; otherwise, and on CUDA, through torch ops (with the cupy bit-packing
-kernels of ``bitpack``). Both paths give the same packed bytes and errors; sign(0) = +1.
+kernels of ``bitpack``). Both paths give the same packed bytes and errors; sign(0) = +1. The
+scale is the one reduction: both sum the squares in double, where a float's square is exact,
+so the float scale they round it to is the same (NCCL and gloo runs agree bit for bit).
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ def accumulate_(e_N: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tenso
     if lib is not None:
         n = 0 if x is None else x.numel()
         sumsq = lib.onebit_accumulate(e_N.data_ptr(), 0 if x is None else x.data_ptr(), n, N)
-        return torch.tensor([math.sqrt(sumsq / N)], dtype=torch.float32, device=e_N.device)
+        return torch.tensor([math.sqrt(sumsq) / math.sqrt(N)], dtype=torch.float32,
+                            device=e_N.device)
     if x is not None:
         e_N[: x.numel()] += x
-    return (torch.linalg.vector_norm(e_N) / math.sqrt(N)).reshape(1).float()
+    norm = torch.linalg.vector_norm(e_N, dtype=torch.float64)  # as the C loop: exact squares
+    return (norm / math.sqrt(N)).reshape(1).float()
 
 
 def pack_update_(e_N: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

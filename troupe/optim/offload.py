@@ -4,7 +4,8 @@ owners (CPU-only actors), not on the trainers.
 One "offload" group holds the W trainers (ranks 0..W-1) and the W shard owners (ranks W..2W-1).
 A step is two all_to_alls with variable splits: trainer t sends chunk r of its gradient to owner
 r, and owner r sums the W chunks it receives (a reduce-scatter into the owners); owner r updates
-its chunk and sends it to every trainer (an all-gather from the owners)."""
+its chunk and sends it to every trainer (an all-gather from the owners). The group is gloo's:
+trainers on a GPU send and receive through host memory."""
 
 from __future__ import annotations
 
@@ -40,19 +41,19 @@ class OffloadedOptimizer(Optimizer):
     def push_params(self) -> None:
         """Trainer 0 sends the initial parameters to the owners (the others send nothing)."""
         n = self.chunk if self.group.rank == 0 else 0
-        self.group.all_to_all(self.flat.data[:n * self.W], _splits(self.W, 0, 0),
+        self.group.all_to_all(self.flat.data[:n * self.W].cpu(), _splits(self.W, 0, 0),
                               _splits(self.W, 0, n))
 
     def pull_params(self) -> None:
         """Receive every owner's chunk into the flat parameters."""
-        got = self.group.all_to_all(torch.empty(0, device=self.flat.device),
+        got = self.group.all_to_all(torch.empty(0),  # host: the owners' group is gloo's
                                     _splits(self.W, 0, self.chunk),
                                     _splits(self.W, 0, 0))
         self.flat.data.copy_(got)
 
     def step(self, lr: float) -> None:
         self.t += 1
-        self.group.all_to_all(self.flat.grad, _splits(self.W, 0, 0),
+        self.group.all_to_all(self.flat.grad.cpu(), _splits(self.W, 0, 0),
                               _splits(self.W, 0, self.chunk))
         self.comm.bytes_sent += self.flat.padded * 4
         self.pull_params()

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from troupe.config import Config
 from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
+from troupe.devices import Device
 from troupe.models import GPTConfig
 from troupe.models.hf import read_config
 from troupe.optim import OptimizerConfig
@@ -50,7 +51,10 @@ class TrainConfig(Config):
     gradients; less memory for about a third more compute: benchmarks/RESULTS.md).
     precision: "bf16" runs the forward and backward under bf16 autocast (matmuls, attention and
     the MoE experts in bf16) while the fp32 master weights, gradients and optimizer state stay
-    in the flat buffers and ZeRO shards; "fp32" (default) everything in fp32."""
+    in the flat buffers and ZeRO shards; "fp32" (default) everything in fp32.
+    device: where the trainers compute (auto: cuda when the cluster has GPUs, else cpu; the
+    shard owners of ``offload`` always hold host memory); num_gpus: GPUs each trainer asks Ray
+    for on cuda (one: NCCL wants one GPU per rank)."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -68,6 +72,8 @@ class TrainConfig(Config):
     checkpoint_dir: str | None = None
     activation_checkpointing: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
+    device: Device = "auto"
+    num_gpus: float = Field(default=1.0, gt=0)
 
 
 class PretrainConfig(Config):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
+from troupe.devices import cluster_device
 from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.models import save_pretrained
 from troupe.models.hf import config_to_hf
@@ -30,6 +31,7 @@ from troupe.pretrain.export import load_full_model
 from troupe.pretrain.rank import StepStats
 from troupe.pretrain.workers import ParameterShardRank, PretrainRank, RankInfo
 from troupe.runtime import checkpoint
+from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog, plot_losses
@@ -51,12 +53,16 @@ class Trainers:
 
 
 def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1.0,
-                num_gpus: float = 0.0, timeout_s: float | None = None) -> Trainers:
+                timeout_s: float | None = None) -> Trainers:
     """Start ``train.num_workers`` PretrainRank actors wired with "dp" (and "ep"/"edp"); with
     train.offload, as many CPU-only ParameterShardRank owners ("shard") and the "offload" group
-    of trainers and owners; then set every worker up."""
-    T, config = cfg.train, cfg.model_dump()
-    W = T.num_workers
+    of trainers and owners; then set every worker up. On cuda (``train.device``) each trainer
+    asks Ray for ``train.num_gpus`` and the trainers' groups are NCCL's."""
+    T, info = cfg.train, init()
+    device = cluster_device(T.device, info.num_gpus, T.num_workers * T.num_gpus, info.embedded)
+    config = cfg.model_copy(update={"train": T.model_copy(update={"device": device})}
+                            ).model_dump()  # the workers' own choice
+    W, num_gpus = T.num_workers, T.num_gpus if device == "cuda" else 0.0
     g = ActorGraph(name).role("trainer", PretrainRank, W, num_cpus=num_cpus, num_gpus=num_gpus,
                               strategy=T.strategy, max_restarts=T.max_restarts, config=config)
     if W > 1:

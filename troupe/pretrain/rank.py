@@ -12,6 +12,7 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.data import TokenDataset, load_tokenizer
+from troupe.devices import rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.optim import (
     CommCounter,
@@ -98,11 +99,12 @@ class PretrainWorker:
                  offload: Communicator | None = None):
         self.cfg, self.rank, self.world = cfg, rank, world
         torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
+        self.device = worker_device(cfg.train.device)
         self.arch = cfg.model.architecture()
         self.window = cfg.model.window(self.arch)
         pretrained = cfg.model.pretrained
         self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
-        self.model = apply_expert_parallel(build_model(cfg, self.arch), ep)
+        self.model = apply_expert_parallel(build_model(cfg, self.arch).to(self.device), ep)
         self.model.checkpoint_activations = cfg.train.activation_checkpointing
         dense, expert = expert_parameters(self.model)
         self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
@@ -119,7 +121,7 @@ class PretrainWorker:
         full = self.window
         seq_len = cfg.curriculum.seq_len_at(step, full)
         x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.rank, self.world)
-        x, y = x[:, :seq_len], y[:, :seq_len]
+        x, y = x[:, :seq_len].to(self.device), y[:, :seq_len].to(self.device)
         keep = cfg.random_ltd.keep_at(step, seq_len)
         ltd = None
         if cfg.random_ltd.enabled and keep < seq_len:
@@ -146,8 +148,9 @@ class PretrainWorker:
         self.model.eval()
         c = self.cfg
         with self.model.mixed_precision(c.train.precision):
-            losses = [self.model(x, y)[1].item() for x, y in self.data.val_batches(
-                c.train.eval_batches, c.train.batch_size, self.window, self.rank, self.world)]
+            losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
+                      for x, y in self.data.val_batches(c.train.eval_batches, c.train.batch_size,
+                                                        self.window, self.rank, self.world)]
         return sum(losses) / len(losses)
 
     def memory(self) -> dict:
@@ -157,7 +160,7 @@ class PretrainWorker:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "world": self.world,
-                "torch_rng": torch.get_rng_state(),
+                **rng_state(self.device),
                 "buckets": {b.name: b.state_dict() for b in self.buckets}}
 
     def load_state_dict(self, state: dict, where: str) -> None:
@@ -169,7 +172,7 @@ class PretrainWorker:
             raise ValueError(f"{where}: buckets {sorted(state['buckets'])}, model has {names}")
         for b in self.buckets:
             b.load_state_dict(state["buckets"][b.name], where)
-        torch.set_rng_state(state["torch_rng"])
+        set_rng_state(state, self.device)
         self.step = int(state["step"])
 
 

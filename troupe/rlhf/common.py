@@ -14,10 +14,11 @@ from troupe.rlhf.config import ModelConfig
 from troupe.rlhf.lm import GPTLM
 
 
-def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
-             ) -> tuple[GPTLM, Tokenizer | None]:
+def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True,
+             device: torch.device | str = "cpu") -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
-    ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed``. Roles
+    ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
+    the host, so that every device starts from the same weights), on ``device``. Roles
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
     tokenizer costs a process more than 100 MB)."""
     if cfg.pretrained is not None:
@@ -30,7 +31,7 @@ def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True
                              f"has {tok.vocab_size} tokens")
         gpt = GPT(cfg.gpt, seed=seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
-    return GPTLM(gpt, cfg.precision), tok
+    return GPTLM(gpt.to(device), cfg.precision), tok
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from troupe.config import Config
+from troupe.devices import Device
 from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
 
@@ -204,7 +205,10 @@ class RLHFConfig(Config):
     reward_in_critic (ppo only): the reward model lives, and trains in step 2, in the critic's
     worker processes (a process fewer per rank);
     max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
-    every role goes back to the last PPO checkpoint) before the run fails."""
+    every role goes back to the last PPO checkpoint) before the run fails.
+    device: where the roles compute (auto: cuda when the cluster has GPUs, else cpu);
+    num_gpus: GPUs each worker of each role asks Ray for on cuda (None: colocated roles
+    share one GPU per rank in equal fractions, a role placed on its own takes a whole one)."""
 
     algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dpo"] = "ppo"
     steps: list[Literal["sft", "reward", "ppo"]] = ["sft", "reward", "ppo"]
@@ -221,6 +225,8 @@ class RLHFConfig(Config):
     reference_in_policy: bool = False
     reward_in_critic: bool = False
     num_cpus: float = Field(default=0.25, gt=0)
+    device: Device = "auto"
+    num_gpus: float | None = Field(default=None, gt=0)
     max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"

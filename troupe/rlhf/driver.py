@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from troupe.devices import cluster_device
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data, prepare_data
 from troupe.rlhf.dpo import run_dpo
@@ -18,6 +19,7 @@ from troupe.rlhf.plots import plot
 from troupe.rlhf.ppo import run_ppo, setup_roles
 from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
 from troupe.rlhf.workers import CriticActor, PolicyActor, ReferenceActor, RewardActor
+from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -37,14 +39,29 @@ def roles(cfg: RLHFConfig) -> list[str]:
     return ["policy"] + [r for r in ROLES[1:] if needed[r]]
 
 
+def gpus_per_worker(cfg: RLHFConfig, device: str) -> float:
+    """What each worker of each role asks Ray for: ``cfg.num_gpus``, or on cuda one GPU per
+    rank shared in equal parts by the colocated roles (one each when placed apart)."""
+    if device != "cuda":
+        return 0.0
+    if cfg.num_gpus is not None:
+        return cfg.num_gpus
+    return 1.0 / len(roles(cfg)) if cfg.colocate else 1.0
+
+
 def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
     """The roles of ``roles(cfg)``, ``cfg.workers`` each; colocated on the policy's bundles
     unless ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
-    g, W, conf = ActorGraph("rlhf"), cfg.workers, cfg.model_dump()
+    info = init()
+    needed = cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+    device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
+    g, W = ActorGraph("rlhf"), cfg.workers
+    conf = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
     classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
                "critic": CriticActor}
     for name in roles(cfg):
         g.role(name, classes[name], W, num_cpus=cfg.num_cpus, config=conf,
+               num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
     if W > 1:

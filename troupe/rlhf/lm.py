@@ -26,6 +26,10 @@ class GPTLM(nn.Module):
         self.gpt, self.precision = gpt, precision
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
 
+    @property
+    def device(self) -> torch.device:
+        return self.gpt.tok_emb.weight.device
+
     def autocast(self):
         return self.gpt.mixed_precision(self.precision)
 

@@ -6,7 +6,11 @@ autograd, KV cache, LoRA fused) and trains with the clipped surrogate of the rec
 algorithm (PPO, GRPO, RLOO, REINFORCE++: they differ in their advantages, which arrive in
 the experience, and in where the KL goes) or with DPO's loss. Reference: the frozen SFT
 policy. Reward: the pairwise reward model of step 2, frozen in step 3. Critic (PPO only):
-initialised from the reward model, trained with the clipped value loss."""
+initialised from the reward model, trained with the clipped value loss.
+
+Each role computes on ``worker_device(cfg.device)`` (its Ray GPU, or the CPU): its model lives
+there, and so do the batches it tokenizes itself; tensors handed to it arrive there through the
+role shells (troupe.rlhf.workers)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model, requantize
 from troupe.compression.quantize import outlier_channels
+from troupe.devices import move, rng_state, set_rng_state, worker_device
 from troupe.generation import SamplingParams
 from troupe.models.io import load_module, save_module
 from troupe.models import save_pretrained
@@ -45,7 +50,8 @@ class Policy:
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg, self.rank = cfg, rank
         torch.manual_seed(cfg.seed * 1000 + rank)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed)
+        self.device = worker_device(cfg.device)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, device=self.device)
         self.train = Trainable(self.lm, group)
         self.ema = None
         self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
@@ -60,7 +66,8 @@ class Policy:
                  coef: float = 1.0) -> float:
         """Backward of ``coef`` x the mean next-token loss on the responses of (prompt,
         response) pairs, micro-batch by micro-batch; returns the loss."""
-        ids, valid, mask = completions(self.tok, [p for p, _ in pairs], [r for _, r in pairs])
+        ids, valid, mask = move(completions(self.tok, [p for p, _ in pairs],
+                                            [r for _, r in pairs]), self.device)
         total, loss = mask.sum().clamp_min(1), 0.0
         for s in micro_batches(len(ids), micro):
             part = -(self.lm.token_logprobs(ids[s], valid[s], mask[s]) * mask[s]).sum() / total
@@ -213,7 +220,7 @@ class Policy:
         """What PPO needs to go on exactly from here (after ``begin_ppo``): trainable weights,
         this rank's optimizer state, the EMA weights and the torch RNG."""
         ema = None if self.ema is None else {k: v.clone() for k, v in self.ema.state_dict().items()}
-        return {"train": self.train.state_dict(), "ema": ema, "torch_rng": torch.get_rng_state()}
+        return {"train": self.train.state_dict(), "ema": ema, **rng_state(self.device)}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         self.train.load_state_dict(state["train"], where)
@@ -225,7 +232,7 @@ class Policy:
                 self.ema.load_state_dict(state["ema"])
             except RuntimeError as e:  # missing, unexpected or misshapen keys
                 raise ValueError(f"{where}: EMA weights: {e}") from None
-        torch.set_rng_state(state["torch_rng"])
+        set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
         load_module(path, self.lm)
@@ -247,7 +254,9 @@ class Reference:
     then does it tokenize text)."""
 
     def __init__(self, cfg: RLHFConfig, rank: int):
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, tokenizer=cfg.algorithm == "dpo")
+        self.device = worker_device(cfg.device)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, tokenizer=cfg.algorithm == "dpo",
+                                     device=self.device)
         self.lm.requires_grad_(False)
         self.micro = cfg.ppo.micro_batch_size
         self.dpo_micro = cfg.dpo.micro_batch_size
@@ -270,7 +279,7 @@ class Reference:
         self.lm.eval()
         out = [torch.stack(pair_logprobs(self.lm, self.tok, pairs[s])[:2], 1)
                for s in micro_batches(len(pairs), self.dpo_micro)]
-        return torch.cat(out) if out else torch.zeros(0, 2)  # host: no pairs, nothing to place
+        return torch.cat(out) if out else torch.zeros(0, 2, device=self.device)
 
 
 class Reward:
@@ -279,8 +288,9 @@ class Reward:
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
         torch.manual_seed(cfg.seed * 1000 + 500 + rank)
+        self.device = worker_device(cfg.device)
         lm, self.tok = build_lm(cfg.model, cfg.seed + 1)
-        self.model = ValueModel(lm)
+        self.model = ValueModel(lm).to(self.device)
         self.train = Trainable(self.model, group)
         self.to_quantize = False  # set when load() freezes the model
 
@@ -288,7 +298,7 @@ class Reward:
         P = [e[0] for e in examples]
         ids, valid, _ = completions(self.tok, P + P, [e[1] for e in examples]
                                     + [e[2] for e in examples])
-        return ids, valid
+        return ids.to(self.device), valid.to(self.device)
 
     def _loss(self, examples, backward: bool) -> tuple[float, int]:
         """The mean pairwise loss over ``examples`` (and its backward, micro-batch by
@@ -351,8 +361,9 @@ class Critic:
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
+        self.device = worker_device(cfg.device)
         lm, _ = build_lm(cfg.model, cfg.seed + 1, tokenizer=False)
-        self.model = ValueModel(lm)
+        self.model = ValueModel(lm).to(self.device)
         self.train = Trainable(self.model, group)
 
     def begin_ppo(self, reward_path: str) -> None:
@@ -385,11 +396,11 @@ class Critic:
 
     def state_dict(self) -> dict:
         """Weights, this rank's optimizer state and the torch RNG (after ``begin_ppo``)."""
-        return {"train": self.train.state_dict(), "torch_rng": torch.get_rng_state()}
+        return {"train": self.train.state_dict(), **rng_state(self.device)}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         self.train.load_state_dict(state["train"], where)
-        torch.set_rng_state(state["torch_rng"])
+        set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
         load_module(path, self.model)
@@ -410,8 +421,8 @@ def pair_logprobs(lm: GPTLM, tok, pairs: list):
     (prompt, chosen, rejected) rows, in one batch of 2B sequences, and the chosen responses'
     token counts (B,)."""
     P, B = [p for p, _, _ in pairs], len(pairs)
-    ids, valid, mask = completions(tok, P + P, [c for _, c, _ in pairs]
-                                   + [r for _, _, r in pairs])
+    ids, valid, mask = move(completions(tok, P + P, [c for _, c, _ in pairs]
+                                        + [r for _, _, r in pairs]), lm.device)
     total = (lm.token_logprobs(ids, valid, mask) * mask).sum(1)
     return total[:B], total[B:], mask[:B].sum(1)
 
@@ -419,3 +430,4 @@ def pair_logprobs(lm: GPTLM, tok, pairs: list):
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each (left-padded, possibly right-padded) row."""
     return algorithms.last_index(valid_BS)
+

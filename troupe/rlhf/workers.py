@@ -1,6 +1,8 @@
 """The four RLHF roles as graph workers: thin shells that build the plain role classes of
 troupe.rlhf.roles once their data-parallel groups are wired ("policy", "critic", "reward"),
-and declare how the driver's calls are dispatched (troupe.actors.dispatch)."""
+and declare how the driver's calls are dispatched (troupe.actors.dispatch). Batches the driver
+sends arrive in host memory and are moved to the worker's device here (``_here``); what a call
+returns goes back to host memory in troupe.actors.worker."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.context import get_context
+from troupe.devices import move, worker_device
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
@@ -40,7 +43,17 @@ class _Shell:
     def __init__(self, config: dict | RLHFConfig):
         self.cfg = _config(config)
         torch.set_num_threads(self.cfg.ppo.threads)  # reference and critic work in step 3 only
+        self.device = worker_device(self.cfg.device)
         self.role = None
+
+    def _here(self, batch):
+        """A batch from the driver (a Rollout, Experience, ...) on this worker's device."""
+        return move(batch, self.device)
+
+    @dispatch(Dispatch.ALL)
+    def device_name(self) -> str:
+        """Where this worker computes ("cpu", "cuda:0")."""
+        return str(self.device)
 
     @dispatch(Dispatch.ALL)
     def peak_memory_mb(self) -> float:
@@ -68,8 +81,8 @@ class ReferenceCalls:
     @dispatch(Dispatch.SHARD)
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) log-probabilities of the rollout's response tokens under the reference."""
-        return self.reference.logprobs(rollout.ids, rollout.valid, rollout.action,
-                                       rollout.prompt_len)
+        r = self._here(rollout)
+        return self.reference.logprobs(r.ids, r.valid, r.action, r.prompt_len)
 
     @dispatch(Dispatch.SHARD)
     def reference_pair_logprobs(self, pairs: list) -> torch.Tensor:
@@ -138,16 +151,17 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) log-probabilities of the rollout's response tokens (0 elsewhere)."""
-        return self.role.logprobs(rollout.ids, rollout.valid, rollout.action, rollout.prompt_len)
+        r = self._here(rollout)
+        return self.role.logprobs(r.ids, r.valid, r.action, r.prompt_len)
 
     @dispatch(Dispatch.SHARD)
     def ppo_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None = None) -> PolicyStats:
-        return self.role.ppo_step(exp, iteration, ptx)
+        return self.role.ppo_step(self._here(exp), iteration, ptx)
 
     @dispatch(Dispatch.SHARD)
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
-        return self.role.dpo_step(batch, step)
+        return self.role.dpo_step(self._here(batch), step)
 
     @dispatch(Dispatch.RANK0)
     def save(self, path: str, ema: bool = False) -> str:
@@ -202,7 +216,8 @@ class RewardCalls:
     @dispatch(Dispatch.SHARD)
     def reward_score(self, rollout: Rollout) -> torch.Tensor:
         """(B,) the reward model's score of each sequence."""
-        return self.reward_model.score(rollout.ids, rollout.valid)
+        r = self._here(rollout)
+        return self.reward_model.score(r.ids, r.valid)
 
 
 def reward_of(graph, cfg: RLHFConfig):
@@ -235,11 +250,12 @@ class CriticActor(_TrainedShell, RewardCalls):
     @dispatch(Dispatch.SHARD)
     def values(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) the value of the state before each target."""
-        return self.role.values(rollout.ids, rollout.valid)
+        r = self._here(rollout)
+        return self.role.values(r.ids, r.valid)
 
     @dispatch(Dispatch.SHARD)
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
-        return self.role.critic_step(exp, iteration)
+        return self.role.critic_step(self._here(exp), iteration)
 
     @dispatch(Dispatch.RANK0)
     def save(self, path: str) -> str:

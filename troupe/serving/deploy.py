@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from troupe.actors import PerRank
+from troupe.devices import cluster_device
 from troupe.generation import Event, SamplingParams
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
@@ -94,8 +95,10 @@ class ExpertParallelReplica(ServeReplica):
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         P = self.cfg.expert_parallel
         g = ActorGraph(f"serve-{uuid.uuid4().hex[:8]}")
-        g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, config=self.cfg.model_dump())
-        g.collective("ep", ["expert"], backend="gloo")
+        gpus = self.cfg.num_gpus if self.cfg.device == "cuda" else 0.0
+        g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, num_gpus=gpus,
+               config=self.cfg.model_dump())
+        g.collective("ep", ["expert"])  # NCCL between GPU ranks, else gloo
         graph = g.build(timeout_s=300, call_timeout_s=300)
         infos = graph["expert"].invoke(ServeRank.setup)
         return ExpertParallelBatcher(graph), {
@@ -110,9 +113,14 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     from ray import serve
 
     locate(cfg.model)  # a missing model fails here, not in a replica's traceback
-    init()
+    info = init()
+    needed = cfg.num_replicas * cfg.expert_parallel * cfg.num_gpus
+    cfg = cfg.model_copy(update={"device": cluster_device(cfg.device, info.num_gpus, needed,
+                                                          info.embedded)})
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     options: dict = {"num_cpus": cfg.num_cpus}
+    if cfg.device == "cuda" and cfg.expert_parallel == 1:  # else the expert ranks hold GPUs
+        options["num_gpus"] = cfg.num_gpus
     key = os.environ.get(cfg.api_key_env)
     digest = asdict(KeyDigest.of(key)) if key else None
     cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica

@@ -16,6 +16,7 @@ from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels, unmatched_patterns
 from troupe.config import ConfigError, validate
 from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
+from troupe.devices import worker_device
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf import read_config
 from troupe.models.io import load_state, read_module_file, save_module
@@ -125,15 +126,17 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
     each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
     the model's tokenizer (default: loaded from the source)."""
-    model = with_precision(load_source(cfg.model), cfg)
+    model = placed(load_source(cfg.model), cfg)
     tok = tok or load_tokenizer(cfg.model.pretrained)
     return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
 
 
-def with_precision(model: GPT, cfg: ServeConfig) -> GPT:
-    """``model`` in ``cfg.precision``, before quantization (which reads the weights in fp32
-    and keeps its scales in fp32 whatever the rest is)."""
-    return model.to(torch.bfloat16) if cfg.precision == "bf16" else model
+def placed(model: GPT, cfg: ServeConfig) -> GPT:
+    """``model`` on this replica's device (``cfg.device``: its Ray GPU or the CPU) in
+    ``cfg.precision``, before quantization (which reads the weights in fp32 and keeps its
+    scales in fp32 whatever the rest is; on cuda the INT8 layers run torch._int_mm)."""
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    return model.to(worker_device(cfg.device), dtype)
 
 
 def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.Tensor] | None:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from troupe.compression import MODES
 from troupe.config import Config
+from troupe.devices import Device
 
 
 from troupe.generation import SamplingParams
@@ -69,7 +70,9 @@ class ServeConfig(Config):
     expert_parallel: for MoE models, spread each replica's experts over this many expert
     actors, which exchange tokens with all_to_all (1: the replica holds every expert).
     precision: "bf16" holds the weights that stay unquantized (embeddings, norms, fp32 layers)
-    and the KV cache in bf16 and computes in it; "fp32" (default) in fp32."""
+    and the KV cache in bf16 and computes in it; "fp32" (default) in fp32.
+    device: where each replica (or expert rank) computes (auto: cuda when the cluster has
+    GPUs, else cpu); num_gpus: GPUs each of them asks Ray for on cuda."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -84,6 +87,8 @@ class ServeConfig(Config):
     api_key_env: str = "TROUPE_API_KEY"
     expert_parallel: int = Field(default=1, ge=1)
     precision: Literal["fp32", "bf16"] = "fp32"
+    device: Device = "auto"
+    num_gpus: float = Field(default=1.0, gt=0)
 
     @field_validator("quantize")
     @classmethod

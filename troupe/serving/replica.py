@@ -26,7 +26,7 @@ from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
 from troupe.serving.model import (calibrate, load_served_model, load_source, quantize_served,
-                                  weight_bytes, with_precision)
+                                  weight_bytes, placed)
 from troupe.serving.protocol import (
     ChatRequest,
     Choice,
@@ -71,7 +71,8 @@ class ServeReplica:
         batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch,
                                     tokenizer=self.tok.hf)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
-                         "quantized": modes, "expert_parallel": 1}
+                         "quantized": modes, "expert_parallel": 1,
+                         "device": str(model.tok_emb.weight.device)}
 
     def _metrics(self):
         from starlette.responses import PlainTextResponse
@@ -322,7 +323,7 @@ class ServeRank:
     @dispatch(Dispatch.ALL)
     def setup(self) -> RankModel:
         tok = load_tokenizer(self.cfg.model.pretrained)
-        model = with_precision(load_source(self.cfg.model), self.cfg)
+        model = placed(load_source(self.cfg.model), self.cfg)
         outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
         model = apply_expert_parallel(model, collectives.get_group("ep"))
         modes = quantize_served(model, self.cfg, outliers)

@@ -5,13 +5,14 @@
 
 #define LANES 16
 
-/* Sum of squares in LANES independent float lanes per block, blocks summed in double:
- * vectorizes without reassociation and keeps float error bounded by the block size. */
+/* Sum of squares in LANES independent double lanes per block, blocks summed in double: a
+ * float's square is exact in double, so the sum differs from any other order's (a GPU's
+ * reduction) by a few double roundings, far below what the float scale made from it keeps. */
 static double sumsq_block(const float *v, int64_t len) {
-    float acc[LANES] = {0};
+    double acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= len; i += LANES)
-        for (int k = 0; k < LANES; ++k) acc[k] += v[i + k] * v[i + k];
+        for (int k = 0; k < LANES; ++k) acc[k] += (double)v[i + k] * v[i + k];
     double total = 0.0;
     for (int k = 0; k < LANES; ++k) total += acc[k];
     for (; i < len; ++i) total += (double)v[i] * v[i];
