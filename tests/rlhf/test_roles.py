@@ -257,10 +257,12 @@ def test_activation_checkpointing_gives_the_same_step():
     torch.testing.assert_close(weights_ckpt, weights, atol=1e-6, rtol=0)
 
 
-def test_bf16_steps_track_fp32_and_keep_fp32_weights():
-    """model.precision=bf16: SFT steps and the critic's values run under bf16 autocast; the
-    trained weights, gradients and optimizer state stay fp32, and five SFT steps' losses stay
-    within 2% of fp32's (bf16 keeps 8 bits of mantissa: ~0.4% per rounding, averaged)."""
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_half_precision_steps_track_fp32_and_keep_fp32_weights(half):
+    """model.precision=bf16 or fp16: SFT steps and the critic's values run under autocast;
+    the trained weights, gradients and optimizer state stay fp32, and five SFT steps' losses
+    stay within 2% of fp32's (bf16 keeps 8 bits of mantissa: ~0.4% per rounding, averaged;
+    fp16 11, with its losses scaled by 2^16 on their way into the backward)."""
     def run(precision):
         cfg = RLHFConfig(**{**SMALL, "model": {**SMALL.get("model", {}),
                                                "precision": precision}})
@@ -273,8 +275,9 @@ def test_bf16_steps_track_fp32_and_keep_fp32_weights():
         values = critic.values(rollout.ids, rollout.valid)
         return losses, policy, values
 
-    (fp32, _, v32), (bf16, policy, v16) = run("fp32"), run("bf16")
-    assert policy.lm.precision == "bf16"
+    (fp32, _, v32), (bf16, policy, v16) = run("fp32"), run(half)
+    assert policy.lm.precision == half
+    assert (policy.train.scaler is not None) == (half == "fp16")
     assert policy.train.flat.data.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in policy.lm.parameters())
     assert fp32 != bf16  # bf16 really ran

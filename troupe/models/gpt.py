@@ -293,10 +293,12 @@ class GPT(nn.Module):
         return self.drop(x)
 
     def mixed_precision(self, precision: str):
-        """A context for ``precision``: "bf16" runs what it encloses under bf16 autocast on
-        this model's device (the weights stay fp32), "fp32" changes nothing."""
-        return torch.autocast(self.tok_emb.weight.device.type, dtype=torch.bfloat16,
-                              enabled=precision == "bf16")
+        """A context for ``precision``: "bf16" or "fp16" runs what it encloses under autocast
+        to that type on this model's device (the weights stay fp32; fp16 needs loss scaling,
+        troupe.optim.LossScaler), "fp32" changes nothing."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        return torch.autocast(self.tok_emb.weight.device.type, dtype=dtype or torch.bfloat16,
+                              enabled=dtype is not None)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states (..., C): the lm_head (a Linear, or what

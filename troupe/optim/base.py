@@ -45,13 +45,28 @@ class Optimizer:
         self.t = 0
         self.comm = CommCounter()
 
+    #: dtype the gradients travel and are averaged in (OptimizerConfig.reduce_dtype); the
+    #: mean comes back into the fp32 buffer
+    reduce_dtype: torch.dtype = torch.float32
+
     def _allreduce_mean(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            self.group.all_reduce(x, op="mean")
-            self.comm.allreduce(x.numel() * x.element_size(), self.world)
+            wire = x.to(self.reduce_dtype)
+            self.group.all_reduce(wire, op="mean")
+            if wire is not x:
+                x.copy_(wire)
+            self.comm.allreduce(wire.numel() * wire.element_size(), self.world)
         if self.grad_scale != 1.0:
             x.mul_(self.grad_scale)
         return x
+
+    def _reduce_scatter_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/W of the group's mean of ``x``, in fp32 (travelling in
+        ``reduce_dtype``)."""
+        wire = x.to(self.reduce_dtype)
+        part = self.group.reduce_scatter(wire, op="mean")
+        self.comm.reduce_scatter(wire.numel() * wire.element_size(), self.world)
+        return part.float()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer's own tensors (for memory accounting and checkpoints)."""

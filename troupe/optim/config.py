@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from troupe.collectives import Communicator
@@ -22,7 +23,10 @@ class OptimizerConfig(Config):
     where DeepSpeed has them). lr follows a linear warmup over warmup_steps, then a cosine decay
     to min_lr at the last step. bias_correction: Adam's moment corrections, for every algorithm
     (DeepSpeed's 1-bit optimizers run without; with it, a frozen variance keeps the correction
-    of its last update, which matters when the warmup is short of 1/(1 - beta2) steps)."""
+    of its last update, which matters when the warmup is short of 1/(1 - beta2) steps).
+    reduce_dtype: the type gradients are averaged in across ranks (the ZeRO reduce-scatter and
+    the 1-bit optimizers' uncompressed warm-up allreduce): bf16 halves those bytes at bf16's
+    rounding of the sum; the mean lands back in the fp32 gradients and the update is fp32."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
@@ -32,6 +36,7 @@ class OptimizerConfig(Config):
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     bias_correction: bool = True
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # 1-bit Adam and 1-bit LAMB
     freeze_step: int = Field(default=100_000, ge=0)
     # 0/1 Adam
@@ -62,7 +67,15 @@ class OptimizerConfig(Config):
 
 def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator | None,
                     grad_scale: float = 1.0) -> Optimizer:
-    """The optimizer ``cfg`` names, over ``flat``, averaging gradients over ``group``."""
+    """The optimizer ``cfg`` names, over ``flat``, averaging gradients over ``group`` (in
+    ``cfg.reduce_dtype``)."""
+    opt = _build(cfg, flat, group, grad_scale)
+    opt.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.reduce_dtype]
+    return opt
+
+
+def _build(cfg: OptimizerConfig, flat: FlatParams, group: Communicator | None,
+           grad_scale: float) -> Optimizer:
     common = dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   grad_scale=grad_scale)
     onebit = dict(common, bias_correction=cfg.bias_correction)

@@ -124,8 +124,7 @@ class ShardedOptimizer(Optimizer):
         self.t += 1
         g = self.flat.grad  # the rules read it and leave it as it is
         if self.world > 1:
-            g = self.group.reduce_scatter(g, op="mean")
-            self.comm.reduce_scatter(self.flat.padded * 4, self.world)
+            g = self._reduce_scatter_mean(g)
             if self.grad_scale != 1.0:
                 g.mul_(self.grad_scale)
         elif self.grad_scale != 1.0:

@@ -51,7 +51,9 @@ class TrainConfig(Config):
     gradients; less memory for about a third more compute: benchmarks/RESULTS.md).
     precision: "bf16" runs the forward and backward under bf16 autocast (matmuls, attention and
     the MoE experts in bf16) while the fp32 master weights, gradients and optimizer state stay
-    in the flat buffers and ZeRO shards; "fp32" (default) everything in fp32.
+    in the flat buffers and ZeRO shards; "fp16" the same in fp16 with dynamic loss scaling
+    (troupe.optim.LossScaler: a step whose gradients overflow on any rank is skipped on all);
+    "fp32" (default) everything in fp32.
     device: where the trainers compute (auto: cuda when the cluster has GPUs, else cpu; the
     shard owners of ``offload`` always hold host memory); num_gpus: GPUs each trainer asks Ray
     for on cuda (one: NCCL wants one GPU per rank)."""
@@ -71,7 +73,7 @@ class TrainConfig(Config):
     placement_timeout_s: float = Field(default=600.0, gt=0)
     checkpoint_dir: str | None = None
     activation_checkpointing: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
 
@@ -92,6 +94,10 @@ class PretrainConfig(Config):
         if self.train.batch_size % W:
             raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
                              f"train.num_workers={W}")
+        if self.train.offload and self.train.precision == "fp16":
+            raise ValueError("train.precision=fp16 with train.offload: the shard owners step "
+                             "in lockstep with the trainers and cannot skip an overflowed "
+                             "step; use bf16")
         if self.train.offload and not self.optimizer.sharded:
             raise ValueError(f"train.offload: optimizer.name={self.optimizer.name!r} keeps its "
                              "state on every rank; offload works with adam, adamw or lamb")

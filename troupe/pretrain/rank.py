@@ -23,6 +23,7 @@ from troupe.optim import (
     ParameterShard,
     ShardedOptimizer,
     build_optimizer,
+    LossScaler,
     build_shard_rule,
     padded_size,
 )
@@ -45,6 +46,8 @@ class StepStats:
     bytes_sent: int      # by this rank's optimizers since the start
     seconds: float
     peak_memory_mb: float = 0.0  # this rank's so far (runtime.metrics.peak_memory_mb)
+    loss_scale: float = 1.0      # fp16's, after this step (it halves on an overflow)
+    skipped_steps: int = 0       # fp16 steps skipped for overflow, since the start
 
 
 class Bucket:
@@ -114,6 +117,7 @@ class PretrainWorker:
             edp_size = edp.world_size if edp is not None else 1
             self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
         self.dp, self.step = dp, 0
+        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
 
     def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
@@ -132,15 +136,19 @@ class PretrainWorker:
             _, lm_loss, aux = self.model(x, y, ltd=ltd)
         lm_loss_value = lm_loss.item()
         coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
-        (lm_loss + coef * aux).backward()
+        loss = lm_loss + coef * aux
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
+        if self.scaler is None or self.scaler.unscale_([b.flat for b in self.buckets], self.dp):
+            for b in self.buckets:
+                b.optimizer.step(lr)
         for b in self.buckets:
-            b.optimizer.step(lr)
             b.flat.zero_grad()
         self.step = step
         return StepStats(step, lm_loss_value, aux.detach().item(), lr, seq_len, keep, x.numel(),
                          sum(b.optimizer.comm.bytes_sent for b in self.buckets),
-                         time.perf_counter() - t0, peak_memory_mb())
+                         time.perf_counter() - t0, peak_memory_mb(),
+                         *(self.scaler.scale_value, self.scaler.skipped) if self.scaler else ())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -161,6 +169,7 @@ class PretrainWorker:
     def state_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "world": self.world,
                 **rng_state(self.device),
+                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "buckets": {b.name: b.state_dict() for b in self.buckets}}
 
     def load_state_dict(self, state: dict, where: str) -> None:
@@ -173,6 +182,11 @@ class PretrainWorker:
         for b in self.buckets:
             b.load_state_dict(state["buckets"][b.name], where)
         set_rng_state(state, self.device)
+        if self.scaler is not None:
+            if state.get("loss_scaler") is None:
+                raise ValueError(f"{where}: saved without fp16's loss scale; resume with the "
+                                 "precision it was written with")
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.step = int(state["step"])
 
 

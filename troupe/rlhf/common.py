@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from troupe.collectives import Communicator
-from troupe.optim import FlatParams, Optimizer, OptimizerConfig, build_optimizer
+from troupe.optim import FlatParams, LossScaler, Optimizer, OptimizerConfig, build_optimizer
 from troupe.data import ByteTokens, Tokenizer, load_tokenizer
 from troupe.models import GPT, from_pretrained
 from troupe.rlhf.config import ModelConfig
@@ -42,10 +42,13 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
 
 class Trainable:
     """A module whose trainable parameters live in one flat buffer, stepped by a troupe
-    optimizer that averages gradients over ``group`` (ZeRO-1, or 1-bit compressed)."""
+    optimizer that averages gradients over ``group`` (ZeRO-1, or 1-bit compressed). In fp16
+    (``precision``) the losses are scaled on their way into ``backward`` and an update whose
+    gradients overflow is skipped (troupe.optim.LossScaler)."""
 
-    def __init__(self, module: nn.Module, group: Communicator | None):
+    def __init__(self, module: nn.Module, group: Communicator | None, precision: str = "fp32"):
         self.module, self.group = module, group
+        self.scaler = LossScaler() if precision == "fp16" else None
         self.world = group.world_size if group is not None else 1
         self.flat = FlatParams([p for p in module.parameters() if p.requires_grad],
                                align=self.world)
@@ -68,7 +71,8 @@ class Trainable:
         optimizer state: the live tensors, not copies (a checkpoint writes them out at once;
         copies cost a 135M model 1.6 GB per trained role at every checkpoint)."""
         assert self.opt is not None, "use_optimizer() first"
-        return {"params": self.flat.data, "optimizer": self.opt.state_dict(copy=False)}
+        return {"params": self.flat.data, "optimizer": self.opt.state_dict(copy=False),
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_state_dict(self, state: dict, where: str) -> None:
         assert self.opt is not None, "use_optimizer() first"
@@ -80,6 +84,8 @@ class Trainable:
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
         self.flat.data.copy_(state["params"])
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
     def release(self) -> None:
         """Freeze the module for good: its gradients and optimizer state are freed (a frozen
@@ -90,11 +96,17 @@ class Trainable:
         self.flat.grad = torch.empty(0, device=self.flat.device)
         self.opt = None
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss scaled first in fp16."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
     def step(self, step: int) -> float:
         """One optimizer step on the gradients accumulated since the last (the callers run
-        ``backward`` once per micro-batch, each loss scaled to its share of the batch)."""
+        ``backward`` once per micro-batch, each loss scaled to its share of the batch); in
+        fp16 none when they overflowed on some rank."""
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
         lr = self.opt_cfg.lr_at(step, self.total_steps)
-        self.opt.step(lr)
+        if self.scaler is None or self.scaler.unscale_([self.flat], self.group):
+            self.opt.step(lr)
         self.flat.zero_grad()
         return lr

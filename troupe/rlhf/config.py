@@ -21,13 +21,15 @@ class ModelConfig(Config):
     activation_checkpointing: the trained roles recompute each block's activations in the
     backward instead of keeping them (less memory, about a third more compute in training).
     precision: "bf16" runs every role's forward and backward except generation under bf16
-    autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept."""
+    autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept;
+    "fp16" the same in fp16, the trained roles' losses scaled dynamically (an update whose
+    gradients overflow on any rank is skipped by all: troupe.optim.LossScaler)."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
     activation_checkpointing: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class TaskConfig(Config):

@@ -52,7 +52,7 @@ class Policy:
         torch.manual_seed(cfg.seed * 1000 + rank)
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, device=self.device)
-        self.train = Trainable(self.lm, group)
+        self.train = Trainable(self.lm, group, cfg.model.precision)
         self.ema = None
         self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
 
@@ -71,7 +71,7 @@ class Policy:
         total, loss = mask.sum().clamp_min(1), 0.0
         for s in micro_batches(len(ids), micro):
             part = -(self.lm.token_logprobs(ids[s], valid[s], mask[s]) * mask[s]).sum() / total
-            (coef * part).backward()
+            self.train.backward(coef * part)
             loss += part.item()
         return loss
 
@@ -86,7 +86,8 @@ class Policy:
             return
         if self.cfg.ppo.lora.enabled:
             inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
-            self.train = Trainable(self.lm, self.train.group)  # only the adapters train
+            self.train = Trainable(self.lm, self.train.group,  # only the adapters train
+                                   self.cfg.model.precision)
         p = self.cfg.ppo
         self.train.use_optimizer(p.actor, p.iterations * p.ppo_epochs)
         if self.cfg.ppo.ema:
@@ -170,7 +171,7 @@ class Policy:
                     algorithms.kl_estimate(logp, exp.ref_logp[s], cfg.kl_estimator()), mask)
                 loss = loss + share * kl_coef * kl
                 kl_sum += (share * kl).item()
-            loss.backward()
+            self.train.backward(loss)
             policy_loss += loss.item()
             ent_sum += (ent * mask).sum().item()
             clip_sum += (algorithms.clip_fraction(logp.detach(), old, exp.advantages[s], mask,
@@ -198,7 +199,7 @@ class Policy:
             if d.sft_coef > 0:  # RPO: the chosen responses' per-token NLL
                 loss = loss + d.sft_coef * (-chosen / n_chosen).mean()
             part = loss * len(chosen) / B
-            part.backward()
+            self.train.backward(part)
             loss_sum += part.item()
             margins.append(margin)
         margin = torch.cat(margins)
@@ -291,7 +292,7 @@ class Reward:
         self.device = worker_device(cfg.device)
         lm, self.tok = build_lm(cfg.model, cfg.seed + 1)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group)
+        self.train = Trainable(self.model, group, cfg.model.precision)
         self.to_quantize = False  # set when load() freezes the model
 
     def _pairs(self, examples: list[tuple[str, str, str]]):
@@ -312,7 +313,7 @@ class Reward:
                                                   end[:B], end[B:])
             lo = lo * B / len(examples)
             if backward:
-                lo.backward()
+                self.train.backward(lo)
             loss, right = loss + lo.item(), right + int((sc > sr).sum())
         return loss, right
 
@@ -364,7 +365,7 @@ class Critic:
         self.device = worker_device(cfg.device)
         lm, _ = build_lm(cfg.model, cfg.seed + 1, tokenizer=False)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group)
+        self.train = Trainable(self.model, group, cfg.model.precision)
 
     def begin_ppo(self, reward_path: str) -> None:
         load_module(reward_path, self.model)
@@ -385,7 +386,7 @@ class Critic:
             values = self.model(exp.ids[s], exp.valid[s])[:, :-1]
             loss = exp.action[s].sum() / total * algorithms.value_loss(
                 values, exp.old_values[s], exp.returns[s], exp.action[s], p.value_clip)
-            loss.backward()
+            self.train.backward(loss)
             value_loss += loss.item()
         self.train.step(iteration)
         return CriticStats(value_loss)

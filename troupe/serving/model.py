@@ -135,7 +135,7 @@ def placed(model: GPT, cfg: ServeConfig) -> GPT:
     """``model`` on this replica's device (``cfg.device``: its Ray GPU or the CPU) in
     ``cfg.precision``, before quantization (which reads the weights in fp32 and keeps its
     scales in fp32 whatever the rest is; on cuda the INT8 layers run torch._int_mm)."""
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     return model.to(worker_device(cfg.device), dtype)
 
 

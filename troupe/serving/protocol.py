@@ -70,7 +70,8 @@ class ServeConfig(Config):
     expert_parallel: for MoE models, spread each replica's experts over this many expert
     actors, which exchange tokens with all_to_all (1: the replica holds every expert).
     precision: "bf16" holds the weights that stay unquantized (embeddings, norms, fp32 layers)
-    and the KV cache in bf16 and computes in it; "fp32" (default) in fp32.
+    and the KV cache in bf16 and computes in it; "fp16" likewise in fp16 (for GPUs: the CPU
+    has few fp16 kernels); "fp32" (default) in fp32.
     device: where each replica (or expert rank) computes (auto: cuda when the cluster has
     GPUs, else cpu); num_gpus: GPUs each of them asks Ray for on cuda."""
 
@@ -86,7 +87,7 @@ class ServeConfig(Config):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
     expert_parallel: int = Field(default=1, ge=1)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
 
