@@ -352,3 +352,24 @@ def test_a_ppo_iteration_on_cuda_matches_cpu():
     assert torch.equal(cpu[0], cuda[0])  # the same greedy tokens
     for a, b in zip(cpu[1:], cuda[1:]):
         assert torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_released_gradients_during_generation_give_the_same_updates():
+    """ppo.release_memory: the policy's gradient buffer is gone while it generates and comes
+    back zeroed at the next backward; two iterations' weights equal those of a policy that
+    kept it (bit for bit: the buffer is zero between updates either way)."""
+    def run(release):
+        cfg = RLHFConfig(**{**SMALL, "ppo": {**SMALL["ppo"], "release_memory": release}})
+        policy = Policy(cfg, None, 0)
+        policy.train.use_optimizer(cfg.ppo.actor, 5)
+        freed = []
+        for it in (1, 2):
+            g = policy.generate(RolloutRequest(["sort 321:", "sort 94:"], [it, it + 10]))
+            freed.append(policy.train.flat.grad.numel() == 0)
+            adv = torch.ones_like(g.action) * g.action
+            policy.ppo_step(Experience(g.ids, g.valid, g.action, advantages=adv), it, None)
+        return freed, policy.train.flat.data.clone()
+
+    (kept, w_kept), (freed, w_freed) = run(False), run(True)
+    assert kept == [False, False] and freed == [True, True]
+    assert torch.equal(w_kept, w_freed)

@@ -42,6 +42,22 @@ class FlatParams:
     def zero_grad(self) -> None:
         self.grad.zero_()
 
+    def free_grad(self) -> None:
+        """Give the gradient buffer back (between training steps, e.g. while a policy
+        generates); ``alloc_grad`` makes a zeroed one again before the next backward."""
+        for p in self.params:
+            p.grad = None
+        self.grad = torch.empty(0, device=self.device)
+
+    def alloc_grad(self) -> None:
+        """A zeroed gradient buffer with each parameter's ``grad`` a view into it, if
+        ``free_grad`` gave it back (else nothing)."""
+        if self.grad.numel() == self.padded:
+            return
+        self.grad = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        for p, (offset, n) in zip(self.params, self.segments):
+            p.grad = self.grad[offset:offset + n].view_as(p)
+
     def segment_ids(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """For each element of [lo, hi): the index of its parameter (len(params) for padding)."""
         return segment_ids([n for _, n in self.segments], self.padded, lo, hi).to(self.device)

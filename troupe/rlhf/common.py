@@ -97,7 +97,9 @@ class Trainable:
         self.opt = None
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, the loss scaled first in fp16."""
+        """``loss.backward()``, the loss scaled first in fp16 (and the gradient buffer made
+        again if ``free_grad`` gave it back)."""
+        self.flat.alloc_grad()
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, step: int) -> float:
@@ -106,6 +108,7 @@ class Trainable:
         fp16 none when they overflowed on some rank."""
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
         lr = self.opt_cfg.lr_at(step, self.total_steps)
+        self.flat.alloc_grad()  # a step without a backward since free_grad: zero gradients
         if self.scaler is None or self.scaler.unscale_([self.flat], self.group):
             self.opt.step(lr)
         self.flat.zero_grad()

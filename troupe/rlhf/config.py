@@ -160,7 +160,10 @@ class PPOConfig(Config):
     them; the reward's value head and the tied output embedding stay fp32): their scoring
     passes run on the INT8 kernel at a quarter of the weight bytes. int8_generation: rollouts
     with W8A8 weights, an INT8 copy of the policy kept and re-quantized in place after each
-    update."""
+    update. release_memory: the policy gives its gradient buffer back while it generates (made
+    again, zeroed, at its next backward) and returns the CUDA allocator's cached blocks to the
+    device, as DeepSpeed-Chat's hybrid engine frees training memory for the KV cache: a
+    model's worth of fp32 bytes less during rollouts, for one allocation per update."""
 
     iterations: int = Field(default=120, ge=0)
     threads: int = Field(default=1, ge=1)
@@ -172,6 +175,7 @@ class PPOConfig(Config):
     group_std: bool = True
     generation_batch: int | None = Field(default=16, ge=1)
     keep_decode_weights: bool = False
+    release_memory: bool = False
     quantize_frozen: Literal["none", "w8a8"] = "none"
     micro_batch_size: int | None = Field(default=None, ge=1)
     max_new_tokens: int = Field(default=8, ge=1)

@@ -99,6 +99,10 @@ class Policy:
         the recipe says so) through troupe.generation's engine, one seed per prompt."""
         model = self.ema if request.use_ema and self.ema is not None else self.lm
         t0 = time.perf_counter()
+        if self.cfg.ppo.release_memory:
+            self.train.flat.free_grad()  # zero between updates: nothing is lost
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         model.eval()
         fused = self.cfg.ppo.lora.enabled and fuse_lora(model)
         p = self.cfg.ppo
