@@ -73,33 +73,32 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 def move(obj: Any, device: torch.device | str) -> Any:
     """``obj`` with every tensor in it on ``device``: tensors, and those inside lists,
-    tuples, dicts and dataclasses (a new container; tensors already there are kept as they
-    are, not copied). Other values pass through."""
+    tuples, dicts and dataclasses. A container none of whose tensors had to move is returned
+    as it is (tensors already there are never copied); one that changed is a new container.
+    Other values pass through."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (list, tuple)):
         items = [move(v, device) for v in obj]
-        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        return {k: move(v, device) for k, v in obj.items()}
+        moved = {k: move(v, device) for k, v in obj.items()}
+        return obj if all(moved[k] is v for k, v in obj.items()) else moved
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: move(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj) if f.init})
+        changed = {f.name: m for f in dataclasses.fields(obj) if f.init
+                   for v in [getattr(obj, f.name)] for m in [move(v, device)] if m is not v}
+        return dataclasses.replace(obj, **changed) if changed else obj
     return obj
 
 
 def to_host(obj: Any) -> Any:
-    """``obj`` with its CUDA tensors copied to host memory (what leaves a worker)."""
-    return move(obj, "cpu") if _has_cuda_tensor(obj) else obj
+    """``obj`` with its CUDA tensors copied to host memory (what leaves a worker; ``obj``
+    itself when it holds none)."""
+    return move(obj, "cpu")
 
 
-def _has_cuda_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.is_cuda
-    if isinstance(obj, (list, tuple)):
-        return any(_has_cuda_tensor(v) for v in obj)
-    if isinstance(obj, dict):
-        return any(_has_cuda_tensor(v) for v in obj.values())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return any(_has_cuda_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    return False
+def precision_dtype(precision: str) -> torch.dtype:
+    """The torch type of a ``precision`` setting (fp32, bf16, fp16)."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from troupe.config import Config
+from troupe.devices import precision_dtype
 from troupe.kernels.decode_attention import decode_attention
 from troupe.models.layers import MLP, apply_rope, norm, rope_angles, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
@@ -296,9 +297,9 @@ class GPT(nn.Module):
         """A context for ``precision``: "bf16" or "fp16" runs what it encloses under autocast
         to that type on this model's device (the weights stay fp32; fp16 needs loss scaling,
         troupe.optim.LossScaler), "fp32" changes nothing."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        return torch.autocast(self.tok_emb.weight.device.type, dtype=dtype or torch.bfloat16,
-                              enabled=dtype is not None)
+        dtype = precision_dtype(precision)
+        return torch.autocast(self.tok_emb.weight.device.type, dtype=dtype,
+                              enabled=dtype != torch.float32)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states (..., C): the lm_head (a Linear, or what

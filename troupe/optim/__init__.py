@@ -10,7 +10,7 @@ from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
 from troupe.optim.scaler import LossScaler
 from troupe.optim.sharded import Adam, AdamRule, Lamb, LambRule, ShardedOptimizer, ShardRule
 
-__all__ = ["OPTIMIZERS", "Adam", "AdamRule", "CommCounter", "FlatParams", "Lamb", "LambRule", "LossScaler",
-           "OffloadedOptimizer", "OneBitAdam", "OneBitLamb", "Optimizer", "OptimizerConfig",
-           "ParameterShard", "ShardRule", "ShardedOptimizer", "ZeroOneAdam", "build_optimizer",
-           "build_shard_rule", "padded_size", "segment_ids"]
+__all__ = ["OPTIMIZERS", "Adam", "AdamRule", "CommCounter", "FlatParams", "Lamb", "LambRule",
+           "LossScaler", "OffloadedOptimizer", "OneBitAdam", "OneBitLamb", "Optimizer",
+           "OptimizerConfig", "ParameterShard", "ShardRule", "ShardedOptimizer", "ZeroOneAdam",
+           "build_optimizer", "build_shard_rule", "padded_size", "segment_ids"]

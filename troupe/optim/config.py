@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from troupe.collectives import Communicator
 from troupe.config import Config
+from troupe.devices import precision_dtype
 from troupe.optim.base import CommCounter, Optimizer
 from troupe.optim.flat import FlatParams, segment_ids
 from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
@@ -70,7 +70,7 @@ def build_optimizer(cfg: OptimizerConfig, flat: FlatParams, group: Communicator 
     """The optimizer ``cfg`` names, over ``flat``, averaging gradients over ``group`` (in
     ``cfg.reduce_dtype``)."""
     opt = _build(cfg, flat, group, grad_scale)
-    opt.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.reduce_dtype]
+    opt.reduce_dtype = precision_dtype(cfg.reduce_dtype)
     return opt
 
 

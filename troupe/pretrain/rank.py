@@ -17,13 +17,13 @@ from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.optim import (
     CommCounter,
     FlatParams,
+    LossScaler,
     OffloadedOptimizer,
     Optimizer,
     OptimizerConfig,
     ParameterShard,
     ShardedOptimizer,
     build_optimizer,
-    LossScaler,
     build_shard_rule,
     padded_size,
 )
@@ -145,10 +145,12 @@ class PretrainWorker:
         for b in self.buckets:
             b.flat.zero_grad()
         self.step = step
+        s = self.scaler
         return StepStats(step, lm_loss_value, aux.detach().item(), lr, seq_len, keep, x.numel(),
                          sum(b.optimizer.comm.bytes_sent for b in self.buckets),
                          time.perf_counter() - t0, peak_memory_mb(),
-                         *(self.scaler.scale_value, self.scaler.skipped) if self.scaler else ())
+                         loss_scale=s.scale_value if s else 1.0,
+                         skipped_steps=s.skipped if s else 0)
 
     @torch.no_grad()
     def evaluate(self) -> float:

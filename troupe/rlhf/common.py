@@ -90,10 +90,9 @@ class Trainable:
     def release(self) -> None:
         """Freeze the module for good: its gradients and optimizer state are freed (a frozen
         role holds neither); the weights stay where they are. Idempotent."""
+        self.flat.free_grad()
         for p in self.flat.params:
-            p.grad = None
             p.requires_grad_(False)
-        self.flat.grad = torch.empty(0, device=self.flat.device)
         self.opt = None
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels, unmatched_patterns
 from troupe.config import ConfigError, validate
 from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
-from troupe.devices import worker_device
+from troupe.devices import precision_dtype, worker_device
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf import read_config
 from troupe.models.io import load_state, read_module_file, save_module
@@ -135,8 +135,7 @@ def placed(model: GPT, cfg: ServeConfig) -> GPT:
     """``model`` on this replica's device (``cfg.device``: its Ray GPU or the CPU) in
     ``cfg.precision``, before quantization (which reads the weights in fp32 and keeps its
     scales in fp32 whatever the rest is; on cuda the INT8 layers run torch._int_mm)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    return model.to(worker_device(cfg.device), dtype)
+    return model.to(worker_device(cfg.device), precision_dtype(cfg.precision))
 
 
 def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.Tensor] | None:
