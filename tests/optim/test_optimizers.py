@@ -5,6 +5,7 @@ import torch
 
 from troupe import collectives
 from troupe.optim import Adam, CommCounter, FlatParams, Lamb, OptimizerConfig, build_optimizer
+from troupe.optim.chunks import ChunkLayout
 from troupe.runtime import ActorGraph, get_context
 
 
@@ -38,6 +39,23 @@ class OptRank:
             if t == save_at:
                 saved = (flat.data.clone(), opt.state_dict())
         return history, opt.state_bytes(), opt.comm.bytes_sent, saved
+
+    def state_sizes(self, cfg: dict, steps: int, width: int = 16) -> dict[str, int]:
+        """Bytes of each optimizer tensor after ``steps`` (error feedback summed by kind)."""
+        group = collectives.get_group("dp")
+        model = _model(width)
+        flat = FlatParams(model.parameters(), align=group.world_size)
+        opt = build_optimizer(OptimizerConfig(**cfg), flat, group)
+        for t in range(1, steps + 1):
+            _grads_step(model, get_context().rank, t)
+            opt.step(1e-2)
+            flat.zero_grad()
+        sizes = {k: v.numel() * v.element_size() for k, v in opt.state_tensors().items()}
+        for states in opt.onebit.values():
+            for st in states:
+                for kind, t in st.state_dict().items():
+                    sizes[kind] = sizes.get(kind, 0) + (t.numel() * 4 if t is not None else 0)
+        return {"flat_numel": flat.numel, **sizes}
 
     def resume(self, saved, cfg: dict, start: int, steps: int, lr: float = 1e-2):
         group = collectives.get_group("dp")
@@ -145,14 +163,62 @@ def test_onebit_lamb_ranks_agree_and_train(ranks):
         assert torch.equal(history[-1]["v"], history[3]["v"])  # frozen after step 4
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"])
-def test_state_dict_resume_is_exact(ranks, name):
+@pytest.mark.parametrize("name,shard_state,save_at", [
+    ("adamw", False, 5), ("lamb", False, 5), ("onebit_adam", False, 5),
+    ("zero_one_adam", False, 5), ("onebit_lamb", False, 5),
+    # sharded, saved before and after the phase change (its state changes shape there)
+    ("onebit_adam", True, 2), ("onebit_adam", True, 5), ("zero_one_adam", True, 2),
+    ("zero_one_adam", True, 5), ("onebit_lamb", True, 2), ("onebit_lamb", True, 5)])
+def test_state_dict_resume_is_exact(ranks, name, shard_state, save_at):
     cfg = dict(name=name, freeze_step=3, var_freeze_step=3, var_update_scaler=1,
-               local_step_scaler=2, local_step_clipper=4)
-    results = ranks.call("train", cfg, 9, 1e-2, 5)
-    resumed = ranks.scatter("resume", [r[3] for r in results], cfg, 5, 9)
+               local_step_scaler=2, local_step_clipper=4, shard_state=shard_state)
+    results = ranks.call("train", cfg, 9, 1e-2, save_at)
+    resumed = ranks.scatter("resume", [r[3] for r in results], cfg, save_at, 9)
     for (history, *_), p in zip(results, resumed):
         assert torch.equal(p, history[-1]["p"])
+
+
+ONEBIT = {  # each through its phase changes within 50 steps, with weight decay
+    "onebit_adam": dict(name="onebit_adam", freeze_step=10, weight_decay=0.01),
+    "zero_one_adam": dict(name="zero_one_adam", var_freeze_step=20, var_update_scaler=2,
+                          local_step_scaler=8, local_step_clipper=4, weight_decay=0.01),
+    "onebit_lamb": dict(name="onebit_lamb", freeze_step=10, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(ONEBIT))
+def test_sharded_state_trains_exactly_as_whole_state(ranks, name):
+    """shard_state=True: every rank's parameters after each of 50 steps equal, bit for bit,
+    those of the run with the whole state (warm-up, freeze, compressed steps; 0/1 Adam's
+    variance steps, local steps and syncs)."""
+    steps = 50
+    whole = ranks.call("train", ONEBIT[name], steps, 1e-2, None, 24)
+    sharded = ranks.call("train", dict(ONEBIT[name], shard_state=True), steps, 1e-2, None, 24)
+    start = FlatParams(_model(24).parameters(), align=ranks.world_size).data
+    for (h_whole, *_), (h_sharded, *_) in zip(whole, sharded):
+        for t in range(steps):
+            assert torch.equal(h_sharded[t]["p"], h_whole[t]["p"]), f"step {t + 1}"
+        assert (h_whole[-1]["p"] - start).norm() > 0.1  # it trained
+
+
+def test_sharded_state_keeps_a_wth_of_the_variance(ranks):
+    """Per rank after the freeze: 1-bit Adam's and 1-bit LAMB's variances (and LAMB's fresh
+    variance) are 1/W of the whole state's; the momentum is packed (1 bit an element) either
+    way; the worker error feedback stays whole and the server's is 1/W already."""
+    W, width = ranks.world_size, 64
+    for name in ("onebit_adam", "onebit_lamb"):
+        cfg = dict(ONEBIT[name], freeze_step=2)
+        whole = ranks.call("state_sizes", cfg, 4, width)
+        sharded = ranks.call("state_sizes", dict(cfg, shard_state=True), 4, width)
+        for w, s in zip(whole, sharded):
+            n = w["flat_numel"]
+            for key in ("v", "v_fresh") if name == "onebit_lamb" else ("v",):
+                assert s[key] * W == w[key]
+                assert w[key] < 4 * n * 1.05  # the layout pads each tensor a little
+            assert s["m_signs"] == w["m_signs"] and n / 8 <= s["m_signs"] < n / 8 * 1.05
+            assert "m" not in s and "m" not in w
+            assert s["worker_error"] == w["worker_error"] >= 4 * n
+            assert s["server_error"] == w["server_error"] == w["worker_error"] // W
 
 
 def test_1bit_sends_fewer_bytes(ranks):
@@ -188,8 +254,10 @@ def test_bf16_gradient_reduction_halves_the_bytes_and_stays_close(ranks, name):
     start, reduced = flat.data, CommCounter()
     if name == "adamw":  # the padded buffer, scattered
         reduced.reduce_scatter(flat.padded * 4, W)
-    else:  # the gradients themselves
-        reduced.allreduce(flat.numel * 4, W)
+    else:  # the gradients in the chunk layout, scattered, and the mean gathered
+        layout = ChunkLayout(flat.segments, W)
+        reduced.reduce_scatter(W * layout.S * 4, W)
+        reduced.all_gather(layout.S * 4, W)
     assert fp32[0][2] - bf16[0][2] == steps * reduced.bytes_sent // 2
     for history, *_ in bf16[1:]:
         assert torch.equal(history[-1]["p"], bf16[0][0][-1]["p"])

@@ -100,6 +100,24 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group: Commun
     """
     W, n = group.world_size, tensor.numel()
     N = padded_numel(n, W)
+    signs, scales = compressed_allreduce_packed(tensor, state, group)
+    if out is None:
+        out = torch.empty(N, device=tensor.device)
+    elif out.numel() != N or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 with padded_numel({n}, {W}) = {N} elements")
+    for j, part in enumerate(out.view(W, N // W)):
+        unpack_(signs[j], part, scales[j])
+    return out[:n].view(tensor.shape).to(tensor.dtype)
+
+
+def compressed_allreduce_packed(tensor: torch.Tensor, state: OneBitState, group: Communicator
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed_allreduce before its last unpacking: the mean is exactly ``scales[j] *
+    sign`` over chunk j, the signs packed in ``signs[j]``: (W, N / 8W) uint8 and (W,) float32,
+    identical on every rank. A caller that keeps the mean can keep it in this form (N/8 bytes
+    and W scales instead of 4N bytes) and lose nothing."""
+    W, n = group.world_size, tensor.numel()
+    N = padded_numel(n, W)
     chunk = N // W
     worker_error, server_error = state._buffers(N, W, tensor.device)
 
@@ -120,11 +138,4 @@ def compressed_allreduce(tensor: torch.Tensor, state: OneBitState, group: Commun
     server_packed = pack_update_(server_error, server_scale)
 
     gathered = group.all_gather(_with_scales(server_packed.view(1, -1), server_scale)[0])
-    all_signs, all_scales = _split_scales(gathered)  # (W, chunk/8), (W,)
-    if out is None:
-        out = torch.empty(N, device=tensor.device)
-    elif out.numel() != N or out.dtype != torch.float32:
-        raise ValueError(f"out must be float32 with padded_numel({n}, {W}) = {N} elements")
-    for j, part in enumerate(out.view(W, chunk)):
-        unpack_(all_signs[j], part, all_scales[j])
-    return out[:n].view(tensor.shape).to(tensor.dtype)
+    return _split_scales(gathered)  # (W, chunk/8), (W,)

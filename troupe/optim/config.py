@@ -26,7 +26,11 @@ class OptimizerConfig(Config):
     of its last update, which matters when the warmup is short of 1/(1 - beta2) steps).
     reduce_dtype: the type gradients are averaged in across ranks (the ZeRO reduce-scatter and
     the 1-bit optimizers' uncompressed warm-up allreduce): bf16 halves those bytes at bf16's
-    rounding of the sum; the mean lands back in the fp32 gradients and the update is fp32."""
+    rounding of the sum; the mean lands back in the fp32 gradients and the update is fp32.
+    shard_state: the 1-bit optimizers keep the variance of the chunks each rank serves in the
+    compressed allreduce only (1/W of it) and all-gather the updated parameters: half of
+    ZeRO-1 Adam's bytes instead of a sixteenth (see troupe.optim.onebit); the same results bit
+    for bit."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
@@ -37,6 +41,8 @@ class OptimizerConfig(Config):
     weight_decay: float = Field(default=0.0, ge=0)
     bias_correction: bool = True
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # the 1-bit family: partition the variance over the group (adam, adamw and lamb always are)
+    shard_state: bool = False
     # 1-bit Adam and 1-bit LAMB
     freeze_step: int = Field(default=100_000, ge=0)
     # 0/1 Adam
@@ -61,7 +67,9 @@ class OptimizerConfig(Config):
 
     @property
     def sharded(self) -> bool:
-        """Whether the state is partitioned over the group (ZeRO-1); the 1-bit ones keep it whole."""
+        """Whether parameters and state are partitioned in contiguous ZeRO-1 shards (the
+        checkpoint then holds a shard of the parameters per rank); the 1-bit optimizers keep
+        the parameters whole on every rank, with or without shard_state."""
         return self.name in ("adam", "adamw", "lamb")
 
 
@@ -78,7 +86,7 @@ def _build(cfg: OptimizerConfig, flat: FlatParams, group: Communicator | None,
            grad_scale: float) -> Optimizer:
     common = dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   grad_scale=grad_scale)
-    onebit = dict(common, bias_correction=cfg.bias_correction)
+    onebit = dict(common, bias_correction=cfg.bias_correction, shard_state=cfg.shard_state)
     lamb = dict(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff)
     if cfg.name in ("adam", "adamw"):
         return Adam(flat, group, decoupled=cfg.name == "adamw",

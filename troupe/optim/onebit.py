@@ -1,28 +1,116 @@
-"""The 1-bit optimizers: OneBitAdam, ZeroOneAdam and OneBitLamb. Each keeps its state whole on
-every rank (as in DeepSpeed: sharding would need an fp32 parameter all_gather per step, which is
-the traffic compression removes) and communicates through compressed_allreduce."""
+"""The 1-bit optimizers: OneBitAdam, ZeroOneAdam and OneBitLamb, communicating through
+compressed_allreduce, with their state whole on every rank (as in DeepSpeed) or, with
+``shard_state``, partitioned the way the compression already partitions the work.
+
+Sharding. compressed_allreduce makes rank r the server of chunk r of every tensor (see
+troupe.optim.chunks): with ``shard_state`` rank r also owns the variance (and LAMB's fresh
+variance) of those chunks, updates the parameters of its chunks from the mean it serves, and
+all-gathers the updated parameters. What stays whole, and why:
+
+- the momentum: each rank forms its next local momentum from the whole mean, and compresses it
+  whole. After a compressed step that mean *is* 1 bit per element (a sign and a scale per chunk),
+  so 1-bit Adam and 1-bit LAMB keep it packed: N/8 bytes instead of 4N, sharded or not;
+- the worker error feedback: the residual of compressing this rank's own momentum (the server
+  error is 1/W already);
+- 0/1 Adam's state after var_freeze_step: every rank then takes local steps on all of its
+  parameters, which needs the frozen variance whole; it is all-gathered once at the freeze.
+
+The price is the parameter all-gather (4N (W-1)/W bytes per step, fp32), on top of the 1-bit
+messages (about N/4 (W-1)/W): half of ZeRO-1 Adam's bytes at about its memory, against 1/16 of
+them with the whole state (benchmarks/RESULTS.md). Sharded and unsharded runs are equal bit for
+bit: the same reductions (a reduce-scatter of the gradients in the chunk layout, then an
+all-gather of the mean where the rows are whole) and the same element-wise arithmetic.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from troupe.collectives import Communicator, OneBitState, compressed_allreduce, padded_numel
+from troupe.collectives import (Communicator, OneBitState, compressed_allreduce,
+                                compressed_allreduce_packed, padded_numel)
+from troupe.kernels.onebit import unpack_
 from troupe.optim.base import Optimizer
+from troupe.optim.chunks import ChunkLayout
 from troupe.optim.flat import FlatParams
 from troupe.optim.sharded import trust_ratio
 
 
 class _Compressed(Optimizer):
-    """Shared plumbing: the 1-bit mean of a flat buffer, compressed tensor by tensor (each
-    parameter gets its own scale, as in DeepSpeed: one scale for the whole buffer would give
-    small-gradient tensors the magnitude of large ones), with error-feedback states saved with
-    the optimizer."""
+    """Shared plumbing: the chunk layout and its rows (``rows``: the ones this rank keeps), the
+    1-bit mean of a tensor's momentum (each tensor compressed on its own with its own scale, as
+    in DeepSpeed: one scale for the whole buffer would give small-gradient tensors the magnitude
+    of large ones), the packed momentum, and error-feedback states saved with the optimizer."""
+
+    def __init__(self, flat: FlatParams, group: Communicator | None, grad_scale: float,
+                 shard_state: bool):
+        super().__init__(flat, group, grad_scale)
+        self.layout = ChunkLayout(flat.segments, self.world)
+        self.all_rows = list(range(self.world))
+        self.rows = [group.rank] if shard_state and self.world > 1 else self.all_rows
+        self.sharded = len(self.rows) < self.world
+        self.m_signs: torch.Tensor | None = None  # (W, S/8) uint8: the packed momentum
+        self.m_scales: torch.Tensor | None = None  # (W, T): its scale per chunk
+        self.m_divisor: torch.Tensor | None = None  # (T,): 1-bit LAMB's per-tensor scaling
 
     def _init_onebit(self, *names: str) -> None:
         self.onebit: dict[str, list[OneBitState]] = {
             name: [OneBitState() for _ in self.flat.segments] for name in names}
 
+    # -- rows of the chunk layout ------------------------------------------------------------
+
+    def _zeros_rows(self) -> torch.Tensor:
+        return torch.zeros(len(self.rows), self.layout.S, device=self.flat.device)
+
+    def _gather_rows(self, x_1S: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+        """All W rows from each rank's one (travelling in ``dtype``)."""
+        wire = x_1S[0].to(dtype)
+        parts = self.group.all_gather(wire)
+        self.comm.all_gather(wire.numel() * wire.element_size(), self.world)
+        return parts.float()
+
+    def _whole(self, x_RS: torch.Tensor) -> torch.Tensor:
+        """All W rows of a layout tensor this rank holds ``rows`` of."""
+        return self._gather_rows(x_RS) if self.sharded else x_RS
+
+    def _params(self) -> torch.Tensor:
+        return self.layout.gather(self.flat.data, self.rows)
+
+    def _publish(self, p_RS: torch.Tensor) -> None:
+        """Updated parameter rows into the flat buffer, all-gathered when sharded."""
+        self.layout.scatter(self._whole(p_RS), self.all_rows, self.flat.data)
+
+    def _mean_grad_rows(self) -> torch.Tensor:
+        """Rows ``rows`` of the group's mean gradient: a reduce-scatter in the chunk layout
+        (then an all-gather when the rows are whole: the bytes of one allreduce)."""
+        g = self.layout.gather(self.flat.grad, self.all_rows)
+        if self.world > 1:
+            mine = self._reduce_scatter_mean(g.view(-1)).view(1, -1)
+            g = mine if self.sharded else self._gather_rows(mine, self.reduce_dtype)
+        return g.mul_(self.grad_scale) if self.grad_scale != 1.0 else g
+
+    def _per_element(self, x_T: torch.Tensor) -> torch.Tensor:
+        """A per-tensor value at each element of the rows (1 on padding)."""
+        ext = torch.cat([x_T, x_T.new_ones(1)])
+        return torch.stack([ext[self.layout.ids(j, x_T.device)] for j in self.rows])
+
+    def _tensor_sums(self, x_RS: torch.Tensor) -> torch.Tensor:
+        """(T,): each tensor's sum over all ranks' rows, summed row by row in rank order."""
+        return self._whole(self.layout.row_sums(x_RS, self.rows)).sum(0)[:self.layout.T]
+
+    def _tensor_maxes(self, x_RS: torch.Tensor) -> torch.Tensor:
+        return self._whole(self.layout.row_maxes(x_RS, self.rows)).amax(0)[:self.layout.T]
+
+    # -- the compressed momentum -------------------------------------------------------------
+
+    def _local_grad(self) -> torch.Tensor:
+        g = self.flat.grad[:self.flat.numel]
+        return g * self.grad_scale if self.grad_scale != 1.0 else g
+
     def _onebit_mean(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x`` (flat, whole) replaced by its 1-bit mean over the group, tensor by tensor."""
         if self.world == 1:
             return x
         for (offset, n), state in zip(self.flat.segments, self.onebit[name]):
@@ -30,6 +118,58 @@ class _Compressed(Optimizer):
             part.copy_(compressed_allreduce(part, state, self.group))
             self.comm.compressed(padded_numel(n, self.world), self.world)
         return x
+
+    def _compress_momentum(self, m_fp32: torch.Tensor | None, local_update) -> None:
+        """One compressed momentum step, kept packed: for each tensor k, its last mean
+        (``m_fp32``'s rows before the first such step, then the packed one) goes through
+        ``local_update(k, m_k)`` (in place) and its 1-bit mean over the group is stored."""
+        previous = self._whole(m_fp32) if m_fp32 is not None else None
+        if self.m_signs is None:
+            self._alloc_packed()
+        W, L = self.world, self.layout
+        for k, ((_, n), state) in enumerate(zip(self.flat.segments, self.onebit["m"])):
+            m_k = L.tensor_of(previous, k) if previous is not None else self._unpacked_tensor(k)
+            local_update(k, m_k)
+            signs, scales = compressed_allreduce_packed(m_k, state, self.group)
+            self.comm.compressed(padded_numel(n, W), W)
+            s = L.starts[k] // 8
+            self.m_signs[:, s:s + L.chunks[k] // 8].copy_(signs)
+            self.m_scales[:, k].copy_(scales)
+
+    def _alloc_packed(self) -> None:
+        dev = self.flat.device
+        self.m_signs = torch.zeros(self.world, self.layout.S // 8, dtype=torch.uint8, device=dev)
+        self.m_scales = torch.zeros(self.world, self.layout.T, device=dev)
+
+    def _unpacked_tensor(self, k: int) -> torch.Tensor:
+        """Tensor k's mean momentum, whole (n_k fp32 values, divided by m_divisor[k])."""
+        L = self.layout
+        s, C = L.starts[k] // 8, L.chunks[k]
+        out = torch.empty(self.world * C, device=self.flat.device)
+        unpack_(self.m_signs[:, s:s + C // 8], out, 1.0)  # signs; times the scales (exact)
+        out = out.view(self.world, C).mul_(self.m_scales[:, k:k + 1]).view(-1)[:L.segments[k][1]]
+        return out.div_(self.m_divisor[k]) if self.m_divisor is not None else out
+
+    def _unpacked_rows(self) -> torch.Tensor:
+        """Rows ``rows`` of the mean momentum (divided by m_divisor per tensor)."""
+        out = self._zeros_rows()
+        chunks = torch.tensor(self.layout.chunks, device=out.device)
+        for i, j in enumerate(self.rows):
+            unpack_(self.m_signs[j], out[i], 1.0)
+            out[i].mul_(self.m_scales[j].repeat_interleave(chunks))
+        if self.m_divisor is not None:
+            per_tensor = self.m_divisor.repeat_interleave(chunks)  # padding divided too: unused
+            out.div_(per_tensor)
+        return out
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _packed_state(self) -> dict[str, torch.Tensor]:
+        return {"m_signs": self.m_signs, "m_scales": self.m_scales}
+
+    def _prepare(self, t: int) -> None:
+        """Allocate the buffers the state after step ``t`` has (they change at a phase
+        boundary), for load_state_dict."""
 
     def state_bytes(self) -> int:
         errors = [t for states in self.onebit.values() for st in states
@@ -44,6 +184,7 @@ class _Compressed(Optimizer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self._prepare(int(state["t"]))
         super().load_state_dict(state)
         for name, states in self.onebit.items():
             saved = state["onebit"].get(name, [])
@@ -55,17 +196,14 @@ class _Compressed(Optimizer):
                 if errors:
                     st.load_state_dict(errors)
 
-    def _local_grad(self) -> torch.Tensor:
-        g = self.flat.grad[:self.flat.numel]
-        return g * self.grad_scale if self.grad_scale != 1.0 else g
-
 
 class OneBitAdam(_Compressed):
-    """1-bit Adam. Steps 1..freeze_step: Adam on allreduced gradients (without bias correction,
+    """1-bit Adam. Steps 1..freeze_step: Adam on the mean gradient (without bias correction,
     as in DeepSpeed, unless ``bias_correction``: then the frozen variance keeps the correction
     of its last update, which matters when freeze_step is short of 1/(1 - beta2) steps).
     Afterwards the variance is frozen; the momentum is updated from the local gradient and
-    averaged by compressed_allreduce with error feedback.
+    averaged by compressed_allreduce with error feedback (and kept packed: it is 1-bit).
+    ``shard_state``: this rank keeps the variance of its chunks only (see the module).
 
     Example::
 
@@ -77,31 +215,51 @@ class OneBitAdam(_Compressed):
     def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100_000,
-                 bias_correction: bool = False, grad_scale: float = 1.0):
-        super().__init__(flat, group, grad_scale)
+                 bias_correction: bool = False, grad_scale: float = 1.0,
+                 shard_state: bool = False):
+        super().__init__(flat, group, grad_scale, shard_state)
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
         self.bias_correction = bias_correction
-        n, dev = flat.numel, flat.device
-        self.m, self.v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        self.v = self._zeros_rows()
+        self.m: torch.Tensor | None = self._zeros_rows()  # fp32 until the momentum is packed
         self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"m": self.m, "v": self.v}
+        m = {"m": self.m} if self.m is not None else self._packed_state()
+        return {**m, "v": self.v}
+
+    def _prepare(self, t: int) -> None:
+        if t > self.freeze_step and self.world > 1:
+            if self.m_signs is None:
+                self._alloc_packed()
+            self.m = None
+        elif self.m is None:
+            self.m, self.m_signs, self.m_scales = self._zeros_rows(), None, None
 
     def step(self, lr: float) -> None:
         self.t += 1
         b1, b2 = self.betas
         if self.t <= self.freeze_step:
-            g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
+            g = self._mean_grad_rows()
             self.m.mul_(b1).add_(g, alpha=1 - b1)
             self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            m = self.m
+        elif self.world == 1:
+            m = self.m.mul_(b1).add_(self.layout.gather(self._local_grad(), [0]), alpha=1 - b1)
         else:
-            self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
-            self._onebit_mean(self.m, "m")
+            segments, g = self.flat.segments, self._local_grad()
+
+            def local(k: int, m_k: torch.Tensor) -> None:
+                offset, n = segments[k]
+                m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1)
+
+            self._compress_momentum(self.m, local)
+            self.m, m = None, self._unpacked_rows()
         bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t,
                                 min(self.t, self.freeze_step))
-        _adam_update(self.flat.data[:self.flat.numel], self.m, self.v, self.eps, self.wd, lr,
-                     bc1, bc2)
+        p = self._params()
+        _adam_update(p, m, self.v, self.eps, self.wd, lr, bc1, bc2)
+        self._publish(p)
 
 
 class ZeroOneAdam(_Compressed):
@@ -113,28 +271,43 @@ class ZeroOneAdam(_Compressed):
     After var_freeze_step the variance is frozen and ranks take local steps, accumulating their
     updates; every local interval (1, doubling every local_step_scaler steps, at most
     local_step_clipper) the accumulated update is averaged by compressed_allreduce and replaces
-    the local ones, and the momentum is re-derived from it."""
+    the local ones, and the momentum is re-derived from it.
+
+    ``shard_state`` shards the variance until var_freeze_step; the local steps after it need
+    it whole on every rank (see the module). The momentum's error feedback is freed there (only
+    the accumulated update is compressed afterwards), and acc/anchor exist from there on."""
 
     def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100_000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32_678,
                  local_step_clipper: int = 16, bias_correction: bool = False,
-                 grad_scale: float = 1.0):
-        super().__init__(flat, group, grad_scale)
+                 grad_scale: float = 1.0, shard_state: bool = False):
+        super().__init__(flat, group, grad_scale, shard_state)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.bias_correction = bias_correction
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        n, dev = flat.numel, flat.device
-        self.m, self.v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
-        self.acc, self.anchor = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+        self.m = torch.zeros(flat.numel, device=flat.device)
+        self.v = self._zeros_rows()  # rows until var_freeze_step, then whole (flat)
+        self.acc: torch.Tensor | None = None
+        self.anchor: torch.Tensor | None = None
         self._init_onebit("m", "acc")
         self.sched = dict(var_interval=1, var_counter=0, var_updates=0, local_interval=1,
                           local_counter=0, lrs=0.0)
+        if var_freeze_step == 0:
+            self._enter_local_phase()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"m": self.m, "v": self.v, "acc": self.acc, "anchor": self.anchor}
+        local = {"acc": self.acc, "anchor": self.anchor} if self.acc is not None else {}
+        return {"m": self.m, "v": self.v, **local}
+
+    def _prepare(self, t: int) -> None:
+        if t >= self.var_freeze_step and self.acc is None:
+            n, dev = self.flat.numel, self.flat.device
+            self.v, self.acc, self.anchor = (torch.zeros(n, device=dev) for _ in range(3))
+        elif t < self.var_freeze_step and self.acc is not None:
+            self.v, self.acc, self.anchor = self._zeros_rows(), None, None
 
     def _extra_state(self) -> dict:
         return dict(self.sched)
@@ -145,11 +318,12 @@ class ZeroOneAdam(_Compressed):
     def step(self, lr: float) -> None:
         self.t += 1
         b1, b2 = self.betas
-        s, p = self.sched, self.flat.data[:self.flat.numel]
+        s = self.sched
         if self.t <= self.var_freeze_step:
             if self.t % s["var_interval"] == 0:  # a variance step: the exact gradient mean
                 g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
-                self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                g_rows = self.layout.gather(g, self.rows)
+                self.v.mul_(b2).addcmul_(g_rows, g_rows, value=1 - b2)
                 self.m.mul_(b1).add_(g, alpha=1 - b1)
                 s["var_counter"] += 1
                 s["var_updates"] += 1
@@ -158,10 +332,14 @@ class ZeroOneAdam(_Compressed):
             else:  # otherwise the momentum travels 1-bit compressed, as in 1-bit Adam
                 self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
                 self._onebit_mean(self.m, "m")
-            _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
+            p = self._params()
+            _adam_update(p, self.layout.gather(self.m, self.rows), self.v, self.eps, self.wd,
+                         lr, *self._bc())
+            self._publish(p)
             if self.t == self.var_freeze_step:
-                self.anchor.copy_(p)
+                self._enter_local_phase()
             return
+        p = self.flat.data[:self.flat.numel]
         self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
         before = p.clone()
         _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
@@ -172,6 +350,17 @@ class ZeroOneAdam(_Compressed):
             self._sync()
         if (self.t - self.var_freeze_step) % self.local_step_scaler == 0:
             s["local_interval"] = min(2 * s["local_interval"], self.local_step_clipper)
+
+    def _enter_local_phase(self) -> None:
+        """The variance whole and in flat order (the local steps use all of it), the anchor of
+        the local steps, their accumulator; the momentum's error feedback is not used again."""
+        n, dev = self.flat.numel, self.flat.device
+        v = torch.zeros(n, device=dev)
+        self.layout.scatter(self._whole(self.v), self.all_rows, v)
+        self.v, self.acc = v, torch.zeros(n, device=dev)
+        self.anchor = self.flat.data[:n].clone()
+        for state in self.onebit["m"]:
+            state.reset()
 
     def _bc(self) -> tuple[float, float]:
         return _corrections(self.bias_correction, self.betas, self.t, self.sched["var_updates"])
@@ -189,79 +378,100 @@ class ZeroOneAdam(_Compressed):
 
 
 class OneBitLamb(_Compressed):
-    """1-bit LAMB. Steps 1..freeze_step: LAMB on allreduced gradients, tracking an EMA
+    """1-bit LAMB. Steps 1..freeze_step: LAMB on the mean gradient, tracking an EMA
     (coeff_beta) of each tensor's trust ratio. Afterwards: the frozen ratio times a per-tensor
     factor max((sqrt(v)+eps) / (sqrt(v_fresh)+eps)), clamped to [factor_min, factor_max] and to
     within factor_threshold of its last value, where v_fresh follows the gradients reconstructed
-    from the compressed momentum. All tensors' momenta travel in one fused buffer, each scaled by
-    a per-tensor coefficient fixed at the freeze so that they have similar magnitudes."""
+    from the compressed momentum. Each tensor's momentum is scaled by a per-tensor coefficient
+    fixed at the freeze (so that they have similar magnitudes) before compression.
+    ``shard_state``: this rank keeps v and v_fresh of its chunks; the per-tensor norms and
+    maxima are combined across the ranks' chunks (see the module)."""
 
     def __init__(self, flat: FlatParams, group: Communicator | None = None, *,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, freeze_step: int = 100_000,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 bias_correction: bool = False, grad_scale: float = 1.0):
-        super().__init__(flat, group, grad_scale)
+                 bias_correction: bool = False, grad_scale: float = 1.0,
+                 shard_state: bool = False):
+        super().__init__(flat, group, grad_scale, shard_state)
         self.betas, self.eps, self.wd, self.freeze_step = betas, eps, weight_decay, freeze_step
         self.bias_correction = bias_correction
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min = factor_max, factor_min
         self.factor_threshold = factor_threshold
-        n, T, dev = flat.numel, len(flat.params), flat.device
-        self.seg = flat.segment_ids(0, n)
-        self.m, self.v, self.v_fresh = (torch.zeros(n, device=dev) for _ in range(3))
+        T, dev = self.layout.T, flat.device
+        self.m: torch.Tensor | None = self._zeros_rows()  # fp32 until the momentum is packed
+        self.v, self.v_fresh = self._zeros_rows(), self._zeros_rows()
         self.coeff_freeze = torch.zeros(T, device=dev)
         self.last_factor, self.scaling = torch.ones(T, device=dev), torch.ones(T, device=dev)
         self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"m": self.m, "v": self.v, "v_fresh": self.v_fresh,
-                "coeff_freeze": self.coeff_freeze, "last_factor": self.last_factor,
-                "scaling": self.scaling}
+        m = {"m": self.m} if self.m is not None else self._packed_state()
+        return {**m, "v": self.v, "v_fresh": self.v_fresh, "coeff_freeze": self.coeff_freeze,
+                "last_factor": self.last_factor, "scaling": self.scaling}
 
-    def _per_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(len(self.flat.params), device=x.device).index_add_(0, self.seg, x)
+    def _prepare(self, t: int) -> None:
+        if t > self.freeze_step and self.world > 1:
+            if self.m_signs is None:
+                self._alloc_packed()
+            self.m, self.m_divisor = None, self.scaling
+        elif self.m is None:
+            self.m, self.m_signs, self.m_scales, self.m_divisor = (
+                self._zeros_rows(), None, None, None)
 
     def step(self, lr: float) -> None:
         self.t += 1
         b1, b2 = self.betas
-        p = self.flat.data[:self.flat.numel]
+        p = self._params()
         if self.t <= self.freeze_step:
-            g = self._allreduce_mean(self.flat.grad[:self.flat.numel].clone())
+            g = self._mean_grad_rows()
             self.m.mul_(b1).add_(g, alpha=1 - b1)
             self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
             u = self._direction(p, *_corrections(self.bias_correction, self.betas, self.t, self.t))
-            coeff = trust_ratio(self._per_tensor(p * p).sqrt(), self._per_tensor(u * u).sqrt(),
+            coeff = trust_ratio(self._tensor_sums(p * p).sqrt(), self._tensor_sums(u * u).sqrt(),
                                 self.min_coeff, self.max_coeff)
             self.coeff_freeze.mul_(self.coeff_beta).add_(coeff, alpha=1 - self.coeff_beta)
-            p.add_(u * coeff[self.seg], alpha=-lr)
+            p.add_(u * self._per_element(coeff), alpha=-lr)
+            self._publish(p)
             return
         if self.t == self.freeze_step + 1:
             self._freeze()
-        m_old = self.m.clone()
-        self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
-        scale = self.scaling[self.seg]
-        self._onebit_mean(self.m.mul_(scale), "m").div_(scale)
-        g_rec = (self.m - m_old * b1).div_(1 - b1)
+        m_old = self.m.clone() if self.m is not None else self._unpacked_rows()
+        if self.world == 1:
+            scale = self._per_element(self.scaling)
+            g = self.layout.gather(self._local_grad(), [0])
+            m = self.m.mul_(b1).add_(g, alpha=1 - b1).mul_(scale).div_(scale)
+        else:
+            segments, scaling, g = self.flat.segments, self.scaling, self._local_grad()
+
+            def local(k: int, m_k: torch.Tensor) -> None:
+                offset, n = segments[k]
+                m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1).mul_(scaling[k])
+
+            self._compress_momentum(self.m, local)
+            self.m, self.m_divisor = None, self.scaling
+            m = self._unpacked_rows()
+        g_rec = (m - m_old * b1).div_(1 - b1)
         self.v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
         bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t, self.freeze_step)
         _, bc2_fresh = _corrections(self.bias_correction, self.betas, self.t, self.t)
         denom = (self.v / bc2).sqrt_().add_(self.eps)
-        u_pre = self.m / bc1 / denom
+        u_pre = m / bc1 / denom
         u = u_pre + self.wd * p if self.wd else u_pre
         ratio = denom.div_((self.v_fresh / bc2_fresh).sqrt_().add_(self.eps))
-        factor = torch.zeros(len(self.flat.params), device=ratio.device).scatter_reduce_(
-            0, self.seg, ratio, "amax", include_self=False)
+        factor = self._tensor_maxes(ratio)
         if self.wd:
-            r = (self._per_tensor(u_pre * u_pre).sqrt() / self._per_tensor(u * u).sqrt()
+            r = (self._tensor_sums(u_pre * u_pre).sqrt() / self._tensor_sums(u * u).sqrt()
                  .clamp_min(1e-30)).clamp_(max=1.0)
             factor = factor * r + (1 - r)
         factor = factor.clamp_(self.factor_min, self.factor_max)
         factor = torch.minimum(factor, self.last_factor * (1 + self.factor_threshold))
         factor = torch.maximum(factor, self.last_factor * (1 - self.factor_threshold))
         self.last_factor.copy_(factor)
-        p.add_(u * (self.coeff_freeze * factor)[self.seg], alpha=-lr)
+        p.add_(u * self._per_element(self.coeff_freeze * factor), alpha=-lr)
+        self._publish(p)
 
     def _direction(self, p: torch.Tensor, bc1: float, bc2: float) -> torch.Tensor:
         u = (self.m / bc1).div_((self.v / bc2).sqrt_().add_(self.eps))
@@ -269,8 +479,8 @@ class OneBitLamb(_Compressed):
 
     def _freeze(self) -> None:
         self.v_fresh.copy_(self.v)
-        counts = self._per_tensor(torch.ones_like(self.m))
-        scales = self._per_tensor(self.m * self.m).sqrt() / counts.sqrt()
+        counts = torch.tensor([float(n) for _, n in self.flat.segments], device=self.m.device)
+        scales = self._tensor_sums(self.m * self.m).sqrt() / counts.sqrt()
         ok = scales > 0
         united = scales[ok].mean() if ok.any() else torch.tensor(1.0, device=scales.device)
         self.scaling.copy_(torch.where(ok, united / scales.clamp_min(1e-30), torch.ones_like(scales)))
