@@ -40,6 +40,11 @@ CASES = {
                            random_ltd__enabled=True, random_ltd__min_tokens=8,
                            random_ltd__total_steps=6, random_ltd__last_layer=2,
                            random_ltd__first_layer=0),
+    # the 1-bit state sharded over the ranks (the experts' over their edp group)
+    "moe-onebit-adam-sharded": dict(optimizer__name="onebit_adam", optimizer__freeze_step=3,
+                                    optimizer__shard_state=True),
+    "dense-onebit-lamb-sharded": dict(model__moe=None, optimizer__name="onebit_lamb",
+                                      optimizer__freeze_step=3, optimizer__shard_state=True),
 }
 
 

@@ -61,6 +61,12 @@ class PretrainRank:
         return self._w.evaluate()
 
     @dispatch(Dispatch.ALL)
+    def memory(self) -> dict:
+        """Bytes of parameters and optimizer state held now (a 1-bit optimizer's state
+        changes at its freeze: setup's figures are those before the first step)."""
+        return self._w.memory()
+
+    @dispatch(Dispatch.ALL)
     def save(self, directory: str) -> dict:
         """Write this rank's file of a checkpoint; returns its manifest entry."""
         return ckpt.write_rank(directory, self._w.rank, self._w.state_dict())
