@@ -74,7 +74,8 @@ class ChunkLayout:
         for k, _, _, length in self.pieces(j):
             values += [k, self.T]
             lengths += [length, self.chunks[k] - length]
-        return torch.tensor(values).repeat_interleave(torch.tensor(lengths)).to(device)
+        return torch.tensor(values, device=device).repeat_interleave(
+            torch.tensor(lengths, device=device))
 
     def row_sums(self, x_RS: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """(R, T + 1): per row, the sum of each tensor's elements (the last column: padding),

@@ -29,7 +29,7 @@ class OptimizerConfig(Config):
     rounding of the sum; the mean lands back in the fp32 gradients and the update is fp32.
     shard_state: the 1-bit optimizers keep the variance of the chunks each rank serves in the
     compressed allreduce only (1/W of it) and all-gather the updated parameters: half of
-    ZeRO-1 Adam's bytes instead of a sixteenth (see troupe.optim.onebit); the same results bit
+    ZeRO-1 Adam's bytes instead of a thirty-second (see troupe.optim.onebit); the same results bit
     for bit."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"

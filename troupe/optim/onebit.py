@@ -16,8 +16,8 @@ all-gathers the updated parameters. What stays whole, and why:
   parameters, which needs the frozen variance whole; it is all-gathered once at the freeze.
 
 The price is the parameter all-gather (4N (W-1)/W bytes per step, fp32), on top of the 1-bit
-messages (about N/4 (W-1)/W): half of ZeRO-1 Adam's bytes at about its memory, against 1/16 of
-them with the whole state (benchmarks/RESULTS.md). Sharded and unsharded runs are equal bit for
+messages (about N/4 (W-1)/W): half of ZeRO-1 Adam's bytes, against 1/32 of them with the whole
+state (benchmarks/RESULTS.md). Sharded and unsharded runs are equal bit for
 bit: the same reductions (a reduce-scatter of the gradients in the chunk layout, then an
 all-gather of the mean where the rows are whole) and the same element-wise arithmetic.
 """
