@@ -67,6 +67,11 @@ class ChunkLayout:
         s, C, n = self.starts[k], self.chunks[k], self.segments[k][1]
         return x_WS[:, s:s + C].reshape(-1)[:n]
 
+    def expand(self, x_T: torch.Tensor) -> torch.Tensor:
+        """(S,): tensor k's value ``x_T[k]`` over its chunk of a row, padding included."""
+        return x_T.repeat_interleave(torch.tensor(self.chunks, device=x_T.device),
+                                     output_size=self.S)
+
     def ids(self, j: int, device: torch.device | str) -> torch.Tensor:
         """Each element's tensor index in row j (T for padding): built when needed, not kept
         (S int64s would outweigh the fp32 state they index)."""

@@ -24,8 +24,6 @@ all-gather of the mean where the rows are whole) and the same element-wise arith
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from troupe.collectives import (Communicator, OneBitState, compressed_allreduce,
@@ -52,7 +50,7 @@ class _Compressed(Optimizer):
         self.sharded = len(self.rows) < self.world
         self.m_signs: torch.Tensor | None = None  # (W, S/8) uint8: the packed momentum
         self.m_scales: torch.Tensor | None = None  # (W, T): its scale per chunk
-        self.m_divisor: torch.Tensor | None = None  # (T,): 1-bit LAMB's per-tensor scaling
+        self.m_divisor: torch.Tensor | None = None  # (T,): what the packed mean is divided by
 
     def _init_onebit(self, *names: str) -> None:
         self.onebit: dict[str, list[OneBitState]] = {
@@ -92,9 +90,8 @@ class _Compressed(Optimizer):
         return g.mul_(self.grad_scale) if self.grad_scale != 1.0 else g
 
     def _per_element(self, x_T: torch.Tensor) -> torch.Tensor:
-        """A per-tensor value at each element of the rows (1 on padding)."""
-        ext = torch.cat([x_T, x_T.new_ones(1)])
-        return torch.stack([ext[self.layout.ids(j, x_T.device)] for j in self.rows])
+        """A per-tensor value at each element of the rows (a (1, S) view for all of them)."""
+        return self.layout.expand(x_T).unsqueeze(0)
 
     def _tensor_sums(self, x_RS: torch.Tensor) -> torch.Tensor:
         """(T,): each tensor's sum over all ranks' rows, summed row by row in rank order."""
@@ -119,11 +116,12 @@ class _Compressed(Optimizer):
             self.comm.compressed(padded_numel(n, self.world), self.world)
         return x
 
-    def _compress_momentum(self, m_fp32: torch.Tensor | None, local_update) -> None:
-        """One compressed momentum step, kept packed: for each tensor k, its last mean
-        (``m_fp32``'s rows before the first such step, then the packed one) goes through
-        ``local_update(k, m_k)`` (in place) and its 1-bit mean over the group is stored."""
-        previous = self._whole(m_fp32) if m_fp32 is not None else None
+    def _compress_momentum(self, local_update) -> None:
+        """One compressed momentum step, kept packed: for each tensor k, its last mean (the
+        fp32 rows ``m`` before the first such step, then the packed one) goes through
+        ``local_update(k, m_k)`` (in place) and its 1-bit mean over the group is stored;
+        ``m`` is gone afterwards."""
+        previous = self._whole(self.m) if self.m is not None else None
         if self.m_signs is None:
             self._alloc_packed()
         W, L = self.world, self.layout
@@ -135,6 +133,7 @@ class _Compressed(Optimizer):
             s = L.starts[k] // 8
             self.m_signs[:, s:s + L.chunks[k] // 8].copy_(signs)
             self.m_scales[:, k].copy_(scales)
+        self.m = None
 
     def _alloc_packed(self) -> None:
         dev = self.flat.device
@@ -153,14 +152,10 @@ class _Compressed(Optimizer):
     def _unpacked_rows(self) -> torch.Tensor:
         """Rows ``rows`` of the mean momentum (divided by m_divisor per tensor)."""
         out = self._zeros_rows()
-        chunks = torch.tensor(self.layout.chunks, device=out.device)
         for i, j in enumerate(self.rows):
             unpack_(self.m_signs[j], out[i], 1.0)
-            out[i].mul_(self.m_scales[j].repeat_interleave(chunks))
-        if self.m_divisor is not None:
-            per_tensor = self.m_divisor.repeat_interleave(chunks)  # padding divided too: unused
-            out.div_(per_tensor)
-        return out
+            out[i].mul_(self.layout.expand(self.m_scales[j]))
+        return out.div_(self._per_element(self.m_divisor)) if self.m_divisor is not None else out
 
     # -- state ------------------------------------------------------------------------------
 
@@ -169,7 +164,14 @@ class _Compressed(Optimizer):
 
     def _prepare(self, t: int) -> None:
         """Allocate the buffers the state after step ``t`` has (they change at a phase
-        boundary), for load_state_dict."""
+        boundary), for load_state_dict. Here: the momentum ``m`` of 1-bit Adam and LAMB, fp32
+        rows up to ``freeze_step``, packed after it (when there is a group to compress over)."""
+        if t > self.freeze_step and self.world > 1:
+            if self.m_signs is None:
+                self._alloc_packed()
+            self.m = None
+        elif self.m is None:
+            self.m, self.m_signs, self.m_scales = self._zeros_rows(), None, None
 
     def state_bytes(self) -> int:
         errors = [t for states in self.onebit.values() for st in states
@@ -228,14 +230,6 @@ class OneBitAdam(_Compressed):
         m = {"m": self.m} if self.m is not None else self._packed_state()
         return {**m, "v": self.v}
 
-    def _prepare(self, t: int) -> None:
-        if t > self.freeze_step and self.world > 1:
-            if self.m_signs is None:
-                self._alloc_packed()
-            self.m = None
-        elif self.m is None:
-            self.m, self.m_signs, self.m_scales = self._zeros_rows(), None, None
-
     def step(self, lr: float) -> None:
         self.t += 1
         b1, b2 = self.betas
@@ -253,8 +247,8 @@ class OneBitAdam(_Compressed):
                 offset, n = segments[k]
                 m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1)
 
-            self._compress_momentum(self.m, local)
-            self.m, m = None, self._unpacked_rows()
+            self._compress_momentum(local)
+            m = self._unpacked_rows()
         bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t,
                                 min(self.t, self.freeze_step))
         p = self._params()
@@ -405,21 +399,13 @@ class OneBitLamb(_Compressed):
         self.v, self.v_fresh = self._zeros_rows(), self._zeros_rows()
         self.coeff_freeze = torch.zeros(T, device=dev)
         self.last_factor, self.scaling = torch.ones(T, device=dev), torch.ones(T, device=dev)
+        self.m_divisor = self.scaling  # the momentum is compressed scaled (fixed at the freeze)
         self._init_onebit("m")
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         m = {"m": self.m} if self.m is not None else self._packed_state()
         return {**m, "v": self.v, "v_fresh": self.v_fresh, "coeff_freeze": self.coeff_freeze,
                 "last_factor": self.last_factor, "scaling": self.scaling}
-
-    def _prepare(self, t: int) -> None:
-        if t > self.freeze_step and self.world > 1:
-            if self.m_signs is None:
-                self._alloc_packed()
-            self.m, self.m_divisor = None, self.scaling
-        elif self.m is None:
-            self.m, self.m_signs, self.m_scales, self.m_divisor = (
-                self._zeros_rows(), None, None, None)
 
     def step(self, lr: float) -> None:
         self.t += 1
@@ -450,8 +436,7 @@ class OneBitLamb(_Compressed):
                 offset, n = segments[k]
                 m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1).mul_(scaling[k])
 
-            self._compress_momentum(self.m, local)
-            self.m, self.m_divisor = None, self.scaling
+            self._compress_momentum(local)
             m = self._unpacked_rows()
         g_rec = (m - m_old * b1).div_(1 - b1)
         self.v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
