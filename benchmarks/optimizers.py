@@ -1,13 +1,15 @@
 """1-bit optimizers against their full-precision baselines: the same model, data and steps on
 4 data-parallel ranks, in one run; then optimizer-state memory per rank for 1, 2 and 4 ranks.
 
-    python benchmarks/optimizers.py [--steps 400] [--workers 4] [--only NAME ...]
+    python benchmarks/optimizers.py [--steps 400] [--workers 4] [--seed 0 --data-seed 1]
+                                    [--only NAME ...] [--no-memory]
 
 For each optimizer: the final validation loss, the bytes its gradient/momentum/parameter
 communication handed to collectives (counted by the optimizer per algorithm), in all and per
 step after its freeze, the bytes the trainer processes' TCP sockets sent as the kernel counts
 them (`ss -ti`, so Ray's own traffic is in it too), and per-trainer optimizer-state bytes at
-the end. The ``*_sharded`` runs keep the 1-bit state sharded (optimizer.shard_state). One JSON
+the end. The ``*_sharded`` runs keep the 1-bit state sharded (optimizer.shard_state);
+``zero_one_adam_unclipped`` is 0/1 Adam without its update clipping (DeepSpeed's). One JSON
 line per optimizer; the ratios compare with Adam (1-bit and 0/1 Adam), LAMB (1-bit LAMB) and
 the unsharded 1-bit run (sharded ones) from the same run. The memory lines train each
 optimizer 4 steps past its freeze (the state's shape changes there) on 1, 2 and 4 ranks.
@@ -33,9 +35,9 @@ def config(args, optimizer: dict, workers: int) -> PretrainConfig:
     return PretrainConfig(
         model=dict(seq_len=128, n_layer=4, n_head=4, d_model=128),
         optimizer=dict(lr=lr, min_lr=lr / 10, warmup_steps=args.steps // 10, **optimizer),
-        data=dict(seed=1),
+        data=dict(seed=args.data_seed),
         train=dict(steps=args.steps, batch_size=args.batch, num_workers=workers,
-                   eval_batches=8, out_dir="runs/bench-optimizers", seed=0))
+                   eval_batches=8, out_dir="runs/bench-optimizers", seed=args.seed))
 
 
 def train(args, name: str, optimizer: dict) -> dict:
@@ -91,6 +93,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3, help="Adam family")
     p.add_argument("--lamb-lr", type=float, default=3e-2, help="LAMB family (trust ratio scaled)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation, dropout")
+    p.add_argument("--data-seed", type=int, default=1, help="the documents and their order")
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the memory lines")
     args = p.parse_args()
@@ -106,7 +110,9 @@ def main() -> None:
     }
     for name in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
         runs[f"{name}_sharded"] = dict(runs[name], shard_state=True)
-    baseline_of = {"onebit_adam": "adam", "zero_one_adam": "adam", "onebit_lamb": "lamb"}
+    runs["zero_one_adam_unclipped"] = dict(runs["zero_one_adam"], update_clip=0.0)  # DeepSpeed's
+    baseline_of = {"onebit_adam": "adam", "zero_one_adam": "adam", "onebit_lamb": "lamb",
+                   "zero_one_adam_unclipped": "adam"}
     results = {}
     for name, opt in runs.items():
         if args.only and name not in args.only:
@@ -129,7 +135,8 @@ def main() -> None:
             r["bytes_per_step_after_freeze_vs_unsharded"] = round(
                 r["bytes_per_step_after_freeze"] / whole["bytes_per_step_after_freeze"], 2)
         print(json.dumps({"bench": "optimizers", "machine": platform.node(),
-                          "workers": args.workers, "steps": S, **r}), flush=True)
+                          "workers": args.workers, "steps": S, "seed": args.seed,
+                          "data_seed": args.data_seed, **r}), flush=True)
     if args.no_memory:
         return
     for name, opt in runs.items():

@@ -155,6 +155,30 @@ def test_zero_one_adam_syncs_ranks_and_updates_variance_on_schedule(ranks):
         assert not torch.equal(history[1][t - 1]["p"], history[0][t - 1]["p"]), f"step {t}"
 
 
+def test_zero_one_adam_clips_each_tensors_update(ranks):
+    """update_clip caps the RMS of each tensor's step at update_clip * lr, in the variance
+    phase and on the local steps after it (the schedule of the test above: 11, 13, 15, 16 are
+    local); without it, the same run takes larger steps."""
+    cfg = dict(name="zero_one_adam", var_freeze_step=6, var_update_scaler=2,
+               local_step_scaler=4, local_step_clipper=4)
+    lr, clip, steps = 1e-2, 0.5, 16
+    segments = FlatParams(_model().parameters(), align=ranks.world_size).segments
+    start = FlatParams(_model().parameters(), align=ranks.world_size).data
+
+    def step_rms(update_clip: float) -> list[list[float]]:
+        """Per checked step, each tensor's RMS step / lr (on rank 0)."""
+        history = ranks.call("train", dict(cfg, update_clip=update_clip), steps, lr)[0][0]
+        p = [start] + [h["p"] for h in history]
+        return [[float((p[t][o:o + n] - p[t - 1][o:o + n]).square().mean().sqrt()) / lr
+                 for o, n in segments] for t in (1, 2, 3, 4, 5, 6, 11, 13, 15, 16)]
+
+    clipped, free = step_rms(clip), step_rms(0.0)
+    assert max(max(r) for r in clipped) <= clip * (1 + 1e-5)
+    for phase in (clipped[:6], clipped[6:]):  # the cap is reached in both phases
+        assert max(max(r) for r in phase) >= clip * (1 - 1e-5)
+    assert max(max(r) for r in free) > 1.5 * clip
+
+
 def test_onebit_lamb_ranks_agree_and_train(ranks):
     cfg = dict(name="onebit_lamb", freeze_step=4, weight_decay=0.01)
     results = ranks.call("train", cfg, 10)

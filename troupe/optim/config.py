@@ -30,7 +30,8 @@ class OptimizerConfig(Config):
     shard_state: the 1-bit optimizers keep the variance of the chunks each rank serves in the
     compressed allreduce only (1/W of it) and all-gather the updated parameters: half of
     ZeRO-1 Adam's bytes instead of a thirty-second (see troupe.optim.onebit); the same results bit
-    for bit."""
+    for bit. update_clip: 0/1 Adam scales each tensor's update down to this RMS (Adafactor's
+    update clipping; 0: off, as in DeepSpeed), see troupe.optim.onebit.ZeroOneAdam."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
@@ -50,6 +51,7 @@ class OptimizerConfig(Config):
     var_update_scaler: int = Field(default=16, ge=1)
     local_step_scaler: int = Field(default=32_678, ge=1)
     local_step_clipper: int = Field(default=16, ge=1)
+    update_clip: float = Field(default=1.0, ge=0)
     # LAMB and 1-bit LAMB
     max_coeff: float = Field(default=10.0, gt=0)
     min_coeff: float = Field(default=0.01, ge=0)
@@ -99,7 +101,8 @@ def _build(cfg: OptimizerConfig, flat: FlatParams, group: Communicator | None,
         return ZeroOneAdam(flat, group, var_freeze_step=cfg.var_freeze_step,
                            var_update_scaler=cfg.var_update_scaler,
                            local_step_scaler=cfg.local_step_scaler,
-                           local_step_clipper=cfg.local_step_clipper, **onebit)
+                           local_step_clipper=cfg.local_step_clipper,
+                           update_clip=cfg.update_clip, **onebit)
     return OneBitLamb(flat, group, freeze_step=cfg.freeze_step, coeff_beta=cfg.coeff_beta,
                       factor_max=cfg.factor_max, factor_min=cfg.factor_min,
                       factor_threshold=cfg.factor_threshold, **lamb, **onebit)

@@ -267,6 +267,14 @@ class ZeroOneAdam(_Compressed):
     local_step_clipper) the accumulated update is averaged by compressed_allreduce and replaces
     the local ones, and the momentum is re-derived from it.
 
+    ``update_clip`` (Adafactor's update clipping): every step scales each tensor's update
+    m / (sqrt(v) + eps) down to an RMS of at most update_clip (in units of the learning rate).
+    0/1 Adam refreshes its variance at ever rarer steps, then freezes it, and its momentum is
+    1-bit: a tensor whose gradients grew since its variance was last refreshed, or whose
+    elements have tiny variances but get the tensor's compressed magnitude, takes steps tens
+    of times Adam's; in benchmarks/optimizers.py that stalled training on 2 of 3 seeds
+    (benchmarks/RESULTS.md). 0 turns the clipping off: DeepSpeed's 0/1 Adam.
+
     ``shard_state`` shards the variance until var_freeze_step; the local steps after it need
     it whole on every rank (see the module). The momentum's error feedback is freed there (only
     the accumulated update is compressed afterwards), and acc/anchor exist from there on."""
@@ -275,11 +283,12 @@ class ZeroOneAdam(_Compressed):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, var_freeze_step: int = 100_000,
                  var_update_scaler: int = 16, local_step_scaler: int = 32_678,
-                 local_step_clipper: int = 16, bias_correction: bool = False,
-                 grad_scale: float = 1.0, shard_state: bool = False):
+                 local_step_clipper: int = 16, update_clip: float = 1.0,
+                 bias_correction: bool = False, grad_scale: float = 1.0,
+                 shard_state: bool = False):
         super().__init__(flat, group, grad_scale, shard_state)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
-        self.bias_correction = bias_correction
+        self.bias_correction, self.update_clip = bias_correction, update_clip
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self.m = torch.zeros(flat.numel, device=flat.device)
@@ -327,8 +336,7 @@ class ZeroOneAdam(_Compressed):
                 self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
                 self._onebit_mean(self.m, "m")
             p = self._params()
-            _adam_update(p, self.layout.gather(self.m, self.rows), self.v, self.eps, self.wd,
-                         lr, *self._bc())
+            self._update(p, self.layout.gather(self.m, self.rows), lr, self._clip_rows)
             self._publish(p)
             if self.t == self.var_freeze_step:
                 self._enter_local_phase()
@@ -336,7 +344,7 @@ class ZeroOneAdam(_Compressed):
         p = self.flat.data[:self.flat.numel]
         self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
         before = p.clone()
-        _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc())
+        self._update(p, self.m, lr, self._clip_flat)
         self.acc.add_(before.sub_(p))
         s["lrs"] += lr
         s["local_counter"] += 1
@@ -358,6 +366,36 @@ class ZeroOneAdam(_Compressed):
 
     def _bc(self) -> tuple[float, float]:
         return _corrections(self.bias_correction, self.betas, self.t, self.sched["var_updates"])
+
+    def _update(self, p: torch.Tensor, m: torch.Tensor, lr: float, clip) -> None:
+        """Adam's step on ``p`` from ``m`` and self.v (laid out alike), each tensor's update
+        scaled by ``clip`` to an RMS of at most update_clip."""
+        if not self.update_clip:
+            _adam_update(p, m, self.v, self.eps, self.wd, lr, *self._bc())
+            return
+        bc1, bc2 = self._bc()
+        u = (m / bc1).div_((self.v / bc2).sqrt_().add_(self.eps))
+        clip(u)
+        if self.wd:
+            p.mul_(1 - lr * self.wd)
+        p.sub_(u, alpha=lr)
+
+    def _over_clip(self, sums_T: torch.Tensor) -> torch.Tensor:
+        """(T,): what each tensor's update is divided by (at least 1), from its sum of
+        squares."""
+        numels = torch.tensor([float(n) for _, n in self.flat.segments], device=sums_T.device)
+        return sums_T.div_(numels).sqrt_().div_(self.update_clip).clamp_min_(1.0)
+
+    def _clip_rows(self, u_RS: torch.Tensor) -> None:
+        """Clip an update held as this rank's rows (a tensor's RMS over all ranks' rows)."""
+        u_RS.div_(self._per_element(self._over_clip(self._tensor_sums(u_RS.square()))))
+
+    def _clip_flat(self, u: torch.Tensor) -> None:
+        """Clip an update held whole, in flat order."""
+        segments = self.flat.segments
+        over = self._over_clip(torch.stack([u[o:o + n].square().sum() for o, n in segments]))
+        for k, (o, n) in enumerate(segments):
+            u[o:o + n].div_(over[k])
 
     def _sync(self) -> None:
         s, p = self.sched, self.flat.data[:self.flat.numel]
