@@ -162,8 +162,8 @@ def test_zero_one_adam_clips_each_tensors_update(ranks):
     cfg = dict(name="zero_one_adam", var_freeze_step=6, var_update_scaler=2,
                local_step_scaler=4, local_step_clipper=4)
     lr, clip, steps = 1e-2, 0.5, 16
-    segments = FlatParams(_model().parameters(), align=ranks.world_size).segments
-    start = FlatParams(_model().parameters(), align=ranks.world_size).data
+    initial = FlatParams(_model().parameters(), align=ranks.world_size)
+    segments, start = initial.segments, initial.data
 
     def step_rms(update_clip: float) -> list[list[float]]:
         """Per checked step, each tensor's RMS step / lr (on rank 0)."""

@@ -289,6 +289,7 @@ class ZeroOneAdam(_Compressed):
         super().__init__(flat, group, grad_scale, shard_state)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.bias_correction, self.update_clip = bias_correction, update_clip
+        self.numels = torch.tensor([float(n) for _, n in flat.segments], device=flat.device)
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self.m = torch.zeros(flat.numel, device=flat.device)
@@ -336,7 +337,8 @@ class ZeroOneAdam(_Compressed):
                 self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
                 self._onebit_mean(self.m, "m")
             p = self._params()
-            self._update(p, self.layout.gather(self.m, self.rows), lr, self._clip_rows)
+            _adam_update(p, self.layout.gather(self.m, self.rows), self.v, self.eps, self.wd,
+                         lr, *self._bc(), clip=self._clipper(self._clip_rows))
             self._publish(p)
             if self.t == self.var_freeze_step:
                 self._enter_local_phase()
@@ -344,7 +346,8 @@ class ZeroOneAdam(_Compressed):
         p = self.flat.data[:self.flat.numel]
         self.m.mul_(b1).add_(self._local_grad(), alpha=1 - b1)
         before = p.clone()
-        self._update(p, self.m, lr, self._clip_flat)
+        _adam_update(p, self.m, self.v, self.eps, self.wd, lr, *self._bc(),
+                     clip=self._clipper(self._clip_flat))
         self.acc.add_(before.sub_(p))
         s["lrs"] += lr
         s["local_counter"] += 1
@@ -367,24 +370,14 @@ class ZeroOneAdam(_Compressed):
     def _bc(self) -> tuple[float, float]:
         return _corrections(self.bias_correction, self.betas, self.t, self.sched["var_updates"])
 
-    def _update(self, p: torch.Tensor, m: torch.Tensor, lr: float, clip) -> None:
-        """Adam's step on ``p`` from ``m`` and self.v (laid out alike), each tensor's update
-        scaled by ``clip`` to an RMS of at most update_clip."""
-        if not self.update_clip:
-            _adam_update(p, m, self.v, self.eps, self.wd, lr, *self._bc())
-            return
-        bc1, bc2 = self._bc()
-        u = (m / bc1).div_((self.v / bc2).sqrt_().add_(self.eps))
-        clip(u)
-        if self.wd:
-            p.mul_(1 - lr * self.wd)
-        p.sub_(u, alpha=lr)
+    def _clipper(self, clip):
+        """``clip`` (one of the two below) when update_clip is on, else None."""
+        return clip if self.update_clip else None
 
     def _over_clip(self, sums_T: torch.Tensor) -> torch.Tensor:
         """(T,): what each tensor's update is divided by (at least 1), from its sum of
         squares."""
-        numels = torch.tensor([float(n) for _, n in self.flat.segments], device=sums_T.device)
-        return sums_T.div_(numels).sqrt_().div_(self.update_clip).clamp_min_(1.0)
+        return sums_T.div_(self.numels).sqrt_().div_(self.update_clip).clamp_min_(1.0)
 
     def _clip_rows(self, u_RS: torch.Tensor) -> None:
         """Clip an update held as this rank's rows (a tensor's RMS over all ranks' rows)."""
@@ -518,9 +511,15 @@ def _corrections(enabled: bool, betas: tuple[float, float], m_updates: int,
 
 
 def _adam_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, eps: float, wd: float,
-                 lr: float, bc1: float = 1.0, bc2: float = 1.0) -> None:
+                 lr: float, bc1: float = 1.0, bc2: float = 1.0, clip=None) -> None:
     """p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p); bc1 = bc2 = 1 is Adam without
-    bias correction (DeepSpeed's 1-bit Adam)."""
+    bias correction (DeepSpeed's 1-bit Adam). ``clip`` rescales the update (the first term)
+    in place before it is applied (0/1 Adam's update_clip)."""
     if wd:
         p.mul_(1 - lr * wd)
-    p.addcdiv_(m, (v / bc2).sqrt_().add_(eps), value=-lr / bc1)
+    if clip is None:
+        p.addcdiv_(m, (v / bc2).sqrt_().add_(eps), value=-lr / bc1)
+        return
+    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    clip(u)
+    p.sub_(u, alpha=lr)
