@@ -8,7 +8,7 @@ Continued pretraining of a Hugging Face model (its tokenizer tokenizes the data)
     python -m troupe.models.smollm2                                     # SmolLM2, offline
     python apps/pretrain.py --config apps/configs/pretrain-smollm2.yaml  # or model.pretrained=DIR
 
-Metrics go to <train.out_dir>/metrics.jsonl, the loss curve to loss.png, checkpoints to
+Metrics go to <out_dir>/metrics.jsonl, the loss curve to loss.png, checkpoints to
 checkpoints/step-N (one file per rank and a manifest), the trained model to hf/ as a Hugging
 Face directory (when it has that form). Running the same command again resumes
 from the newest checkpoint; --no-resume starts over.
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if evals:
         print(f"validation loss: {evals[0]['val_loss']:.4f} (step {evals[0]['step']}) -> "
               f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']}); "
-              f"outputs in {cfg.train.out_dir}")
+              f"outputs in {cfg.out_dir}")
     return 0
 
 

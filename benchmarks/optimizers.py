@@ -36,8 +36,8 @@ def config(args, optimizer: dict, workers: int) -> PretrainConfig:
         model=dict(seq_len=128, n_layer=4, n_head=4, d_model=128),
         optimizer=dict(lr=lr, min_lr=lr / 10, warmup_steps=args.steps // 10, **optimizer),
         data=dict(seed=args.data_seed),
-        train=dict(steps=args.steps, batch_size=args.batch, num_workers=workers,
-                   eval_batches=8, out_dir="runs/bench-optimizers", seed=args.seed))
+        train=dict(steps=args.steps, batch_size=args.batch, eval_batches=8),
+        workers=workers, out_dir="runs/bench-optimizers", seed=args.seed)
 
 
 def train(args, name: str, optimizer: dict) -> dict:

@@ -13,12 +13,13 @@ would have been accepted::
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 C = TypeVar("C", bound="Config")
 
@@ -29,6 +30,51 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False,
                               allow_inf_nan=False)
+
+
+log = logging.getLogger(__name__)
+
+
+class AppConfig(Config):
+    """Base of the applications' recipes. Every app spells a shared setting the same way, at
+    the top level: ``device``, ``precision``, ``seed``, ``out_dir``, ``workers``,
+    ``num_gpus``, ``max_restarts`` (where the app has it). ``MOVED`` maps a key's older place
+    (dotted) to its name now: a recipe, override or stored config that still uses the old
+    place is read as the new key, with one warning naming it; giving both is an error."""
+
+    MOVED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.MOVED:
+            return data
+        data = dict(data)
+        for old, new in cls.MOVED.items():
+            *parents, leaf = old.split(".")
+            node: Any = data
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict) or leaf not in node:
+                continue
+            node = _copy_path(data, parents)
+            value = node.pop(leaf)
+            if new in data:
+                raise ValueError(f"{old} and {new} both given: {old} is now {new}; keep only "
+                                 f"{new}")
+            log.warning("config: %s is now %s (read as %s=%s)", old, new, new, value)
+            data[new] = value
+        return data
+
+
+def _copy_path(data: dict, parents: list[str]) -> dict:
+    """The dict at ``parents`` under ``data``, each dict along the way copied (so that
+    moving a key out of a nested section leaves the caller's dict as it was)."""
+    node = data
+    for part in parents:
+        node[part] = dict(node[part])
+        node = node[part]
+    return node
 
 
 class ConfigError(ValueError):
@@ -52,12 +98,12 @@ def _describe(cls: type[BaseModel], err: ValidationError, source: str) -> str:
     """One line per bad key (one line in all for a single one), each naming the key."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
+        key = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(cls, e["loc"][:-1])
             msg = f"unknown key; allowed keys here: {', '.join(allowed or [])}"
-        lines.append(f"{key}: {msg}")
+        lines.append(f"{key}: {msg}" if key else msg)
     if len(lines) == 1:
         return f"invalid config from {source}: {lines[0]}"
     return "\n".join([f"invalid config from {source}:"] + [f"  {line}" for line in lines])

@@ -18,6 +18,7 @@ import torch
 from troupe import context as _context
 
 Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 def cluster_device(setting: Device, cluster_gpus: float, needed_gpus: float,

@@ -17,7 +17,7 @@ RECIPES = sorted((ROOT / "apps" / "configs").glob("*moe*.yaml")) + [
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipes_validate(recipe):
     cfg = load_config(PretrainConfig, recipe)
-    assert cfg.train.num_workers * 2 <= 16 and cfg.train.steps > 0
+    assert cfg.workers * 2 <= 16 and cfg.train.steps > 0
 
 
 def test_bad_values_are_named():

@@ -53,8 +53,8 @@ def test_fp16_pretraining_tracks_fp32_and_skips_overflowed_steps():
     skipped (the weights do not move) and the scale halves until the gradients fit."""
     def worker(precision):
         cfg = PretrainConfig(model={"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 32},
-                             train={"precision": precision, "num_workers": 1,
-                                    "batch_size": 8, "steps": 10})
+                             precision=precision, workers=1,
+                             train={"batch_size": 8, "steps": 10})
         return PretrainWorker(cfg, 0, 1, None)
 
     fp32, fp16 = worker("fp32"), worker("fp16")
@@ -73,6 +73,5 @@ def test_fp16_pretraining_tracks_fp32_and_skips_overflowed_steps():
 
 
 def test_fp16_with_offload_is_refused_by_name():
-    with pytest.raises(ValueError, match="train.precision=fp16 with train.offload"):
-        PretrainConfig(train={"precision": "fp16", "offload": True, "num_workers": 2,
-                              "batch_size": 4})
+    with pytest.raises(ValueError, match="precision=fp16 with train.offload"):
+        PretrainConfig(precision="fp16", workers=2, train={"offload": True, "batch_size": 4})

@@ -21,11 +21,14 @@ def _cfg(tmp_path, name, **over) -> PretrainConfig:
         model=dict(seq_len=32, n_layer=2, n_head=2, d_model=32, moe=MOE),
         optimizer=dict(name="adamw", lr=3e-3, warmup_steps=2),
         data=dict(max_chars=200_000),
-        train=dict(steps=8, batch_size=4, num_workers=2, eval_every=4, eval_batches=2,
-                   checkpoint_every=4, out_dir=str(tmp_path / name)))
+        train=dict(steps=8, batch_size=4, eval_every=4, eval_batches=2, checkpoint_every=4),
+        workers=2, out_dir=str(tmp_path / name))
     for key, value in over.items():
-        section, field = key.split("__")
-        base[section] = {**base.get(section, {}), field: value}
+        section, _, field = key.rpartition("__")
+        if section:
+            base[section] = {**base.get(section, {}), field: value}
+        else:
+            base[field] = value
     return PretrainConfig(**base)
 
 
@@ -158,7 +161,7 @@ def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(clus
             pids["killed"] = True
             kill_worker(graph["trainer"].actors[1], restart=True)
 
-    cfg = _cfg(tmp_path, "killed", train__max_restarts=1, **case)
+    cfg = _cfg(tmp_path, "killed", max_restarts=1, **case)
     records = pretrain.run(cfg, resume=None, progress=False, on_step=kill_rank_1)
     logged = MetricsLog(tmp_path / "killed" / "metrics.jsonl").records()
     assert _train_key(logged) == _train_key(full)
@@ -174,7 +177,7 @@ def test_failures_beyond_max_restarts_stop_with_a_report(cluster, tmp_path):
         if step == 3:
             kill_worker(graph["trainer"].actors[1], restart=True)
 
-    cfg = _cfg(tmp_path, "fails", model__moe=None, train__max_restarts=0)
+    cfg = _cfg(tmp_path, "fails", model__moe=None, max_restarts=0)
     with pytest.raises(RunFailedError) as e:
         pretrain.run(cfg, resume=None, progress=False, on_step=kill)
     [f] = e.value.failures
@@ -217,10 +220,10 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
 @pytest.mark.gpu
 @pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
 def test_resume_on_cuda_reproduces_the_uninterrupted_run(cluster, tmp_path, optimizer):
-    """train.device=cuda on one GPU (a dense model: one rank, so no NCCL group): stopping and
+    """device=cuda on one GPU (a dense model: one rank, so no NCCL group): stopping and
     resuming from the checkpoint (its CUDA random stream included) gives the uninterrupted
     run's losses exactly, and the ranks' peak memory is the CUDA allocator's."""
-    over = dict(model__moe=None, train__num_workers=1, train__device="cuda",
+    over = dict(model__moe=None, workers=1, device="cuda",
                 optimizer__name=optimizer)
     full = pretrain.run(_cfg(tmp_path, "full", **over), resume=None, progress=False)
     cfg = _cfg(tmp_path, "split", **over)

@@ -1,4 +1,4 @@
-"""train.precision=bf16: the forward and backward under bf16 autocast (the MoE experts too),
+"""precision=bf16: the forward and backward under bf16 autocast (the MoE experts too),
 the fp32 master weights and optimizer state untouched."""
 
 import pytest
@@ -16,8 +16,8 @@ def test_bf16_steps_track_fp32(moe):
     def run(precision):
         cfg = PretrainConfig(model={"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 32,
                                     "moe": moe},
-                             train={"precision": precision, "num_workers": 1, "batch_size": 8,
-                                    "steps": 10})
+                             precision=precision, workers=1,
+                             train={"batch_size": 8, "steps": 10})
         worker = PretrainWorker(cfg, 0, 1, None)
         losses = [worker.train_step(step).loss for step in range(1, 11)]
         return losses, worker
@@ -33,7 +33,7 @@ def test_bf16_steps_track_fp32(moe):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_pretraining_steps_on_cuda_match_cpu(precision):
-    """train.device=cuda: three steps of a dense GPT (no dropout; random-LTD's positions come
+    """device=cuda: three steps of a dense GPT (no dropout; random-LTD's positions come
     from a CPU generator, so both devices drop the same tokens) give the CPU's losses within
     1e-4 relative in fp32 (the same math, another summation order) and 2% in bf16 (CPU and GPU
     bf16 kernels round differently), the final weights likewise; weights and batches live on
@@ -42,8 +42,8 @@ def test_pretraining_steps_on_cuda_match_cpu(precision):
         cfg = PretrainConfig(model={"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 32,
                                     "dropout": 0.0},
                              random_ltd={"enabled": True, "min_tokens": 16, "total_steps": 6},
-                             train={"precision": precision, "num_workers": 1, "batch_size": 8,
-                                    "steps": 3, "device": device})
+                             precision=precision, workers=1, device=device,
+                             train={"batch_size": 8, "steps": 3})
         worker = PretrainWorker(cfg, 0, 1, None)
         losses = [worker.train_step(step).loss for step in range(1, 4)]
         assert worker.buckets[0].flat.data.device.type == device

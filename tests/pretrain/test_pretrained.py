@@ -31,8 +31,8 @@ def test_continued_pretraining_and_export(cluster, tmp_path):
     cfg = PretrainConfig(model={"pretrained": str(hf), "seq_len": 24},
                          data={"source": [str(f) for f in files], "val_fraction": 0.25},
                          optimizer={"name": "adamw", "lr": 3e-3, "min_lr": 3e-3},
-                         train={"steps": 6, "batch_size": 4, "num_workers": 2, "eval_every": 0,
-                                "out_dir": str(tmp_path / "run")})
+                         train={"steps": 6, "batch_size": 4, "eval_every": 0},
+                         workers=2, out_dir=str(tmp_path / "run"))
     records = driver.run(cfg, resume=None, progress=False)
     train = [r for r in records if r["kind"] == "train"]
 

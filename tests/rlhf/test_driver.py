@@ -281,9 +281,8 @@ def test_gpu_shares_and_a_device_the_cluster_lacks(cluster, tmp_path):
 def test_three_steps_on_cuda(cluster, tmp_path):
     """device=cuda, one rank: every role on the GPU (a third of it each, colocated), all three
     steps through, the rewards finite and the exported policy on the host's disk."""
-    cfg = _cfg(tmp_path, "cuda", workers=1, device="cuda",
-               model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32),
-                          precision="bf16"))
+    cfg = _cfg(tmp_path, "cuda", workers=1, device="cuda", precision="bf16",
+               model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)))
     graph = rlhf.build_graph(cfg)
     try:
         for role in rlhf.roles(cfg):

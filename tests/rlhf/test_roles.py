@@ -259,13 +259,12 @@ def test_activation_checkpointing_gives_the_same_step():
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_half_precision_steps_track_fp32_and_keep_fp32_weights(half):
-    """model.precision=bf16 or fp16: SFT steps and the critic's values run under autocast;
+    """precision=bf16 or fp16: SFT steps and the critic's values run under autocast;
     the trained weights, gradients and optimizer state stay fp32, and five SFT steps' losses
     stay within 2% of fp32's (bf16 keeps 8 bits of mantissa: ~0.4% per rounding, averaged;
     fp16 11, with its losses scaled by 2^16 on their way into the backward)."""
     def run(precision):
-        cfg = RLHFConfig(**{**SMALL, "model": {**SMALL.get("model", {}),
-                                               "precision": precision}})
+        cfg = RLHFConfig(**{**SMALL, "precision": precision})
         policy = Policy(cfg, None, 0)
         policy.train.use_optimizer(cfg.sft.optimizer, 5)
         demos = SortTask().demonstrations(6, 0)

@@ -4,6 +4,7 @@ troupe's models, HFTokens for a Hugging Face model directory (``load_tokenizer``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,6 +71,60 @@ class ByteTokens:
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         return self.encode(text) if isinstance(text, str) else self.chat(text)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write this tokenizer as a Hugging Face one (tokenizer.json, tokenizer_config.json)
+        into ``directory``, so that a byte-level model exported as a Hugging Face directory
+        carries its tokenizer: a byte-level BPE without merges whose ids are the bytes, the
+        end of text as id 256, and this class's chat format as the chat template.
+        transformers (and ``HFTokens``) then give the ids and chats this class gives. The
+        directory's config.json, when there is one, gets the end-of-text id as its bos and eos
+        ids (transformers' GPT-2 defaults name an id past a byte model's vocabulary)."""
+        directory = Path(directory)
+        vocab = {ch: b for b, ch in enumerate(_byte_chars())}
+        eos = "<|endoftext|>"
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": self.eos_id, "content": eos, "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": False,
+                              "special": True}],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": False, "use_regex": False},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                        "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": []},
+        }
+        template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant:{% endif %}")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                  "pad_token": eos, "model_max_length": 1 << 30, "chat_template": template}
+        (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+        model_config = directory / "config.json"
+        if model_config.is_file():
+            hf = json.loads(model_config.read_text())
+            hf.update(bos_token_id=self.eos_id, eos_token_id=self.eos_id)
+            model_config.write_text(json.dumps(hf, indent=1))
+
+
+def _byte_chars() -> list[str]:
+    """The printable character byte-level BPE stands each byte for (GPT-2's table): bytes
+    that print stand for themselves, the others for code points from 256 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 class HFTokens:

@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from troupe.config import Config
+from troupe.config import AppConfig, Config
 from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
-from troupe.devices import Device
+from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.models.hf import read_config
+from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
 
 
@@ -29,57 +30,62 @@ class ModelConfig(GPTConfig):
             return GPTConfig.model_validate(self.model_dump(exclude={"pretrained"}))
         return read_config(self.pretrained)
 
+    def record(self) -> ModelRecord:
+        """What the run's checkpoints record about the model (troupe.models.record)."""
+        return ModelRecord.of(self.architecture(), self.pretrained)
+
     def window(self, arch: GPTConfig) -> int:
         """Tokens per training sequence for a model of ``arch``."""
         return min(self.seq_len, arch.seq_len)
 
 
 class TrainConfig(Config):
-    """steps: optimizer steps; batch_size: sequences per step over all ranks; num_workers:
-    data-parallel ranks; eval_every / checkpoint_every: in steps (0: only at the end / never).
+    """steps: optimizer steps; batch_size: sequences per step over all ranks; eval_every /
+    checkpoint_every: in steps (0: only at the end / never).
     offload: keep the dense parameters' fp32 master weights and optimizer state on
-    ``num_workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
+    ``workers`` separate ParameterShard actors of ``shard_cpus`` CPUs each (ZeRO-1
     optimizers only); expert parameters stay sharded over their trainers.
-    max_restarts: the failure policy: how many times a lost or failed worker is restarted and
-    the run resumed from its last checkpoint before it stops with a report (failure.json).
     strategy: how the trainers are spread over nodes (SPREAD: one per node where it can).
     placement_timeout_s: how long to wait for the cluster (or its autoscaler) to offer the
     workers' resources. checkpoint_dir: where checkpoints go (default out_dir/checkpoints): a
     directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
     filesystem's package, e.g. s3fs, installed on every node). activation_checkpointing:
     recompute each block's activations in the backward instead of keeping them (the same
-    gradients; less memory for about a third more compute: benchmarks/RESULTS.md).
-    precision: "bf16" runs the forward and backward under bf16 autocast (matmuls, attention and
-    the MoE experts in bf16) while the fp32 master weights, gradients and optimizer state stay
-    in the flat buffers and ZeRO shards; "fp16" the same in fp16 with dynamic loss scaling
-    (troupe.optim.LossScaler: a step whose gradients overflow on any rank is skipped on all);
-    "fp32" (default) everything in fp32.
-    device: where the trainers compute (auto: cuda when the cluster has GPUs, else cpu; the
-    shard owners of ``offload`` always hold host memory); num_gpus: GPUs each trainer asks Ray
-    for on cuda (one: NCCL wants one GPU per rank)."""
+    gradients; less memory for about a third more compute: benchmarks/RESULTS.md)."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
-    num_workers: int = Field(default=2, ge=1)
     eval_every: int = Field(default=50, ge=0)
     eval_batches: int = Field(default=4, ge=1)
     checkpoint_every: int = Field(default=0, ge=0)
-    seed: int = 0
-    out_dir: str = "runs/pretrain"
     offload: bool = False
     shard_cpus: float = Field(default=1.0, gt=0)
-    max_restarts: int = Field(default=0, ge=0)
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(default=600.0, gt=0)
     checkpoint_dir: str | None = None
     activation_checkpointing: bool = False
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: Device = "auto"
-    num_gpus: float = Field(default=1.0, gt=0)
 
 
-class PretrainConfig(Config):
-    """A pretraining recipe (apps/configs/*.yaml)."""
+class PretrainConfig(AppConfig):
+    """A pretraining recipe (apps/configs/*.yaml).
+
+    workers: data-parallel trainer ranks. device: where the trainers compute (auto: cuda
+    when the cluster has GPUs, else cpu; the shard owners of ``train.offload`` always hold
+    host memory); num_gpus: GPUs each trainer asks Ray for on cuda (one: NCCL wants one GPU
+    per rank). precision: "bf16" runs the forward and backward under bf16 autocast (matmuls,
+    attention and the MoE experts in bf16) while the fp32 master weights, gradients and
+    optimizer state stay in the flat buffers and ZeRO shards; "fp16" the same in fp16 with
+    dynamic loss scaling (troupe.optim.LossScaler: a step whose gradients overflow on any
+    rank is skipped on all); "fp32" (default) everything in fp32. seed: of the weights and
+    the data order. out_dir: metrics, plots, checkpoints and the exported model.
+    max_restarts: the failure policy: how many times a lost or failed worker is restarted and
+    the run resumed from its last checkpoint before it stops with a report (failure.json)."""
+
+    MOVED: ClassVar[dict[str, str]] = {
+        f"train.{old}": new for old, new in [
+            ("device", "device"), ("precision", "precision"), ("num_gpus", "num_gpus"),
+            ("seed", "seed"), ("out_dir", "out_dir"), ("num_workers", "workers"),
+            ("max_restarts", "max_restarts")]}
 
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -87,15 +93,22 @@ class PretrainConfig(Config):
     curriculum: CurriculumConfig = CurriculumConfig()
     random_ltd: RandomLTDConfig = RandomLTDConfig()
     train: TrainConfig = TrainConfig()
+    workers: int = Field(default=2, ge=1)
+    device: Device = "auto"
+    num_gpus: float = Field(default=1.0, gt=0)
+    precision: Precision = "fp32"
+    seed: int = 0
+    out_dir: str = "runs/pretrain"
+    max_restarts: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _fits(self) -> "PretrainConfig":
-        W = self.train.num_workers
+        W = self.workers
         if self.train.batch_size % W:
             raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
-                             f"train.num_workers={W}")
-        if self.train.offload and self.train.precision == "fp16":
-            raise ValueError("train.precision=fp16 with train.offload: the shard owners step "
+                             f"workers={W}")
+        if self.train.offload and self.precision == "fp16":
+            raise ValueError("precision=fp16 with train.offload: the shard owners step "
                              "in lockstep with the trainers and cannot skip an overflowed "
                              "step; use bf16")
         if self.train.offload and not self.optimizer.sharded:
@@ -103,5 +116,5 @@ class PretrainConfig(Config):
                              "state on every rank; offload works with adam, adamw or lamb")
         if self.model.moe is not None and W % self.model.moe.ep_size:
             raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
-                             f"train.num_workers={W}")
+                             f"workers={W}")
         return self

@@ -4,7 +4,7 @@ evaluation, metrics and checkpoints with exact resume.
 
 At the end the model is exported as a Hugging Face directory, out_dir/hf, where it has one.
 
-Failures follow troupe.runtime.recovery (train.max_restarts): the run goes back to its last
+Failures follow troupe.runtime.recovery (max_restarts): the run goes back to its last
 complete checkpoint and the losses it logs are the uninterrupted run's; past the restarts it
 stops with RunFailedError and out_dir/failure.json.
 """
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
+from troupe.data import ByteTokens
 from troupe.devices import cluster_device
 from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.models import save_pretrained
@@ -54,22 +55,21 @@ class Trainers:
 
 def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1.0,
                 timeout_s: float | None = None) -> Trainers:
-    """Start ``train.num_workers`` PretrainRank actors wired with "dp" (and "ep"/"edp"); with
+    """Start ``workers`` PretrainRank actors wired with "dp" (and "ep"/"edp"); with
     train.offload, as many CPU-only ParameterShardRank owners ("shard") and the "offload" group
-    of trainers and owners; then set every worker up. On cuda (``train.device``) each trainer
-    asks Ray for ``train.num_gpus`` and the trainers' groups are NCCL's."""
-    T, info = cfg.train, init()
-    device = cluster_device(T.device, info.num_gpus, T.num_workers * T.num_gpus, info.embedded)
-    config = cfg.model_copy(update={"train": T.model_copy(update={"device": device})}
-                            ).model_dump()  # the workers' own choice
-    W, num_gpus = T.num_workers, T.num_gpus if device == "cuda" else 0.0
+    of trainers and owners; then set every worker up. On cuda (``device``) each trainer
+    asks Ray for ``num_gpus`` and the trainers' groups are NCCL's."""
+    T, W, info = cfg.train, cfg.workers, init()
+    device = cluster_device(cfg.device, info.num_gpus, W * cfg.num_gpus, info.embedded)
+    config = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
+    num_gpus = cfg.num_gpus if device == "cuda" else 0.0
     g = ActorGraph(name).role("trainer", PretrainRank, W, num_cpus=num_cpus, num_gpus=num_gpus,
-                              strategy=T.strategy, max_restarts=T.max_restarts, config=config)
+                              strategy=T.strategy, max_restarts=cfg.max_restarts, config=config)
     if W > 1:
         g.collective("dp", ["trainer"])
     if cfg.train.offload:
         g.role("shard", ParameterShardRank, W, num_cpus=T.shard_cpus,
-               max_restarts=T.max_restarts, config=config)
+               max_restarts=cfg.max_restarts, config=config)
         g.collective("offload", ["trainer", "shard"], backend="gloo")
         if cfg.optimizer.name == "lamb" and W > 1:
             g.collective("owners", ["shard"], backend="gloo")
@@ -115,9 +115,9 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     out_dir/checkpoints, if any), a checkpoint directory, or None.
     stop_after: stop (with a checkpoint) after this step, as an interruption.
     on_step(step, graph): called before each step (fault injection, custom logging).
-    Raises RunFailedError once failures exceed train.max_restarts (see the module doc).
+    Raises RunFailedError once failures exceed max_restarts (see the module doc).
     """
-    out = Path(cfg.train.out_dir)
+    out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
     built = build_graph(cfg)
@@ -144,11 +144,14 @@ def exportable(cfg: PretrainConfig) -> bool:
 
 
 def export_hf(cfg: PretrainConfig, directory: Path) -> Path:
-    """The newest checkpoint's model as a Hugging Face directory (with the pretrained model's
-    tokenizer files, when the run started from one)."""
+    """The newest checkpoint's model as a Hugging Face directory, with its tokenizer: the
+    pretrained model's tokenizer files when the run started from one, else troupe's byte
+    tokenizer in Hugging Face's form (so RLHF and the server can start from the directory)."""
     newest = ckpt.latest(checkpoint_root(cfg))
     model = load_full_model(newest, cfg)
     save_pretrained(model, directory, cfg.model.pretrained)
+    if cfg.model.pretrained is None:
+        ByteTokens().save_pretrained(directory)
     log.info("exported %s as a Hugging Face directory: %s", newest, directory)
     return directory
 
@@ -156,9 +159,9 @@ def export_hf(cfg: PretrainConfig, directory: Path) -> Path:
 def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: int | None,
            progress: bool, on_step: Callable[[int, Graph], None] | None) -> list[dict]:
     """The step loop from where ``resume`` says (see ``run``) to the last step."""
-    out, T = Path(cfg.train.out_dir), cfg.train
+    out, T = Path(cfg.out_dir), cfg.train
     metrics = MetricsLog(out / "metrics.jsonl")
-    policy = FailurePolicy("pretraining", graph, T.max_restarts, out, T.placement_timeout_s)
+    policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s)
     start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
     records: list[dict] = []
@@ -194,10 +197,12 @@ def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
     if resume is None:
         return 0
     if resume == "auto":
-        found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg))
+        found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg),
+                                          cfg.model.record())
         source, start = found if found is not None else (None, 0)
     else:
-        source, start = resume, checkpoint.restore(_checkpointed(graph), resume)
+        source, start = resume, checkpoint.restore(_checkpointed(graph), resume,
+                                                   cfg.model.record())
     if source is not None:
         log.info("resumed from %s at step %d", source, start)
     return start
@@ -205,7 +210,7 @@ def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
 
 def checkpoint_root(cfg: PretrainConfig) -> StorePath:
     """Where the run's checkpoints go: train.checkpoint_dir, or out_dir/checkpoints."""
-    return cfg.train.checkpoint_dir or Path(cfg.train.out_dir) / "checkpoints"
+    return cfg.train.checkpoint_dir or Path(cfg.out_dir) / "checkpoints"
 
 
 def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]:
@@ -220,10 +225,10 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "seconds": max(r.seconds for r in ranks),
             "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]
     if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
-        val = sum(graph["trainer"].invoke(PretrainRank.evaluate)) / T.num_workers
+        val = sum(graph["trainer"].invoke(PretrainRank.evaluate)) / cfg.workers
         out.append({"kind": "eval", "step": step, "val_loss": val})
     if (T.checkpoint_every and step % T.checkpoint_every == 0) or step in (last, T.steps):
-        checkpoint.save(_checkpointed(graph), checkpoint_root(cfg), step,
+        checkpoint.save(_checkpointed(graph), checkpoint_root(cfg), step, model=cfg.model.record(),
                         optimizer=cfg.optimizer.name, config=cfg.model_dump(mode="json"))
     return out
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from troupe import checkpoint as ckpt
-from troupe.config import validate
+from troupe.config import ConfigError, validate
 from troupe.models import GPT, expert_parameters
+from troupe.models.record import ModelRecord
 from troupe.optim import padded_size
 from troupe.pretrain.config import PretrainConfig
 
@@ -20,7 +21,8 @@ from troupe.pretrain.config import PretrainConfig
 def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) -> GPT:
     """The GPT a checkpoint directory (a local path or an fsspec URL) holds. Its config: ``cfg``,
     else the one the manifest carries, else the run's config.json two levels up (checkpoints
-    written before manifests carried it). Only for checkpoints without offloaded shards."""
+    written before manifests carried it); its architecture: the manifest's model record
+    (``checkpoint_model``). Only for checkpoints without offloaded shards."""
     manifest = ckpt.read_manifest(directory)
     if cfg is None and "config" in manifest:
         cfg = validate(PretrainConfig, manifest["config"], f"{directory}: manifest config")
@@ -30,8 +32,8 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     W = manifest["roles"].get("trainer")
     if "shard" in manifest["roles"]:
         raise ValueError(f"{directory}: offloaded checkpoints are not supported here")
+    arch = checkpoint_model(manifest, directory, cfg).architecture
     states = [ckpt.read_rank(directory, r, manifest) for r in range(W)]
-    arch = cfg.model.architecture()
     moe = arch.moe
     P = moe.ep_size if moe else 1
     full = GPT(arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
@@ -46,6 +48,24 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
         _fill(part, _bucket(states, "expert", range(e, W, P), sharded),
               W // P if sharded else 1, f"{directory}: experts of slice {e}")
     return full.eval()
+
+
+def checkpoint_model(manifest: dict, directory: str | Path,
+                     cfg: PretrainConfig | None = None) -> ModelRecord:
+    """The model a pretraining checkpoint holds: its manifest's record (troupe.models.record,
+    its hash checked), or for a checkpoint written before manifests carried one, what its
+    config (``cfg``, else the manifest's) describes. CheckpointError when neither is there or
+    the record is damaged."""
+    try:
+        if "model" in manifest:
+            return ModelRecord.read(manifest["model"], str(directory))
+        if cfg is None and "config" in manifest:
+            cfg = validate(PretrainConfig, manifest["config"], f"{directory}: manifest config")
+    except ConfigError as e:
+        raise ckpt.CheckpointError(str(e)) from None
+    if cfg is None:
+        raise ckpt.CheckpointError(f"{directory}: the manifest records no model")
+    return cfg.model.record()
 
 
 def _bucket(states: list[dict], name: str, ranks: range, sharded: bool) -> torch.Tensor:

@@ -101,8 +101,8 @@ class PretrainWorker:
                  ep: Communicator | None = None, edp: Communicator | None = None,
                  offload: Communicator | None = None):
         self.cfg, self.rank, self.world = cfg, rank, world
-        torch.manual_seed(cfg.train.seed * 1000 + rank)  # dropout and gate noise differ per rank
-        self.device = worker_device(cfg.train.device)
+        torch.manual_seed(cfg.seed * 1000 + rank)  # dropout and gate noise differ per rank
+        self.device = worker_device(cfg.device)
         self.arch = cfg.model.architecture()
         self.window = cfg.model.window(self.arch)
         pretrained = cfg.model.pretrained
@@ -117,7 +117,7 @@ class PretrainWorker:
             edp_size = edp.world_size if edp is not None else 1
             self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
         self.dp, self.step = dp, 0
-        self.scaler = LossScaler() if cfg.train.precision == "fp16" else None
+        self.scaler = LossScaler() if cfg.precision == "fp16" else None
 
     def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
@@ -129,10 +129,10 @@ class PretrainWorker:
         keep = cfg.random_ltd.keep_at(step, seq_len)
         ltd = None
         if cfg.random_ltd.enabled and keep < seq_len:
-            gen = torch.Generator().manual_seed(cfg.train.seed * 7919 + step * 131 + self.rank)
+            gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 131 + self.rank)
             ltd = (keep, cfg.random_ltd.layers(self.arch.n_layer), gen)
         self.model.train()
-        with self.model.mixed_precision(cfg.train.precision):
+        with self.model.mixed_precision(cfg.precision):
             _, lm_loss, aux = self.model(x, y, ltd=ltd)
         lm_loss_value = lm_loss.item()
         coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
@@ -157,7 +157,7 @@ class PretrainWorker:
         """Mean validation loss over this rank's share of the fixed validation windows."""
         self.model.eval()
         c = self.cfg
-        with self.model.mixed_precision(c.train.precision):
+        with self.model.mixed_precision(c.precision):
             losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
                       for x, y in self.data.val_batches(c.train.eval_batches, c.train.batch_size,
                                                         self.window, self.rank, self.world)]
@@ -197,7 +197,7 @@ def build_model(cfg: PretrainConfig, arch: GPTConfig) -> GPT:
     pretrained checkpoint, or troupe's GPT seeded."""
     if cfg.model.pretrained is not None:
         return from_pretrained(cfg.model.pretrained).train()
-    return GPT(arch, seed=cfg.train.seed)
+    return GPT(arch, seed=cfg.seed)
 
 
 class ShardOwner:
@@ -208,9 +208,9 @@ class ShardOwner:
     def __init__(self, cfg: PretrainConfig, offload: Communicator,
                  owners: Communicator | None):
         with torch.device("meta"):  # shapes only: the owner never holds a model
-            dense, _ = expert_parameters(GPT(cfg.model.architecture(), seed=cfg.train.seed))
+            dense, _ = expert_parameters(GPT(cfg.model.architecture(), seed=cfg.seed))
         numels = [p.numel() for p in dense if p.requires_grad]
-        W = cfg.train.num_workers
+        W = cfg.workers
         padded = padded_size(numels, W)
         chunk, index = padded // W, offload.rank - W
         self.comm = CommCounter()

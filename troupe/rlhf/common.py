@@ -14,11 +14,12 @@ from troupe.rlhf.config import ModelConfig
 from troupe.rlhf.lm import GPTLM
 
 
-def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True,
+def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
              device: torch.device | str = "cpu") -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
     ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
-    the host, so that every device starts from the same weights), on ``device``. Roles
+    the host, so that every device starts from the same weights), on ``device``, computing in
+    ``precision`` (the recipe's; troupe.rlhf.lm.GPTLM). Roles
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
     tokenizer costs a process more than 100 MB)."""
     if cfg.pretrained is not None:
@@ -31,7 +32,7 @@ def build_lm(cfg: ModelConfig, seed: int, tokenizer: bool = True,
                              f"has {tok.vocab_size} tokens")
         gpt = GPT(cfg.gpt, seed=seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
-    return GPTLM(gpt.to(device), cfg.precision), tok
+    return GPTLM(gpt.to(device), precision), tok
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:

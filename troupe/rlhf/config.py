@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from troupe.config import Config
-from troupe.devices import Device
+from troupe.config import AppConfig, Config
+from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
 
@@ -19,17 +19,12 @@ class ModelConfig(Config):
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
     as a user turn through the model's chat template (when its tokenizer has one).
     activation_checkpointing: the trained roles recompute each block's activations in the
-    backward instead of keeping them (less memory, about a third more compute in training).
-    precision: "bf16" runs every role's forward and backward except generation under bf16
-    autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept;
-    "fp16" the same in fp16, the trained roles' losses scaled dynamically (an update whose
-    gradients overflow on any rank is skipped by all: troupe.optim.LossScaler)."""
+    backward instead of keeping them (less memory, about a third more compute in training)."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
     activation_checkpointing: bool = False
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class TaskConfig(Config):
@@ -199,7 +194,7 @@ class PPOConfig(Config):
     eval_every: int = Field(default=20, ge=1)
 
 
-class RLHFConfig(Config):
+class RLHFConfig(AppConfig):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). algorithm: step 3's (ppo, grpo, rloo,
     reinforce_pp: online, configured under ``ppo``; dpo: offline, under ``dpo``). steps: which
     of the three steps run (the command line's --step wins; step 3 is "ppo" whatever the
@@ -212,9 +207,15 @@ class RLHFConfig(Config):
     worker processes (a process fewer per rank);
     max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
     every role goes back to the last PPO checkpoint) before the run fails.
+    precision: "bf16" runs every role's forward and backward except generation under bf16
+    autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept;
+    "fp16" the same in fp16, the trained roles' losses scaled dynamically (an update whose
+    gradients overflow on any rank is skipped by all: troupe.optim.LossScaler).
     device: where the roles compute (auto: cuda when the cluster has GPUs, else cpu);
     num_gpus: GPUs each worker of each role asks Ray for on cuda (None: colocated roles
     share one GPU per rank in equal fractions, a role placed on its own takes a whole one)."""
+
+    MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision"}
 
     algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dpo"] = "ppo"
     steps: list[Literal["sft", "reward", "ppo"]] = ["sft", "reward", "ppo"]
@@ -231,6 +232,7 @@ class RLHFConfig(Config):
     reference_in_policy: bool = False
     reward_in_critic: bool = False
     num_cpus: float = Field(default=0.25, gt=0)
+    precision: Precision = "fp32"
     device: Device = "auto"
     num_gpus: float | None = Field(default=None, gt=0)
     max_restarts: int = Field(default=2, ge=0)

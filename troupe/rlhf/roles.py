@@ -51,8 +51,8 @@ class Policy:
         self.cfg, self.rank = cfg, rank
         torch.manual_seed(cfg.seed * 1000 + rank)
         self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, device=self.device)
-        self.train = Trainable(self.lm, group, cfg.model.precision)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
+        self.train = Trainable(self.lm, group, cfg.precision)
         self.ema = None
         self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
 
@@ -87,7 +87,7 @@ class Policy:
         if self.cfg.ppo.lora.enabled:
             inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
             self.train = Trainable(self.lm, self.train.group,  # only the adapters train
-                                   self.cfg.model.precision)
+                                   self.cfg.precision)
         p = self.cfg.ppo
         self.train.use_optimizer(p.actor, p.iterations * p.ppo_epochs)
         if self.cfg.ppo.ema:
@@ -260,7 +260,7 @@ class Reference:
 
     def __init__(self, cfg: RLHFConfig, rank: int):
         self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, tokenizer=cfg.algorithm == "dpo",
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, tokenizer=cfg.algorithm == "dpo",
                                      device=self.device)
         self.lm.requires_grad_(False)
         self.micro = cfg.ppo.micro_batch_size
@@ -294,9 +294,9 @@ class Reward:
         self.cfg = cfg
         torch.manual_seed(cfg.seed * 1000 + 500 + rank)
         self.device = worker_device(cfg.device)
-        lm, self.tok = build_lm(cfg.model, cfg.seed + 1)
+        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group, cfg.model.precision)
+        self.train = Trainable(self.model, group, cfg.precision)
         self.to_quantize = False  # set when load() freezes the model
 
     def _pairs(self, examples: list[tuple[str, str, str]]):
@@ -367,9 +367,9 @@ class Critic:
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
         self.device = worker_device(cfg.device)
-        lm, _ = build_lm(cfg.model, cfg.seed + 1, tokenizer=False)
+        lm, _ = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tokenizer=False)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group, cfg.model.precision)
+        self.train = Trainable(self.model, group, cfg.precision)
 
     def begin_ppo(self, reward_path: str) -> None:
         load_module(reward_path, self.model)

@@ -20,7 +20,9 @@ from troupe import checkpoint as ckpt
 from troupe.actors.dispatch import Dispatch
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
+from troupe.config import ConfigError
 from troupe.errors import WorkerCallError
+from troupe.models.record import ModelRecord
 from troupe.runtime.handle import Call, RoleGroup
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,12 @@ def _calls(parts: list[Part], what: str, directory: str) -> list[tuple[RoleGroup
 
 
 def save(parts: list[Part], root: StorePath, step: int, keep: int = 2,
-         **meta: Any) -> StorePath:
+         model: ModelRecord | None = None, **meta: Any) -> StorePath:
     """Checkpoint ``parts`` (see Part; all ranks write at once) as root/step-NNNNNNNN; keeps
-    the newest ``keep`` complete checkpoints."""
+    the newest ``keep`` complete checkpoints. ``model`` goes into the manifest as its model
+    record (``restore`` checks it), ``meta`` as it is."""
+    if model is not None:
+        meta["model"] = model.to_json()
     directory = storage.join(root, f"step-{step:08d}")
     in_place = storage.is_url(root)
     staging = directory if in_place else storage.join(root, f".step-{step:08d}.partial")
@@ -74,10 +79,13 @@ def _rename_into_place(staging: Path, directory: Path) -> None:
         os.replace(staging, directory)
 
 
-def restore(parts: list[Part], directory: StorePath) -> int:
+def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None = None) -> int:
     """Load a checkpoint into ``parts`` (see Part; all ranks at once, since loading may
-    exchange tensors between roles); returns the step."""
+    exchange tensors between roles); returns the step. ``model``: the model the graph holds;
+    a checkpoint that records another one (or none, or a damaged record) is refused."""
     manifest = ckpt.read_manifest(directory)
+    if model is not None:
+        check_model(manifest, directory, model)
     saved = manifest.get("roles", {})
     for part in parts:
         role = part if isinstance(part, RoleGroup) else part[0]
@@ -93,6 +101,20 @@ def restore(parts: list[Part], directory: StorePath) -> int:
             raise ckpt.CheckpointError(f"{e.cause} (role {e.role!r} rank {e.rank})") from None
         raise
     return manifest["step"]
+
+
+def check_model(manifest: dict, directory: StorePath, model: ModelRecord) -> None:
+    """CheckpointError unless the manifest's model record is ``model``'s architecture."""
+    if "model" not in manifest:
+        return  # written before manifests carried a record: the weights' shapes are checked
+    try:
+        saved = ModelRecord.read(manifest["model"], str(directory))
+    except ConfigError as e:
+        raise ckpt.CheckpointError(str(e)) from None
+    diff = saved.differences(model)
+    if diff:
+        raise ckpt.CheckpointError(f"checkpoint {directory} holds another model than this run "
+                                   f"builds (checkpoint vs run: {', '.join(diff)})")
 
 
 def _check_files(parts: list[Part], directory: StorePath, manifest: dict) -> None:
@@ -113,7 +135,8 @@ def _check_files(parts: list[Part], directory: StorePath, manifest: dict) -> Non
             raise ckpt.CheckpointError(f"checkpoint {directory}: {problem}")
 
 
-def restore_latest(parts: list[Part], root: StorePath) -> tuple[StorePath, int] | None:
+def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None = None
+                   ) -> tuple[StorePath, int] | None:
     """Load the newest complete checkpoint under ``root`` that loads; a damaged one is
     skipped with a warning naming it and the next older one tried. Returns the directory
     loaded and its step, or None when there is none; raises the newest one's CheckpointError
@@ -121,7 +144,7 @@ def restore_latest(parts: list[Part], root: StorePath) -> tuple[StorePath, int] 
     first: ckpt.CheckpointError | None = None
     for directory in reversed(ckpt.steps(root)):
         try:
-            return directory, restore(parts, directory)
+            return directory, restore(parts, directory, model)
         except ckpt.CheckpointError as e:
             log.warning("%s; going back to the previous complete checkpoint", e)
             first = first or e

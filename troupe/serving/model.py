@@ -20,7 +20,7 @@ from troupe.devices import precision_dtype, worker_device
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf import read_config
 from troupe.models.io import load_state, read_module_file, save_module
-from troupe.pretrain.export import load_full_model
+from troupe.pretrain.export import checkpoint_model, load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
 
 FORMAT = "troupe-model/1"
@@ -92,7 +92,7 @@ def check_source(cfg: ServeConfig) -> None:
         model_cfg = meta.get("config")
         model_cfg = json.loads(model_cfg) if isinstance(model_cfg, str) else None
     else:
-        model_cfg = ckpt.read_manifest(path).get("config", {}).get("model")
+        model_cfg = checkpoint_model(ckpt.read_manifest(path), path).architecture.model_dump()
     if model_cfg is None:
         return  # an older file or manifest without a config: the replica checks the weights
     with torch.device("meta"):
@@ -102,6 +102,18 @@ def check_source(cfg: ServeConfig) -> None:
         names = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)][:3]
         raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of the model "
                           f"(layers are named like {', '.join(names)})")
+
+
+def source_tokenizer(src: ModelSource) -> Tokenizer:
+    """The tokenizer of the model ``src`` names: a Hugging Face directory's own; for a
+    pretraining checkpoint the one its model record names (the directory the run started
+    from, or troupe's byte tokenizer); troupe's byte tokenizer for a model file."""
+    if src.pretrained is not None:
+        return load_tokenizer(src.pretrained)
+    if src.checkpoint is not None:
+        path = locate(src)
+        return load_tokenizer(checkpoint_model(ckpt.read_manifest(path), path).tokenizer)
+    return load_tokenizer(None)
 
 
 def load_source(src: ModelSource) -> GPT:
@@ -127,7 +139,7 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
     the model's tokenizer (default: loaded from the source)."""
     model = placed(load_source(cfg.model), cfg)
-    tok = tok or load_tokenizer(cfg.model.pretrained)
+    tok = tok or source_tokenizer(cfg.model)
     return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
 
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from troupe.compression import MODES
-from troupe.config import Config
-from troupe.devices import Device
+from troupe.config import AppConfig, Config
+from troupe.devices import Device, Precision
 
 
 from troupe.generation import SamplingParams
@@ -61,7 +61,7 @@ class Limits(Config):
     max_batch: int = Field(default=16, ge=1)
 
 
-class ServeConfig(Config):
+class ServeConfig(AppConfig):
     """apps/serve.py's configuration. quantize: module-name patterns to modes (w8a8, w8a16,
     w4a16; see troupe.compression), {} to serve fp32. outlier_channels: the W8A8 layers keep
     this many input channels in fp32, those with the largest activations on a few calibration
@@ -87,7 +87,7 @@ class ServeConfig(Config):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
     expert_parallel: int = Field(default=1, ge=1)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
 

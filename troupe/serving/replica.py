@@ -20,13 +20,12 @@ import torch
 from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
-from troupe.data import load_tokenizer
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
-from troupe.serving.model import (calibrate, load_served_model, load_source, quantize_served,
-                                  weight_bytes, placed)
+from troupe.serving.model import (calibrate, load_served_model, load_source, placed,
+                                  quantize_served, source_tokenizer, weight_bytes)
 from troupe.serving.protocol import (
     ChatRequest,
     Choice,
@@ -53,7 +52,7 @@ class ServeReplica:
     def __init__(self, config: dict[str, Any], key_digest: dict[str, str] | None = None):
         self.cfg = validate(ServeConfig, config, "serve config")
         torch.set_num_threads(self.cfg.threads)
-        self.tok = load_tokenizer(self.cfg.model.pretrained)
+        self.tok = source_tokenizer(self.cfg.model)
         self.batcher, self.details = self._make_batcher()
         self.seq_len = self.details["seq_len"]
         self.engine = AsyncBatcher(self.batcher)
@@ -322,7 +321,7 @@ class ServeRank:
 
     @dispatch(Dispatch.ALL)
     def setup(self) -> RankModel:
-        tok = load_tokenizer(self.cfg.model.pretrained)
+        tok = source_tokenizer(self.cfg.model)
         model = placed(load_source(self.cfg.model), self.cfg)
         outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
         model = apply_expert_parallel(model, collectives.get_group("ep"))
