@@ -3,6 +3,7 @@
     leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
     <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export)
+    <- cli, __main__ (the `troupe` command over the three applications)
 """
 
 import ast
@@ -16,7 +17,7 @@ ROOT = Path(troupe.__file__).parent
 LEAVES = {"troupe.context", "troupe.devices", "troupe.errors", "troupe.wire", "troupe.config"}
 LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression": 3, "data": 3,
           "checkpoint": 3, "parallel": 4, "generation": 4, "actors": 5, "runtime": 6,
-          "pretrain": 7, "rlhf": 7, "serving": 7}
+          "pretrain": 7, "rlhf": 7, "serving": 7, "cli": 8, "__main__": 8}
 APPS = {"pretrain", "rlhf", "serving"}
 ALLOWED_ACROSS = {("serving", "troupe.pretrain.export")}
 

@@ -13,6 +13,7 @@ would have been accepted::
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -198,3 +199,43 @@ def load_config(
     if overrides:
         source += " with overrides " + " ".join(overrides)
     return validate(cls, data, source)
+
+
+# ---- recipes on the command line ----------------------------------------------------------
+_HERE = Path(__file__).resolve().parent
+# the bundled recipes: apps/configs in a checkout, troupe/recipes in an installed wheel
+RECIPE_DIRS = (_HERE.parent / "apps" / "configs", _HERE / "recipes")
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Every bundled recipe by name (its file name without .yaml)."""
+    found: dict[str, Path] = {}
+    for directory in reversed(RECIPE_DIRS):
+        found.update({p.stem: p for p in sorted(directory.glob("*.yaml"))})
+    return dict(sorted(found.items()))
+
+
+def recipe_path(value: str) -> str:
+    """``--config``'s file: the path as given when it exists; else the bundled recipe of that
+    name (``rlhf-sort``, or ``apps/configs/rlhf-sort.yaml`` run outside a checkout, as a job
+    whose working directory is elsewhere does); else the path as given, which the config
+    loader then reports as missing."""
+    if Path(value).expanduser().is_file():
+        return value
+    name = Path(value).name.removesuffix(".yaml")
+    path = bundled_recipes().get(name)
+    in_configs = Path(value).parent in (Path("."), Path("apps/configs"))
+    return str(path) if path is not None and in_configs else value
+
+
+def app_parser(app: str, doc: str, default_recipe: str) -> argparse.ArgumentParser:
+    """The argument parser every app starts from: --config, --print-config, overrides."""
+    p = argparse.ArgumentParser(prog=f"troupe {app}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=default_recipe, type=recipe_path,
+                   help=f"YAML recipe: a file, or a bundled recipe's name (default: "
+                        f"{default_recipe}; `troupe recipes` lists them)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration (overrides applied) and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. device=cpu seed=1")
+    return p

@@ -1,7 +1,6 @@
 """Bad input to the apps exits 2 with one line naming the key or file, before anything starts
 (issue 14, item 7)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,11 +8,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _app(name: str):
-    spec = importlib.util.spec_from_file_location(f"app_{name}", ROOT / "apps" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class _app:
+    """An app as its ``troupe`` subcommand: ``_app("rlhf").main(argv)``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def main(self, argv: list[str]) -> int:
+        from troupe.cli import main
+        return main([self.name, *argv])
 
 
 def _exit_code_and_message(capsys, app: str, argv: list[str]) -> tuple[int, str]:
@@ -93,13 +96,13 @@ def test_print_config_prints_what_would_run_and_starts_nothing(capsys, monkeypat
     2 naming it."""
     import importlib
 
-    import troupe
     from troupe.config import load_config
+    from troupe.runtime import cluster
 
     def no_ray(*args, **kwargs):
         raise AssertionError("--print-config started Ray")
 
-    monkeypatch.setattr(troupe, "init", no_ray)
+    monkeypatch.setattr(cluster, "init", no_ray)
     module, _, name = config_cls.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
     overrides = {"pretrain": ["train.steps=3"], "rlhf": ["seed=3"],

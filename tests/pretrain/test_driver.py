@@ -192,6 +192,8 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     serving (issue 14); resume skips a damaged newest checkpoint, says so, and goes on from the
     previous complete one to the uninterrupted run's losses."""
     from troupe.checkpoint import CheckpointError
+    from troupe.models import GPTConfig
+    from troupe.models.record import architecture_hash
     from troupe.pretrain.export import load_full_model
     from troupe.serving.model import load_source
     from troupe.serving.protocol import ModelSource
@@ -203,7 +205,13 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     newest = checkpoint.latest(root)
     manifest = json.loads((newest / "manifest.json").read_text())
     honest = json.dumps(manifest)
-    manifest["config"]["model"]["n_layer"] = 1
+    manifest["model"]["architecture"]["n_layer"] = 1  # edited by hand: the hash says so
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    for load in (load_full_model, lambda d: load_source(ModelSource(checkpoint=str(d), name="m"))):
+        with pytest.raises(CheckpointError, match="does not match its sha256"):
+            load(newest)
+    lie = GPTConfig(**manifest["model"]["architecture"])  # a record that lies consistently
+    manifest["model"]["sha256"] = architecture_hash(lie)
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="does not describe these weights"):
         load_full_model(newest)
@@ -215,6 +223,20 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     again = pretrain.run(cfg, resume="auto", progress=False)
     assert [(r["kind"], r["step"]) for r in again] == [("train", 3), ("eval", 3)]
     assert _train_key(again) == _train_key(full)[-2:]
+
+
+def test_resume_refuses_a_checkpoint_of_another_architecture(cluster, tmp_path):
+    """The same run resumed with another n_head (the same tensor shapes: it would load
+    silently and compute another model) is refused naming the field, before any rank loads."""
+    from troupe.checkpoint import CheckpointError
+
+    cfg = _cfg(tmp_path, "arch", model__moe=None, train__steps=2, train__checkpoint_every=1,
+               train__eval_every=0)
+    pretrain.run(cfg, resume=None, progress=False)
+    other = _cfg(tmp_path, "arch", model__moe=None, model__n_head=4, train__steps=3,
+                 train__eval_every=0)
+    with pytest.raises(CheckpointError, match=r"another model.*n_head=2 vs 4"):
+        pretrain.run(other, resume="auto", progress=False)
 
 
 @pytest.mark.gpu

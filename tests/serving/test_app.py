@@ -222,3 +222,34 @@ def test_metrics_parse_and_count_the_requests_sent(app):
         before[("troupe_generation_tokens_total", ())] >= 3
     assert after[("troupe_requests_running", ())] == 0
     assert 0 <= after[("troupe_kv_cache_usage_ratio", ())] <= 1
+
+
+def test_chat_without_max_tokens_runs_to_the_servers_limit_not_16(app):
+    """A chat request without max_tokens is not cut at the completions API's 16: it runs until
+    the model stops, the server's limits.max_tokens (40 here) or the context, whichever comes
+    first (the tiny random model never says its end-of-text, so the limit ends it); a plain
+    completion keeps OpenAI's default of 16."""
+    chat = app["client"].chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 40
+    plain = app["client"].completions.create(model=NAME, prompt="Hi", temperature=0)
+    assert plain.usage.completion_tokens == 16
+
+
+def test_chat_content_parts_are_joined_and_other_part_types_named(app):
+    """OpenAI's clients send content as an array of parts: the text parts are the message's
+    text, joined by newlines (the same answer as the joined string); an image part is a 400
+    naming its type and the message it is in."""
+    client = app["client"]
+    ask = dict(model=NAME, max_tokens=6, temperature=0)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}], **ask)
+    joined = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi\nthere"}], **ask)
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    code, out = post(app["url"], json.dumps({"model": NAME, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    ).encode(), path="/v1/chat/completions")
+    assert code == 400 and "'image_url'" in out["error"]["message"], out
+    assert out["error"]["param"] == "messages.0.content"

@@ -39,3 +39,14 @@ def test_the_capital_of_france_is_paris_streamed_or_not(client):
     plain = client.completions.create(model=name, prompt="The capital of France is",
                                       max_tokens=8, temperature=0)
     assert plain.usage.prompt_tokens == 5 and plain.choices[0].text.strip()
+
+
+def test_chat_without_max_tokens_answers_to_the_end(client):
+    """The openai client's chat call without max_tokens: the answer is longer than the
+    completions API's 16 tokens and ends because the model ended it (finish_reason stop)."""
+    client, cfg = client
+    out = client.chat.completions.create(
+        model=cfg.model.name, temperature=0,
+        messages=[{"role": "user", "content": "Name the seven days of the week."}])
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    assert out.usage.completion_tokens > 16, out.choices[0].message.content

@@ -92,7 +92,10 @@ def check_source(cfg: ServeConfig) -> None:
         model_cfg = meta.get("config")
         model_cfg = json.loads(model_cfg) if isinstance(model_cfg, str) else None
     else:
-        model_cfg = checkpoint_model(ckpt.read_manifest(path), path).architecture.model_dump()
+        try:
+            model_cfg = checkpoint_model(ckpt.read_manifest(path), path).architecture.model_dump()
+        except ckpt.CheckpointError as e:
+            raise ConfigError(f"model.checkpoint: {e}") from None
     if model_cfg is None:
         return  # an older file or manifest without a config: the replica checks the weights
     with torch.device("meta"):

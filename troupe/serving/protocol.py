@@ -150,6 +150,8 @@ class _Request(BaseModel):
         return v
 
     def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
+        """The engine's parameters; without max_tokens, ``default_max`` (completions: 16, as
+        OpenAI's; chat: what is left of the context) up to the server's limit."""
         n = self.max_tokens if self.max_tokens is not None else min(default_max, limits.max_tokens)
         if n > limits.max_tokens:
             raise RequestError(400, f"max_tokens={n} exceeds this server's limit of "
@@ -177,10 +179,30 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
+    """One message. ``content`` is a string, or OpenAI's array of content parts, of which
+    this server takes the text parts (``{"type": "text", "text": ...}``), joined by newlines
+    as vLLM joins them; another part type is refused naming it."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {i} has type {kind!r}; this server takes text parts "
+                                 "only ({\"type\": \"text\", \"text\": ...})")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: 'text' must be a string")
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatRequest(_Request):
@@ -217,7 +239,8 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
         if first["type"].startswith("json"):
             raise RequestError(400, f"the request body is not valid JSON: {first['msg']}")
         where = ".".join(str(x) for x in first["loc"]) or None
-        raise RequestError(400, f"{where or 'the request body'}: {first['msg']}", where) from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise RequestError(400, f"{where or 'the request body'}: {msg}", where) from None
 
 
 def completion_id(chat: bool) -> str:

@@ -166,8 +166,12 @@ class ServeReplica:
         if len(ids) > lim.max_prompt_tokens:
             raise RequestError(400, f"{field}: {len(ids)} tokens; this server accepts at most "
                                f"{lim.max_prompt_tokens}", field)
-        params = req.sampling(16, lim)  # the engine brings it into safe ranges (checked)
         context = self.seq_len
+        if len(ids) >= context:
+            raise RequestError(400, f"{field}: {len(ids)} tokens fill the model's context of "
+                               f"{context} tokens", field)
+        # a chat answer runs to the end of the context (or the limit), as OpenAI's does
+        params = req.sampling(context - len(ids) if chat else 16, lim)
         if len(ids) + params.max_tokens > context:
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
                                f"({params.max_tokens}) exceed the model's context of {context} "
