@@ -37,3 +37,14 @@ def smollm2():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     return smollm2.build()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The README commands' wall times (tests/test_readme.py): recorded and reported, not
+    asserted, beside the times the README states."""
+    from tests import test_readme
+
+    if test_readme.TIMINGS:
+        terminalreporter.section("README commands: seconds")
+        for t in test_readme.TIMINGS:
+            terminalreporter.write_line(f"{t['seconds']:7.1f}  {t['block']}: {t['command']}")

@@ -227,7 +227,8 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(cluster, tmp_path):
     """The same run resumed with another n_head (the same tensor shapes: it would load
-    silently and compute another model) is refused naming the field, before any rank loads."""
+    silently and compute another model), or another optimizer (whose state has another
+    layout), is refused naming the field, before any rank loads."""
     from troupe.checkpoint import CheckpointError
 
     cfg = _cfg(tmp_path, "arch", model__moe=None, train__steps=2, train__checkpoint_every=1,
@@ -237,6 +238,10 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(cluster, tmp_path):
                  train__eval_every=0)
     with pytest.raises(CheckpointError, match=r"another model.*n_head=2 vs 4"):
         pretrain.run(other, resume="auto", progress=False)
+    onebit = _cfg(tmp_path, "arch", model__moe=None, optimizer__name="onebit_adam",
+                  train__steps=3, train__eval_every=0)
+    with pytest.raises(CheckpointError, match="optimizer='adamw', this run has optimizer="):
+        pretrain.run(onebit, resume="auto", progress=False)
 
 
 @pytest.mark.gpu

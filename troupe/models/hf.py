@@ -1,6 +1,7 @@
 """Hugging Face checkpoints in and out of troupe's decoder: a local directory with config.json
 and *.safetensors (one file or shards with an index) becomes a GPT with the same logits, and a
-GPT becomes a directory that transformers loads. No hub access.
+GPT becomes a directory that transformers loads. No hub access. (config.json's mapping is
+troupe.models.hf_config.)
 
 Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, MistralForCausalLM,
 Qwen2ForCausalLM, and MixtralForCausalLM and Qwen2MoeForCausalLM, whose sparse blocks become
@@ -24,100 +25,13 @@ from typing import Any, Callable
 
 import torch
 
-from troupe.config import ConfigError
 from troupe.models.gpt import GPT, GPTConfig
-from troupe.models.moe import MoEConfig
+from troupe.models.hf_config import config_from_hf, config_json, config_to_hf
 
-LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM"}
-SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 IGNORED = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # buffers, not weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                    "generation_config.json")
-
-
-def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
-    """troupe's GPTConfig for a Hugging Face config.json (as a dict)."""
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{where}: activation_function {act!r} is not supported")
-        return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
-                         n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
-                         d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                         mlp="gelu" if act == "gelu" else "gelu_tanh", qkv_bias=True)
-    if kind not in LLAMA_FAMILY:
-        raise ValueError(f"{where}: model_type {kind!r} is not supported; troupe loads "
-                         f"{', '.join(SUPPORTED)}")
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d // heads):
-        raise ValueError(f"{where}: head_dim={hf['head_dim']} differs from hidden_size / "
-                         "num_attention_heads, which troupe's attention assumes")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (silu is)")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
-                                         else None)
-    seq_len = hf.get("max_position_embeddings", 2048)
-    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
-        seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
-    bias = hf.get("attention_bias", False)
-    moe = None
-    if kind == "mixtral":
-        jitter = hf.get("router_jitter_noise") or 0.0
-        moe = MoEConfig(num_experts=hf["num_local_experts"], expert_interval=1,
-                        top_k=hf["num_experts_per_tok"], dropless=True,
-                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                        noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
-    elif kind == "qwen2_moe":
-        moe = MoEConfig(num_experts=hf["num_experts"], expert_interval=hf["decoder_sparse_step"],
-                        top_k=hf["num_experts_per_tok"], dropless=True,
-                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                        dense_layers=hf.get("mlp_only_layers") or [],
-                        expert_d_ff=hf["moe_intermediate_size"],
-                        normalize_top_k=hf.get("norm_topk_prob", False),
-                        shared_expert_d_ff=hf.get("shared_expert_intermediate_size") or None)
-    return GPTConfig(
-        vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
-        n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
-        n_kv_head=hf.get("num_key_value_heads") or heads, norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope",
-        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        rope_scaling=scaling, mlp="swiglu",
-        qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
-        out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
-        tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
-
-
-def read_config(directory: str | Path) -> GPTConfig:
-    """The GPTConfig of the Hugging Face model directory ``directory`` (its config.json)."""
-    return config_from_hf(*_config_json(directory))
-
-
-def _config_json(directory: str | Path) -> tuple[dict[str, Any], str]:
-    """A model directory's config.json as a dict, and the file's path (for errors)."""
-    path = Path(directory).expanduser() / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path.parent}: no config.json (not a Hugging Face model "
-                                "directory)")
-    return json.loads(path.read_text()), str(path)
-
-
-def check_pretrained(directory: str | None, key: str = "model.pretrained") -> None:
-    """What an app checks before anything starts: ``directory`` (the config key ``key``) is a
-    Hugging Face directory of an architecture troupe loads; FileNotFoundError or ConfigError
-    naming the key otherwise."""
-    if directory is None:
-        return
-    try:
-        read_config(directory)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{key}={directory!r}: {e}") from None
-    except (ValueError, KeyError) as e:
-        raise ConfigError(f"{key}={directory!r}: {e}") from None
 
 
 def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
@@ -294,7 +208,7 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     """troupe's GPT with the weights of the Hugging Face checkpoint in ``directory`` (local).
     Errors name the file and tensor at fault, or the unsupported architecture."""
     directory = Path(directory).expanduser()
-    hf, where = _config_json(directory)
+    hf, where = config_json(directory)
     cfg = config_from_hf(hf, where)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -320,82 +234,6 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{directory}: tensors troupe does not know what to do with: "
                          f"{tensors.unused()[:3]}")
     return model.eval()
-
-
-def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
-    """The Hugging Face config.json of a GPTConfig: GPT-2 for learned positions, Llama (or
-    Qwen2, whose qkv has a bias and output projection none) for rotary ones, Mixtral for MoE."""
-    if cfg.moe is not None and (cfg.positions, cfg.norm, cfg.mlp) != ("rope", "rmsnorm", "swiglu"):
-        raise ValueError("save_pretrained: MoE models export as Mixtral, which needs rotary "
-                         "positions, RMSNorm and SwiGLU experts (troupe's PR-MoE GPT has none)")
-    if cfg.positions == "learned":
-        if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
-                cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias):
-            raise ValueError("save_pretrained: learned positions export as GPT-2, which needs "
-                             "LayerNorm, a GELU MLP with biases, tied embeddings, and no GQA")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.d_model,
-                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
-                "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": True,
-                "activation_function": "gelu" if cfg.mlp == "gelu" else "gelu_new",
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "torch_dtype": "float32"}
-    if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
-        raise ValueError("save_pretrained: rotary positions export as Llama, which needs "
-                         "RMSNorm and a SwiGLU MLP")
-    qwen = cfg.qkv_bias and not cfg.out_bias
-    if cfg.qkv_bias != cfg.out_bias and not qwen:
-        raise ValueError("save_pretrained: an output bias without a qkv bias has no HF family")
-    kind = "qwen2" if qwen else "llama"
-    if cfg.moe is not None:
-        kind = _moe_family(cfg)
-    out = {"architectures": [LLAMA_FAMILY[kind]], "model_type": kind,
-           "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-           "intermediate_size": cfg.d_ff or 4 * cfg.d_model, "num_hidden_layers": cfg.n_layer,
-           "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
-           "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-           "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-           "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
-           "torch_dtype": "float32"}
-    if kind == "llama":
-        out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
-    moe = cfg.moe
-    if kind == "mixtral":
-        out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None,
-                   router_jitter_noise=moe.jitter_eps if moe.noisy_gate == "jitter" else 0.0)
-    if kind == "qwen2_moe":
-        out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                   router_aux_loss_coef=moe.aux_loss_coef, decoder_sparse_step=moe.expert_interval,
-                   mlp_only_layers=moe.dense_layers, norm_topk_prob=moe.normalize_top_k,
-                   moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"],
-                   shared_expert_intermediate_size=moe.shared_expert_d_ff,
-                   qkv_bias=cfg.qkv_bias, use_sliding_window=False)
-    return out
-
-
-def _moe_family(cfg: GPTConfig) -> str:
-    """The Hugging Face family of an MoE GPTConfig: Qwen2-MoE with a shared expert, else
-    Mixtral; a ValueError saying what neither can describe."""
-    moe = cfg.moe
-    qwen = moe.shared_expert_d_ff is not None
-    why = [reason for bad, reason in (
-        (not isinstance(moe.num_experts, int), "one expert count for all layers"),
-        (not moe.dropless, "dropless routing"),
-        (moe.residual, "no Residual MoE"),
-        (moe.noisy_gate == "rsample", "no rsample gate noise"),
-        (cfg.out_bias or cfg.mlp_bias, "no output or MLP biases"),
-        (not qwen and cfg.qkv_bias, "no qkv bias (Mixtral)"),
-        (not qwen and (moe.expert_interval != 1 or moe.dense_layers),
-         "an MoE layer in every block (Mixtral)"),
-        (not qwen and not moe.normalize_top_k, "renormalised top-k weights (Mixtral)"),
-        (not qwen and moe.expert_d_ff not in (None, cfg.d_ff or 4 * cfg.d_model),
-         "experts as wide as d_ff (Mixtral)"))
-        if bad]
-    if why:
-        raise ValueError("save_pretrained: MoE models export as Mixtral or Qwen2-MoE (with a "
-                         "shared expert), which need " + ", ".join(why))
-    return "qwen2_moe" if qwen else "mixtral"
 
 
 def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None,

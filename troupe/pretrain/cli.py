@@ -17,7 +17,7 @@ import sys
 
 from troupe.checkpoint import CheckpointError
 from troupe.config import app_parser, load_app_config
-from troupe.models.hf import check_pretrained
+from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import PretrainConfig
 from troupe.pretrain import driver as pretrain
 from troupe.runtime import cluster

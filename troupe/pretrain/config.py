@@ -11,7 +11,7 @@ from troupe.config import AppConfig, Config
 from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
-from troupe.models.hf import read_config
+from troupe.models.hf_config import read_config
 from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
 

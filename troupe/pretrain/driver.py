@@ -25,7 +25,7 @@ from troupe.data import ByteTokens
 from troupe.devices import cluster_device
 from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.models import save_pretrained
-from troupe.models.hf import config_to_hf
+from troupe.models.hf_config import config_to_hf
 from troupe.parallel import expert_layout
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.export import load_full_model
@@ -198,11 +198,12 @@ def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
         return 0
     if resume == "auto":
         found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg),
-                                          cfg.model.record())
+                                          cfg.model.record(), {"optimizer": cfg.optimizer.name})
         source, start = found if found is not None else (None, 0)
     else:
         source, start = resume, checkpoint.restore(_checkpointed(graph), resume,
-                                                   cfg.model.record())
+                                                   cfg.model.record(),
+                                                   {"optimizer": cfg.optimizer.name})
     if source is not None:
         log.info("resumed from %s at step %d", source, start)
     return start

@@ -24,7 +24,7 @@ import sys
 
 from troupe.checkpoint import CheckpointError
 from troupe.config import app_parser, load_app_config
-from troupe.models.hf import check_pretrained
+from troupe.models.hf_config import check_pretrained
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.config import RLHFConfig
 from troupe.runtime import cluster

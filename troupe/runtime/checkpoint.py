@@ -79,13 +79,21 @@ def _rename_into_place(staging: Path, directory: Path) -> None:
         os.replace(staging, directory)
 
 
-def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None = None) -> int:
+def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None = None,
+            expect: dict[str, Any] | None = None) -> int:
     """Load a checkpoint into ``parts`` (see Part; all ranks at once, since loading may
     exchange tensors between roles); returns the step. ``model``: the model the graph holds;
-    a checkpoint that records another one (or none, or a damaged record) is refused."""
+    a checkpoint that records another one (or a damaged record) is refused. ``expect``:
+    manifest entries that must hold these values (e.g. the optimizer that wrote the state),
+    else CheckpointError naming the entry."""
     manifest = ckpt.read_manifest(directory)
     if model is not None:
         check_model(manifest, directory, model)
+    for key, want in (expect or {}).items():
+        if key in manifest and manifest[key] != want:
+            raise ckpt.CheckpointError(f"checkpoint {directory} was written with {key}="
+                                       f"{manifest[key]!r}, this run has {key}={want!r}: give "
+                                       "the run another out_dir, or start over (--no-resume)")
     saved = manifest.get("roles", {})
     for part in parts:
         role = part if isinstance(part, RoleGroup) else part[0]
@@ -96,8 +104,8 @@ def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None =
     try:
         for _, call in _calls(parts, "load", str(directory)):
             call.result()
-    except WorkerCallError as e:  # a rank's file is damaged: say which, not a traceback
-        if isinstance(e.cause, ckpt.CheckpointError):
+    except WorkerCallError as e:  # a rank's file is damaged or does not fit: say which
+        if isinstance(e.cause, ValueError):  # CheckpointError among them
             raise ckpt.CheckpointError(f"{e.cause} (role {e.role!r} rank {e.rank})") from None
         raise
     return manifest["step"]
@@ -135,8 +143,8 @@ def _check_files(parts: list[Part], directory: StorePath, manifest: dict) -> Non
             raise ckpt.CheckpointError(f"checkpoint {directory}: {problem}")
 
 
-def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None = None
-                   ) -> tuple[StorePath, int] | None:
+def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None = None,
+                   expect: dict[str, Any] | None = None) -> tuple[StorePath, int] | None:
     """Load the newest complete checkpoint under ``root`` that loads; a damaged one is
     skipped with a warning naming it and the next older one tried. Returns the directory
     loaded and its step, or None when there is none; raises the newest one's CheckpointError
@@ -144,7 +152,7 @@ def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None
     first: ckpt.CheckpointError | None = None
     for directory in reversed(ckpt.steps(root)):
         try:
-            return directory, restore(parts, directory, model)
+            return directory, restore(parts, directory, model, expect)
         except ckpt.CheckpointError as e:
             log.warning("%s; going back to the previous complete checkpoint", e)
             first = first or e

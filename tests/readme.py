@@ -1,0 +1,272 @@
+"""The README's command blocks, read and run as a newcomer would run them (tests/test_readme.py).
+
+Every fenced block of README.md and docs/*.md has a language. ``text`` blocks (layouts,
+trees) are not commands; ``bash`` and ``python`` blocks are run, section by section (a
+``##``/``###`` heading), in order, in one working directory per section: a copy of the
+repository's files (those git tracks or would track), so that ``apps/...`` and ``runs/...``
+mean what they mean in a checkout and nothing is written into the checkout itself.
+
+How a line of a bash block runs:
+- An app command (``python apps/rlhf.py``, ``troupe serve``, ``python -m troupe pretrain``,
+  also behind ``&&`` or ``ray job submit ... --``) gets the size overrides of ``SIZE`` for its
+  app appended, each unless the line sets that key itself: the same commands, shorter runs.
+- A server (the ``serve`` app without ``--check`` or ``--print-config``) is started in the
+  background; the section goes on once it says where it serves, and it is stopped (SIGINT, as
+  Ctrl-C) when the section ends. ``ray start`` is followed by ``ray stop`` at the section's end.
+- A line that makes a virtual environment (``python3 -m venv``) runs as written, in the
+  section's copy: installs never touch the suite's own environment.
+- Any other ``pip install`` runs as ``pip install --dry-run``: the suite's environment must
+  already hold what it names, and nothing is installed over it.
+
+A block preceded by ``<!-- readme-test: not here: REASON -->`` cannot run on this machine
+(a cloud account, GPUs); its app commands are checked with ``--print-config`` instead (the
+recipe and every key valid), and the files a ``ray up/down/dashboard`` line names must exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix()
+                                  for p in (ROOT / "docs").glob("*.md"))]
+COMMANDS = ("bash", "python")
+APP = re.compile(r"(?:python3?\s+apps/(rlhf|pretrain|serve)\.py|troupe\s+(rlhf|pretrain|serve)"
+                 r"|python3?\s+-m\s+troupe\s+(rlhf|pretrain|serve))\b")
+SERVING = re.compile(r"serving \S+ at (http://\S+)/v1")
+NOT_HERE = re.compile(r"<!--\s*readme-test:\s*not here:\s*(.+?)\s*-->")
+
+# Size overrides: each app command runs a few steps instead of a full run.
+SIZE = {
+    "rlhf": ["sft.steps=4", "reward.steps=4", "ppo.iterations=2", "ppo.eval_every=1",
+             "ppo.checkpoint_every=1", "dpo.steps=4", "dpo.eval_every=2", "task.eval_examples=8",
+             "ppo.prompts_per_iter=4"],
+    "pretrain": ["train.steps=4", "train.eval_every=2", "train.eval_batches=1",
+                 "train.checkpoint_every=2"],
+    "serve": [],
+}
+
+# Files a block names as the user's own (``data.path=pairs.jsonl``), written into the section.
+FIXTURES = {
+    "pairs.jsonl": "".join(json.dumps({"prompt": f"sort {d}:", "chosen": " " + "".join(sorted(d)),
+                                       "rejected": " " + d}) + "\n"
+                           for d in ["312", "9071", "55102", "846", "2093", "7315", "60", "4821"]
+                           * 4),
+}
+
+
+@dataclass
+class Block:
+    document: str
+    line: int          # of the opening fence, 1-based
+    section: str
+    language: str
+    text: str
+    not_here: str | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.document}:{self.line}"
+
+
+def blocks(document: str) -> list[Block]:
+    """The fenced blocks of ``document`` (relative to the repository), in order."""
+    found, section, pending = [], "", None
+    lines = (ROOT / document).read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        elif (m := NOT_HERE.search(line)):
+            pending = m.group(1)
+        elif line.startswith("```"):
+            start, body = i, []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            found.append(Block(document, start + 1, section, line[3:].strip(), "\n".join(body),
+                               pending))
+            pending = None
+        elif line.strip():
+            pending = None if not line.startswith("<!--") else pending
+        i += 1
+    return found
+
+
+def all_blocks() -> list[Block]:
+    return [b for d in DOCUMENTS for b in blocks(d)]
+
+
+def sections() -> dict[str, list[Block]]:
+    """The command blocks by section (``document: heading``), in document order."""
+    out: dict[str, list[Block]] = {}
+    for b in all_blocks():
+        if b.language in COMMANDS:
+            out.setdefault(f"{b.document}: {b.section}", []).append(b)
+    return out
+
+
+def shell_lines(text: str) -> list[str]:
+    """The commands of a bash block: continuation lines joined, comments and blanks dropped,
+    a trailing comment cut off."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#\s.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def with_sizes(line: str) -> str:
+    """``line`` with its app command's size overrides appended (the keys it sets kept)."""
+    m = APP.search(line)
+    if not m or "--print-config" in line or "--help" in line:
+        return line
+    app = next(g for g in m.groups() if g)
+    given = set(re.findall(r"(?:^|\s)([\w.]+)=", line[m.end():]))
+    extra = [o for o in SIZE[app] if o.split("=")[0] not in given]
+    return " ".join([line, *extra])
+
+
+def app_of(line: str) -> str | None:
+    m = APP.search(line)
+    return next(g for g in m.groups() if g) if m else None
+
+
+@dataclass
+class Section:
+    """One section's working directory, its environment and what it left running."""
+
+    workdir: Path
+    timings: list[dict] = field(default_factory=list)
+    servers: list[subprocess.Popen] = field(default_factory=list)
+    ray_started: bool = False
+
+    @classmethod
+    def make(cls, tmp: Path) -> "Section":
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split("\0")
+        for name in filter(None, files):
+            src = ROOT / name
+            if src.is_file():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, tmp / name)
+        for name, text in FIXTURES.items():
+            (tmp / name).write_text(text)
+        return cls(tmp)
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RAY_ADDRESS", "TROUPE_API_KEY", "VIRTUAL_ENV")}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def run(self, command: str, what: str, timeout: float = 900) -> str:
+        """Run one command line with bash in the working directory; AssertionError naming
+        the line and showing the end of its output unless it exits 0."""
+        start = time.monotonic()
+        out = subprocess.run(["bash", "-c", command], cwd=self.workdir, env=self.env(),
+                             capture_output=True, text=True, timeout=timeout)
+        self.timings.append({"block": what, "command": command,
+                             "seconds": round(time.monotonic() - start, 1)})
+        text = out.stdout + out.stderr
+        assert out.returncode == 0, f"{what}: `{command}` exited {out.returncode}:\n{text[-4000:]}"
+        return text
+
+    def serve(self, command: str, what: str, timeout: float = 600) -> str:
+        """Start a server in the background; returns its URL once it says where it serves."""
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.workdir,
+                                env=self.env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.servers.append(proc)
+        seen: list[str] = []
+        url: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in proc.stdout:
+                seen.append(line)
+                if not url and (m := SERVING.search(line)):
+                    url.append(m.group(1))
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        start = time.monotonic()
+        ready.wait(timeout)
+        self.timings.append({"block": what, "command": command + "  (until it serves)",
+                             "seconds": round(time.monotonic() - start, 1)})
+        assert url, f"{what}: `{command}` never said where it serves:\n{''.join(seen)[-4000:]}"
+        return url[0]
+
+    def close(self) -> None:
+        for proc in self.servers:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        if self.ray_started:
+            subprocess.run(["ray", "stop", "--force"], env=self.env(), capture_output=True)
+
+
+def run_block(section: Section, block: Block) -> None:
+    """Run one block per the rules of this module's docstring."""
+    what = f"{block.where} ({block.section})"
+    if block.language == "python":
+        script = section.workdir / f"block_{block.line}.py"
+        script.write_text(block.text + "\n")
+        section.run(f"python {script.name}", what)
+        return
+    for line in shell_lines(block.text):
+        if block.not_here is not None:
+            check_not_here(section, line, what)
+        elif "-m venv" in line:
+            section.run(with_sizes(line), what, timeout=1800)
+        elif re.search(r"\bpip install\b", line):
+            text = section.run(re.sub(r"\bpip install\b", "pip install --dry-run", line), what)
+            assert "Would install" not in text, f"{what}: the suite's environment lacks " \
+                                                f"what `{line}` installs:\n{text[-2000:]}"
+        elif app_of(line) == "serve" and not re.search(r"--check|--print-config|--help", line):
+            section.serve(with_sizes(line), what)
+        else:
+            if re.search(r"\bray start\b", line):
+                section.ray_started = True
+            section.run(with_sizes(line), what)
+
+
+def check_not_here(section: Section, line: str, what: str) -> None:
+    """A line of a block that cannot run here, checked as far as this machine allows."""
+    for part in re.split(r"&&|;|(?<!\|)\|(?!\|)|&", line):
+        m = APP.search(part)
+        if m:
+            command = part[m.start():].strip()
+            if "--print-config" not in command:
+                command += " --print-config"
+            section.run(command, what)
+        elif (r := re.search(r"\bray (?:up|down|dashboard)\s+(\S+)", part)):
+            assert (section.workdir / r.group(1)).is_file(), f"{what}: {r.group(1)} is missing"
+
+
+def test_command(block: Block) -> str:
+    """The one line of the README's test block."""
+    lines = shell_lines(block.text)
+    assert len(lines) == 1, block.where
+    return lines[0]
+

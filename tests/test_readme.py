@@ -1,0 +1,58 @@
+"""The README is executable: every command block of README.md and docs/*.md runs here as
+written (size overrides aside; tests/readme.py says how each line runs), section by section,
+before the suite's shared Ray cluster starts. A block the harness cannot classify fails."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests import readme
+
+SECTIONS = readme.sections()
+TIMINGS: list[dict] = []  # printed at the end of the run (tests/conftest.py)
+
+
+def test_every_block_has_a_known_language_and_is_listed():
+    """Every fenced block says what it is: ``bash`` and ``python`` are run, ``text`` is not a
+    command; a block without a language (or another one) fails here, so a new command block
+    cannot go untested."""
+    found = readme.all_blocks()
+    print("\n".join(f"{b.where} {b.language} {b.section!r}"
+                    f"{' (not here: ' + b.not_here + ')' if b.not_here else ''}" for b in found))
+    bad = [b.where for b in found if b.language not in (*readme.COMMANDS, "text")]
+    assert not bad, f"blocks without a known language (bash, python or text): {bad}"
+    runnable = [b for blocks in SECTIONS.values() for b in blocks]
+    assert len(runnable) == sum(b.language in readme.COMMANDS for b in found) >= 15
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs exactly the README's set-up-and-test line."""
+    block = next(b for b in readme.blocks("README.md") if b.not_here and "test suite" in
+                 b.not_here)
+    ci = (readme.ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == readme.test_command(block)
+
+
+def test_the_size_overrides_keep_what_a_line_sets():
+    line = "python apps/rlhf.py algorithm=grpo ppo.prompts_per_iter=8"
+    sized = readme.with_sizes(line)
+    assert sized.startswith(line) and "ppo.prompts_per_iter=4" not in sized
+    assert "sft.steps=4" in sized and readme.with_sizes("troupe serve --help") == \
+        "troupe serve --help"
+
+
+@pytest.mark.slow
+@pytest.mark.own_cluster
+@pytest.mark.parametrize("name", list(SECTIONS),
+                         ids=[re.sub(r"[^A-Za-z0-9]+", "-", n).strip("-") for n in SECTIONS])
+def test_section_runs_as_written(name, tmp_path, smollm2):
+    """Each section's blocks in order (the recipes that name SmolLM2 find it built)."""
+    section = readme.Section.make(tmp_path)
+    try:
+        for block in SECTIONS[name]:
+            readme.run_block(section, block)
+    finally:
+        section.close()
+        TIMINGS.extend(section.timings)
