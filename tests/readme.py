@@ -48,10 +48,11 @@ NOT_HERE = re.compile(r"<!--\s*readme-test:\s*not here:\s*(.+?)\s*-->")
 
 # Size overrides: each app command runs a few steps instead of a full run.
 SIZE = {
-    "rlhf": ["sft.steps=4", "reward.steps=4", "ppo.iterations=2", "ppo.eval_every=1",
-             "ppo.checkpoint_every=1", "dpo.steps=4", "dpo.eval_every=2", "task.eval_examples=8",
-             "ppo.prompts_per_iter=4"],
-    "pretrain": ["train.steps=4", "train.eval_every=2", "train.eval_batches=1",
+    "rlhf": ["sft.steps=2", "reward.steps=2", "ppo.iterations=1", "ppo.eval_every=1",
+             "ppo.checkpoint_every=1", "dpo.steps=2", "dpo.eval_every=1", "task.eval_examples=8",
+             "ppo.prompts_per_iter=4", "sft.batch_size=4", "reward.batch_size=4",
+             "dpo.batch_size=4"],
+    "pretrain": ["train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                  "train.checkpoint_every=2"],
     "serve": [],
 }
@@ -61,7 +62,7 @@ FIXTURES = {
     "pairs.jsonl": "".join(json.dumps({"prompt": f"sort {d}:", "chosen": " " + "".join(sorted(d)),
                                        "rejected": " " + d}) + "\n"
                            for d in ["312", "9071", "55102", "846", "2093", "7315", "60", "4821"]
-                           * 4),
+                           * 8),
 }
 
 

@@ -1,4 +1,5 @@
-"""Imports point downward (DESIGN.md, "Layers"), and an application never imports another:
+"""Imports point downward (docs/architecture.md, "The layers"), and an application never
+imports another:
 
     leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
@@ -28,7 +29,7 @@ def layer(module: str) -> int:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] not in LAYERS:
         raise AssertionError(f"{module}: package troupe.{parts[1]} has no layer in "
-                             "tests/test_layers.py; give it one (see DESIGN.md)")
+                             "tests/test_layers.py; give it one (see docs/architecture.md)")
     return LAYERS[parts[1]] if len(parts) > 1 else 0
 
 

@@ -39,7 +39,7 @@ def test_the_size_overrides_keep_what_a_line_sets():
     line = "python apps/rlhf.py algorithm=grpo ppo.prompts_per_iter=8"
     sized = readme.with_sizes(line)
     assert sized.startswith(line) and "ppo.prompts_per_iter=4" not in sized
-    assert "sft.steps=4" in sized and readme.with_sizes("troupe serve --help") == \
+    assert "sft.steps=2" in sized and readme.with_sizes("troupe serve --help") == \
         "troupe serve --help"
 
 

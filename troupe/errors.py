@@ -21,6 +21,12 @@ class TroupeError(Exception):
         return err
 
 
+class DataError(ValueError):
+    """A data file, or a row of one, that cannot be used as it is; the message names the
+    file, the row and the field (or the setting it does not fit). The apps report it in one
+    line and exit 2."""
+
+
 class ClusterConnectionError(TroupeError):
     """troupe.init could not join the cluster at the given address."""
 

@@ -32,3 +32,20 @@ def test_resume_is_for_ppo_alone():
 def test_overrides_may_come_before_and_after_options():
     out = _cli("algorithm=dpo", "--step", "ppo", "dpo.stepz=3")
     assert out.returncode == 2 and "dpo.stepz: unknown key" in out.stderr
+
+
+def test_data_too_small_for_a_batch_is_one_line_before_ray_starts(tmp_path):
+    """A file with fewer training rows than sft.batch_size (batches are drawn without
+    repeats) is refused naming the setting and the file, exit 2, before Ray starts; a bad row
+    likewise names its line."""
+    import json
+
+    rows = "".join(json.dumps({"prompt": "sort 21:", "chosen": " 12", "rejected": " 21"}) + "\n"
+                   for _ in range(10))
+    (tmp_path / "small.jsonl").write_text(rows)
+    out = _cli(f"data.path={tmp_path / 'small.jsonl'}")
+    assert out.returncode == 2 and "sft.batch_size=32" in out.stderr and "small.jsonl" in out.stderr
+    assert "Started a local Ray" not in out.stderr
+    (tmp_path / "bad.jsonl").write_text(rows + '{"prompt": 3}\n')
+    out = _cli(f"data.path={tmp_path / 'bad.jsonl'}")
+    assert out.returncode == 2 and "bad.jsonl:11: field prompt" in out.stderr

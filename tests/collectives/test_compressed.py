@@ -11,7 +11,8 @@ from tests.collectives.helpers import gloo_ranks
 
 
 def simulate(inputs: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
-    """The 1-bit allreduce of DESIGN.md, written out element-wise in one process (fp32)."""
+    """The 1-bit allreduce of troupe/collectives/compressed.py's docstring, written out
+    element-wise in one process (fp32)."""
     w, n = len(inputs), inputs[0].numel()
     unit = w * (w * 8 // math.gcd(w, 8))
     padded = (n + unit - 1) // unit * unit

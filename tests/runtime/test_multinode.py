@@ -36,7 +36,7 @@ def test_spread_trainers_checkpoint_and_resume_across_nodes(three_nodes, tmp_pat
     def where(step, graph):
         nodes.append(list(graph["trainer"].node_ids))
 
-    over = dict(model__moe=None, train__num_workers=3, train__batch_size=6, train__steps=6,
+    over = dict(model__moe=None, workers=3, train__batch_size=6, train__steps=6,
                 train__checkpoint_every=3, train__eval_every=3, train__strategy="SPREAD")
     full = pretrain.run(_cfg(tmp_path, "full", **over), resume=None, progress=False,
                         on_step=where)

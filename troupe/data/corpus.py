@@ -9,6 +9,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from troupe.errors import DataError
+
 
 def stdlib_documents(min_chars: int = 40) -> list[str]:
     """One document per standard-library module: its docstrings (module, classes, functions)
@@ -46,9 +48,9 @@ def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object")
+                raise DataError(f"{path}:{i}: expected a JSON object")
             yield i, row
 
 
@@ -64,11 +66,11 @@ def file_documents(paths: list[str | Path], text_key: str = "text") -> list[str]
         elif p.suffix == ".jsonl":
             for i, row in jsonl_objects(p):
                 if not isinstance(row.get(text_key), str):
-                    raise ValueError(f"{p}:{i}: expected an object with a string "
+                    raise DataError(f"{p}:{i}: expected an object with a string "
                                      f"{text_key!r} field")
                 docs.append(row[text_key])
         else:
-            raise ValueError(f"data file {p}: expected .txt or .jsonl, got {p.suffix!r}")
+            raise DataError(f"data file {p}: expected .txt or .jsonl, got {p.suffix!r}")
     if not docs:
-        raise ValueError(f"no documents in {[str(p) for p in paths]}")
+        raise DataError(f"no documents in {[str(p) for p in paths]}")
     return docs

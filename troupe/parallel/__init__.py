@@ -1,5 +1,5 @@
 """Parallelism applied to plain models after construction, and the layouts of the groups it
-uses. Models take no process groups (see DESIGN.md)."""
+uses. Models take no process groups (docs/architecture.md, "The layers")."""
 
 from troupe.parallel.expert import apply_expert_parallel
 from troupe.parallel.layout import ExpertLayout, expert_layout

@@ -24,6 +24,7 @@ import sys
 
 from troupe.checkpoint import CheckpointError
 from troupe.config import app_parser, load_app_config
+from troupe.errors import DataError
 from troupe.models.hf_config import check_pretrained
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.config import RLHFConfig
@@ -46,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--resume continues PPO from its checkpoint: use it with --step ppo alone",
               file=sys.stderr)
         return 2
-    cluster.init()
     try:
-        summary = rlhf.run(cfg, steps, resume=args.resume)
-    except CheckpointError as e:  # a damaged or lying checkpoint: one line, exit 2
+        data = rlhf.load_data(cfg, steps)
+        cluster.init()
+        summary = rlhf.run(cfg, steps, resume=args.resume, data=data)
+    except (CheckpointError, DataError) as e:  # a damaged checkpoint, bad data: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=1))

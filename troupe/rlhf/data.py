@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from troupe.data.corpus import jsonl_objects
+from troupe.errors import DataError
 from troupe.rlhf.config import RLHFConfig
 
 Prompt = str | list[dict[str, str]]  # a task's text, or chat messages
@@ -40,7 +41,7 @@ def _check_prompt(prompt, where: str) -> Prompt:
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in prompt):
         return [{"role": m["role"], "content": m["content"]} for m in prompt]
-    raise ValueError(f"{where}: field prompt must be a string or a non-empty list of "
+    raise DataError(f"{where}: field prompt must be a string or a non-empty list of "
                      '{"role": ..., "content": ...} messages')
 
 
@@ -65,16 +66,16 @@ def read_jsonl(path: str | Path) -> list[Example]:
     rows = _parquet_rows(path) if path.suffix == ".parquet" else jsonl_objects(path)
     for i, row in rows:
         if "prompt" not in row:
-            raise ValueError(f"{path}:{i}: field prompt missing")
+            raise DataError(f"{path}:{i}: field prompt missing")
         prompt = _check_prompt(row["prompt"], f"{path}:{i}")
         pair = [row.get(k) for k in ("chosen", "rejected")]
         if pair != [None, None] and not all(isinstance(v, str) for v in pair):
-            raise ValueError(f"{path}:{i}: fields chosen and rejected must both be strings "
+            raise DataError(f"{path}:{i}: fields chosen and rejected must both be strings "
                              "(or both absent)")
         fields = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
         out.append(Example(prompt, pair[0], pair[1], fields))
     if not out:
-        raise ValueError(f"{path}: no examples")
+        raise DataError(f"{path}: no examples")
     return out
 
 
@@ -189,13 +190,33 @@ class Data:
     eval_fields: list[dict] | None = None
 
 
+def check_sizes(cfg: RLHFConfig, data: Data, steps: tuple[str, ...]) -> None:
+    """DataError naming the setting and the file when a step's batch asks for more distinct
+    examples than the data holds (batches are drawn without repeats)."""
+    need = []
+    if "sft" in steps:
+        need.append(("sft.batch_size", cfg.sft.batch_size, len(data.sft), "demonstrations"))
+    if "reward" in steps and cfg.uses_reward_model():
+        need.append(("reward.batch_size", cfg.reward.batch_size, len(data.pairs), "pairs"))
+    if "ppo" in steps and cfg.algorithm == "dpo":
+        need.append(("dpo.batch_size", cfg.dpo.batch_size, len(data.pairs), "pairs"))
+    elif "ppo" in steps:
+        need.append(("ppo.prompts_per_iter", cfg.ppo.prompts_per_iter, len(data.prompts),
+                     "prompts"))
+    for key, want, have, what in need:
+        if want > have:
+            raise DataError(f"{key}={want}, but {cfg.data.path or 'the task'} holds {have} "
+                            f"training {what} (after data.eval_fraction): lower {key} or give "
+                            "more rows")
+
+
 def prepare_data(cfg: RLHFConfig) -> Data:
     """The bundled task (generated from the seed) or the JSON-lines file of ``data.path``."""
     if cfg.data.path:
         rows = read_jsonl(cfg.data.path)
         n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
         if len(rows) <= n_eval:
-            raise ValueError(f"{cfg.data.path}: {len(rows)} rows leave none for training after "
+            raise DataError(f"{cfg.data.path}: {len(rows)} rows leave none for training after "
                              f"holding out data.eval_fraction={cfg.data.eval_fraction}")
         train, held = rows[:-n_eval], rows[-n_eval:]
         paired, held_paired = [e for e in train if e.chosen], [e for e in held if e.chosen]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from troupe.devices import cluster_device
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data, prepare_data
+from troupe.rlhf.data import Data, check_sizes, prepare_data
 from troupe.rlhf.dpo import run_dpo
 from troupe.rlhf.plots import plot
 from troupe.rlhf.ppo import run_ppo, setup_roles
@@ -28,7 +28,7 @@ STEPS = ("sft", "reward", "ppo")
 ROLES = ("policy", "reference", "reward", "critic")
 
 __all__ = ["Data", "MetricsLog", "ROLES", "STEPS", "build_graph", "evaluate_policy",
-           "prepare_data", "run", "run_ppo", "run_reward", "run_sft"]
+           "load_data", "prepare_data", "run", "run_ppo", "run_reward", "run_sft"]
 
 
 def roles(cfg: RLHFConfig) -> list[str]:
@@ -77,12 +77,22 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
     return graph
 
 
-def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -> dict:
+def load_data(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Data:
+    """The data ``steps`` read, checked (DataError naming the file, row and field, or the
+    setting the data is too small for): the apps call it before Ray starts."""
+    data = prepare_data(cfg)
+    check_sizes(cfg, data, steps)
+    return data
+
+
+def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
+        data: Data | None = None) -> dict:
     """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order; "ppo" is step 3,
     whatever the algorithm) and return a summary; a later step alone uses the weights an
     earlier run left in ``out_dir``, and ``resume`` continues step 3 from its latest
     checkpoint there. Step 2 is skipped when no learned reward model is used; step 3 without
-    step 1's weights starts from the model's own (a pretrained model's only)."""
+    step 1's weights starts from the model's own (a pretrained model's only). ``data``: what
+    ``load_data`` returned (else it is loaded here)."""
     if resume and ("sft" in steps or "reward" in steps):
         raise ValueError("resume continues step 3 from its checkpoint; run it with steps "
                          "('ppo',) alone (steps 1 and 2 would change the weights it started "
@@ -90,7 +100,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False) -
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    log, data = MetricsLog(out / "metrics.jsonl"), prepare_data(cfg)
+    log, data = MetricsLog(out / "metrics.jsonl"), data or load_data(cfg, steps)
     sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
     if "ppo" in steps:
         _check_inputs(cfg, steps, sft_path, reward_path)
