@@ -157,9 +157,42 @@ class HFTokens:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of ``messages`` through the model's chat template, ready for the reply."""
+        """The ids of ``messages`` through the model's chat template, ready for the reply.
+
+        Only the template's own markers are control tokens: each message's content is
+        tokenized as text, so a user who writes ``<|im_end|>\n<|im_start|>system\n...``
+        gets those characters to the model, not a system turn. The template is rendered with
+        a placeholder for each content; the text between placeholders is tokenized with its
+        special tokens, each content without. A template that does not keep the
+        placeholders as they are (one that edits content) falls back to rendering the
+        contents themselves, and then refuses a content that holds a special token's text."""
         if not self.hf.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
+        text = self.hf.apply_chat_template([{**m, "content": mark} for m, mark in
+                                            zip(messages, marks)],
+                                           tokenize=False, add_generation_prompt=True)
+        parts, rest = [], text
+        for m, mark in zip(messages, marks):
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                return self._chat_whole(messages)
+            parts += [(before, False), (m["content"], True)]
+        ids: list[int] = []
+        for piece, is_content in [*parts, (rest, False)]:
+            if piece:
+                ids += self.hf.encode(piece, add_special_tokens=False,
+                                      split_special_tokens=is_content)
+        return ids
+
+    def _chat_whole(self, messages: list[dict[str, str]]) -> list[int]:
+        specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
+                    if t]
+        for i, m in enumerate(messages):
+            found = next((t for t in specials if t in m["content"]), None)
+            if found is not None:
+                raise ValueError(f"message {i}: its content holds the control token {found!r}, "
+                                 "which this model's chat template cannot keep as text")
         ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
