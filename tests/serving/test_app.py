@@ -31,7 +31,7 @@ def app(cluster, serve_port, tmp_path_factory):
     try:
         url = serve.deploy(cfg)
     finally:
-        del os.environ[KEY_ENV]
+        assert KEY_ENV not in os.environ  # deploy took the key out of the environment
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     model, _ = load_served_model(cfg)
     yield {"url": url, "client": client, "model": model}
@@ -198,7 +198,9 @@ def test_metrics_parse_and_count_the_requests_sent(app):
     from prometheus_client.parser import text_string_to_metric_families
 
     def scrape() -> dict:
-        with urllib.request.urlopen(app["url"] + "/metrics", timeout=30) as r:
+        req = urllib.request.Request(app["url"] + "/metrics",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
             assert r.headers["Content-Type"].startswith("text/plain")
             text = r.read().decode()
         out = {}
@@ -253,3 +255,22 @@ def test_chat_content_parts_are_joined_and_other_part_types_named(app):
     ).encode(), path="/v1/chat/completions")
     assert code == 400 and "'image_url'" in out["error"]["message"], out
     assert out["error"]["param"] == "messages.0.content"
+
+
+def test_metrics_are_behind_the_key_and_health_answers_get_only(app):
+    """With a key set, /metrics wants it like the API (metrics_open opens it for a scraper);
+    /health stays open, to GET only."""
+    def status(path, method="GET", key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request(app["url"] + path, method=method, headers=headers,
+                                     data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert status("/metrics") == 401 and status("/metrics", key="wrong") == 401
+    assert status("/metrics", key=KEY) == 200
+    assert status("/health") == 200 and status("/health", "POST") == 405
+    assert status("/metrics", "POST", key=KEY) == 405

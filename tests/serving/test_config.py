@@ -41,3 +41,40 @@ def test_app_exits_2_naming_the_missing_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "apps/serve.py", f"model.checkpoint={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"model.checkpoint='{tmp_path}'" in out.stderr
+
+
+@pytest.mark.own_cluster
+def test_the_key_leaves_the_environment_before_ray_starts(tmp_path):
+    """take_key (what `troupe serve` calls before Ray starts) removes the key from the
+    driver's environment, so none of the processes of the embedded cluster inherits it."""
+    import os
+    import subprocess
+    import sys
+
+    key = "sk-environ-probe-9c1d7e"
+    script = f"""
+import os, pathlib
+from troupe.serving.auth import take_key
+import troupe
+key, digest = take_key("TROUPE_TEST_PROBE_KEY")
+assert key == {key!r} and digest.matches(key) and "TROUPE_TEST_PROBE_KEY" not in os.environ
+troupe.init(num_cpus=1)
+hits = []
+for proc in pathlib.Path("/proc").iterdir():
+    if not proc.name.isdigit() or proc.name == str(os.getpid()):  # the driver's own start-up
+        continue                                                     # environment (read-only)
+    try:
+        if {key!r}.encode() in (proc / "environ").read_bytes():
+            hits.append(proc.name)
+    except (OSError, ValueError):
+        pass
+print("processes with the key:", hits)
+troupe.shutdown()
+assert not hits, hits
+"""
+    env = {**os.environ, "TROUPE_TEST_PROBE_KEY": key}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "processes with the key: []" in out.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 from dataclasses import dataclass
 
@@ -23,6 +24,14 @@ class KeyDigest:
 
     def matches(self, token: str) -> bool:
         return hmac.compare_digest(_digest(self.salt, token), self.sha256)
+
+
+def take_key(env: str) -> tuple[str | None, KeyDigest | None]:
+    """The key in environment variable ``env`` and its digest, the variable removed from this
+    process's environment: call it before Ray starts, so that no process the driver starts
+    (Ray's own included) inherits the key. (None, None) when the variable is unset or empty."""
+    key = os.environ.pop(env, None) or None
+    return key, KeyDigest.of(key) if key else None
 
 
 def _digest(salt: str, key: str) -> str:

@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import urllib.request
 
 from troupe.config import app_parser, load_app_config
 from troupe.runtime import cluster
 from troupe.serving import deploy as serve
+from troupe.serving.auth import take_key
 from troupe.serving.model import check_source
 from troupe.serving.protocol import ServeConfig
 
 
-def check(url: str, cfg: ServeConfig, prompt: str) -> dict:
+def check(url: str, cfg: ServeConfig, prompt: str, key: str | None) -> dict:
     """One completion through the HTTP API, as a client would send it."""
     headers = {"Content-Type": "application/json"}
-    key = os.environ.get(cfg.api_key_env)
     if key:
         headers["Authorization"] = f"Bearer {key}"
     body = json.dumps({"model": cfg.model.name, "prompt": prompt, "max_tokens": 32,
@@ -46,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source,
                           print_config=args.print_config)
+    key, digest = take_key(cfg.api_key_env)  # before Ray starts: no process inherits the key
     cluster.init()
-    url = serve.deploy(cfg)
+    url = serve.deploy(cfg, key=digest)
     print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)
     if args.check is not None:
-        out = check(url, cfg, args.check)
+        out = check(url, cfg, args.check, key)
         print(json.dumps(out["choices"][0]), flush=True)
         serve.shutdown()
         return 0

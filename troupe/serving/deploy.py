@@ -6,7 +6,7 @@ sequences in lockstep, exchanging tokens through all_to_all."""
 from __future__ import annotations
 
 import logging
-import os
+import ipaddress
 import threading
 import time
 import urllib.request
@@ -21,7 +21,7 @@ from troupe.generation import Event, SamplingParams
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
-from troupe.serving.auth import KeyDigest
+from troupe.serving.auth import KeyDigest, take_key
 from troupe.serving.model import locate
 from troupe.serving.protocol import ServeConfig
 from troupe.serving.replica import ServeRank, ServeReplica
@@ -106,10 +106,19 @@ class ExpertParallelReplica(ServeReplica):
             "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}
 
 
-def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
+           key: KeyDigest | None = None) -> str:
     """Start (or update) the app on the cluster; returns its base URL once it answers.
-    The API key, when ``cfg.api_key_env`` is set in this process, reaches the replicas only as
-    a salted digest (troupe.serving.auth): never in a runtime environment, which Ray logs."""
+    The API key reaches the replicas only as a salted digest (troupe.serving.auth): never in a
+    runtime environment, which Ray logs. ``key``: its digest, as ``take_key`` took it before
+    Ray started (the apps do); else the key is taken from ``cfg.api_key_env`` here."""
     from ray import serve
 
     locate(cfg.model)  # a missing model fails here, not in a replica's traceback
@@ -121,8 +130,12 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0) -> str:
     options: dict = {"num_cpus": cfg.num_cpus}
     if cfg.device == "cuda" and cfg.expert_parallel == 1:  # else the expert ranks hold GPUs
         options["num_gpus"] = cfg.num_gpus
-    key = os.environ.get(cfg.api_key_env)
-    digest = asdict(KeyDigest.of(key)) if key else None
+    if key is None:
+        key = take_key(cfg.api_key_env)[1]
+    if key is None and not _loopback(cfg.host):
+        log.warning("serving on %s without an API key: anyone who reaches this address can "
+                    "use the model (export %s=... to require one)", cfg.host, cfg.api_key_env)
+    digest = asdict(key) if key else None
     cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
     deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas,

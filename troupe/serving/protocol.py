@@ -73,7 +73,10 @@ class ServeConfig(AppConfig):
     and the KV cache in bf16 and computes in it; "fp16" likewise in fp16 (for GPUs: the CPU
     has few fp16 kernels); "fp32" (default) in fp32.
     device: where each replica (or expert rank) computes (auto: cuda when the cluster has
-    GPUs, else cpu); num_gpus: GPUs each of them asks Ray for on cuda."""
+    GPUs, else cpu); num_gpus: GPUs each of them asks Ray for on cuda.
+    metrics_open: /metrics answers without the API key (for a scraper that cannot send one;
+    it shows counts and timings, no content); by default it is behind the key like the API,
+    and /health alone is open (GET)."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -86,6 +89,7 @@ class ServeConfig(AppConfig):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
+    metrics_open: bool = False
     expert_parallel: int = Field(default=1, ge=1)
     precision: Precision = "fp32"
     device: Device = "auto"

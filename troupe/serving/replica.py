@@ -90,11 +90,14 @@ class ServeReplica:
 
         try:
             path = request.url.path.rstrip("/") or "/"
-            if path == "/health":
+            if path == "/health":  # unauthenticated: for load balancers and Serve's probes
+                self._method(request, "GET")
                 return JSONResponse({"status": "ok", **self.info()})
-            if path == "/metrics":  # unauthenticated, as /health: counts, no content
+            if path != "/metrics" or not self.cfg.metrics_open:
+                self._authorize(request.headers.get("authorization"))
+            if path == "/metrics":
+                self._method(request, "GET")
                 return self._metrics()
-            self._authorize(request.headers.get("authorization"))
             if path == "/v1/models":
                 self._method(request, "GET")
                 return JSONResponse(models(self.cfg.model.name, self.created))
