@@ -274,3 +274,29 @@ def test_metrics_are_behind_the_key_and_health_answers_get_only(app):
     assert status("/metrics", key=KEY) == 200
     assert status("/health") == 200 and status("/health", "POST") == 405
     assert status("/metrics", "POST", key=KEY) == 405
+
+
+def test_a_burst_of_150_requests_never_has_more_than_max_concurrent_in_flight(app):
+    """150 clients send whole requests at once against limits.max_concurrent 16: the replica
+    never holds more than 16 (its own count, the check and the count with no await between
+    them; before, requests whose bodies arrived together all passed the check), the others
+    get 429, and the count returns to 0."""
+    body = json.dumps({"model": NAME, "prompt": "burst", "max_tokens": 8,
+                       "temperature": 0}).encode()
+    seen, stop = [], False
+
+    def watch():
+        while not stop:
+            with urllib.request.urlopen(app["url"] + "/health", timeout=30) as r:
+                seen.append(json.loads(r.read())["in_flight"])
+
+    with cf.ThreadPoolExecutor(151) as pool:
+        watcher = pool.submit(watch)
+        statuses = [code for code, _ in pool.map(lambda _: post(app["url"], body), range(150))]
+        stop = True
+        watcher.result()
+    assert max(seen) <= 16 and max(seen) > 0, seen
+    assert statuses.count(200) >= 16 and statuses.count(200) + statuses.count(429) == 150
+    assert statuses.count(429) > 0
+    with urllib.request.urlopen(app["url"] + "/health", timeout=30) as r:
+        assert json.loads(r.read())["in_flight"] == 0

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -182,15 +183,33 @@ class ServeReplica:
         return ids, params
 
     # ---- completions ------------------------------------------------------------------------
-    async def _complete(self, request, chat: bool):
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        lim = self.cfg.limits
-        if self.in_flight >= lim.max_concurrent:  # refused before any reading or parsing
+    def _refuse_if_full(self) -> None:
+        if self.in_flight >= self.cfg.limits.max_concurrent:
             raise RequestError(429, f"{self.in_flight} requests in flight, the limit of this "
                                "replica; retry later", type="rate_limit_error")
+
+    def _admit(self) -> "_Slot":
+        """A slot among ``limits.max_concurrent``, or 429. The check and the count happen with
+        no await between them: requests whose bodies arrived together cannot all pass the
+        check before any of them is counted (they did: 150 in flight against a limit of 32)."""
+        self._refuse_if_full()
+        return _Slot(self)
+
+    async def _complete(self, request, chat: bool):
+        self._refuse_if_full()  # full already: refused before any reading or parsing
         req = parse(ChatRequest if chat else CompletionRequest, await self._receive(request))
         ids, params = self._prompt(req, chat)
+        slot = self._admit()  # a body still arriving holds no slot (max_receiving bounds those)
+        try:
+            return await self._answer(req, chat, ids, params, slot)
+        finally:
+            slot.release()  # idempotent: a stream gives its own back when it ends
+
+    async def _answer(self, req, chat: bool, ids: list[int], params: SamplingParams,
+                      slot: "_Slot"):
+        """Answer an admitted request (JSON, or a stream that holds ``slot`` until it ends)."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
         rid = completion_id(chat)
         self.metrics.prompt_tokens += len(ids)
         route, start = CHAT if chat else COMPLETIONS, time.monotonic()
@@ -198,10 +217,11 @@ class ServeReplica:
         # choice i seeded with seed + i, so that it equals a single request with that seed
         samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
                                           else params.seed + i)) for i in range(req.n)]
-        if req.stream:  # counted in flight while it streams (see _stream)
-            return StreamingResponse(self._stream(rid, ids, samples, chat, req.include_usage(),
-                                                  start), media_type="text/event-stream")
-        self.in_flight += 1
+        if req.stream:  # the stream holds the slot until its last event (see _stream)
+            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, slot)
+            weakref.finalize(body, slot.release, True)  # a stream dropped before it started
+            slot.handed_over = True
+            return StreamingResponse(body, media_type="text/event-stream")
         tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start)) for sid, p in samples]
         try:
             choices = await asyncio.gather(*tasks)
@@ -212,7 +232,6 @@ class ServeReplica:
         finally:
             for t in tasks:
                 t.cancel()  # the other choices' sequences, when one failed
-            self.in_flight -= 1
         self.metrics.finished(route, "ok")
         return JSONResponse(completion(rid, self.cfg.model.name, choices, len(ids), chat))
 
@@ -250,13 +269,13 @@ class ServeReplica:
         return text, ev.logprob, [(self.tok.decode([t]), lp) for t, lp in ev.top_logprobs or []]
 
     async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
-                      chat: bool, include_usage: bool, start: float) -> AsyncIterator[str]:
+                      chat: bool, include_usage: bool, start: float,
+                      slot: "_Slot") -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
-        carries the usage. Counted in flight from its first to its last event, so a stream
-        that never starts (the client left first) is not left counted."""
+        carries the usage. It holds the request's slot and gives it back at its end (one that
+        never starts, the client gone first, gives it back when it is dropped)."""
         name = self.cfg.model.name
-        self.in_flight += 1
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, seq_id: str, params: SamplingParams) -> None:
@@ -298,8 +317,24 @@ class ServeReplica:
         finally:
             for t in tasks:
                 t.cancel()
-            self.in_flight -= 1
+            slot.release(final=True)
         yield "data: [DONE]\n\n"
+
+
+class _Slot:
+    """A request's place among ``limits.max_concurrent``, held from admission (before its body
+    is read) until its answer is done. ``release`` is idempotent; once a stream has taken the
+    slot over (``handed_over``), only the stream's own release (``final``) or the stream
+    being dropped gives it back."""
+
+    def __init__(self, replica: "ServeReplica"):
+        self._replica, self._held, self.handed_over = replica, True, False
+        replica.in_flight += 1
+
+    def release(self, final: bool = False) -> None:
+        if self._held and (final or not self.handed_over):
+            self._held = False
+            self._replica.in_flight -= 1
 
 
 def _sse(obj: dict[str, Any]) -> str:
