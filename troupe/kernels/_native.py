@@ -6,6 +6,7 @@ with TROUPE_NATIVE=0) both return None and callers use their torch path."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -69,10 +70,19 @@ def load_extension(name: str):
             copy = build / file_name
             if not copy.is_file() or copy.read_bytes() != data:
                 copy.write_bytes(data)
-        return cpp_extension.load(name=f"troupe_{name}_{digest}",
-                                  sources=[str(build / f"{name}.cpp")],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                  build_directory=str(build), verbose=False)
+        # torch's own lock file stays behind when a build is killed (Ctrl-C during the first
+        # compile), and every later load would wait for it forever. An flock is released by
+        # the kernel when its holder dies: whoever holds it knows any torch lock is stale.
+        with open(build / "troupe.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            if (build / "lock").exists():
+                log.warning("native kernel %s: removing the lock of a build that was "
+                            "interrupted (%s)", name, build / "lock")
+                (build / "lock").unlink()
+            return cpp_extension.load(name=f"troupe_{name}_{digest}",
+                                      sources=[str(build / f"{name}.cpp")],
+                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no headers: callers keep their torch path
         log.warning("native kernel %s unavailable (%s): using the torch path", name, e)
         return None
