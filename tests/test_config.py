@@ -1,3 +1,4 @@
+import re
 from typing import Literal
 
 import pytest
@@ -49,3 +50,21 @@ def test_override_syntax_and_yaml_errors(tmp_path):
         load_config(Train, bad)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(Train, tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("cls, override, words", [
+    ("troupe.pretrain.config.PretrainConfig", "model.vocab_size=10", "model.vocab_size=10"),
+    ("troupe.rlhf.config.RLHFConfig", "model.gpt.vocab_size=10", "model.gpt.vocab_size=10"),
+    ("troupe.pretrain.config.PretrainConfig", "optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
+    ("troupe.rlhf.config.RLHFConfig", "ppo.actor.betas=[0.9,1.0]", "ppo.actor.betas.1"),
+])
+def test_values_that_would_fail_later_are_refused_by_name(cls, override, words):
+    """A byte-level model whose vocabulary cannot hold the byte ids (an IndexError at the
+    first batch, before), Adam betas outside [0, 1) (accepted before)."""
+    import importlib
+
+    from troupe.config import ConfigError, load_config
+
+    module, _, name = cls.rpartition(".")
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(getattr(importlib.import_module(module), name), None, [override])

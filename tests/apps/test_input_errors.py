@@ -116,3 +116,17 @@ def test_print_config_prints_what_would_run_and_starts_nothing(capsys, monkeypat
                                                    overrides)
     code, err = _exit_code_and_message(capsys, app, ["--print-config", "no_such_key=1"])
     assert code == 2 and "no_such_key" in err
+
+
+@pytest.mark.parametrize("ranks", [-1, "2", 0])
+def test_a_manifest_with_a_bad_rank_count_is_named(tmp_path, ranks):
+    """roles.trainer of -1 or "2" in a hand-edited manifest: a CheckpointError naming the
+    entry (a traceback before)."""
+    import json
+
+    from troupe.checkpoint import CheckpointError, read_manifest
+
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": "troupe-checkpoint/1", "step": 1, "roles": {"trainer": ranks}, "files": []}))
+    with pytest.raises(CheckpointError, match="roles.trainer must be a positive number"):
+        read_manifest(tmp_path)

@@ -99,6 +99,10 @@ def read_manifest(directory: StorePath) -> dict[str, Any]:
     if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("roles", {}),
                                                                     dict):
         raise CheckpointError(f"{path}: 'step' must be an int and 'roles' a mapping")
+    for role, ranks in manifest.get("roles", {}).items():
+        if type(ranks) is not int or ranks < 1:
+            raise CheckpointError(f"{path}: roles.{role} must be a positive number of ranks, "
+                                  f"got {ranks!r}")
     return manifest
 
 

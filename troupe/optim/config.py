@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -37,7 +37,8 @@ class OptimizerConfig(Config):
     lr: float = Field(default=1e-3, gt=0)
     min_lr: float = Field(default=1e-4, ge=0)
     warmup_steps: int = Field(default=0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = \
+        (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     bias_correction: bool = True

@@ -8,12 +8,15 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from troupe.config import AppConfig, Config
-from troupe.data import CurriculumConfig, DataConfig, RandomLTDConfig
+from troupe.data import ByteTokenizer, CurriculumConfig, DataConfig, RandomLTDConfig
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.models.hf_config import read_config
 from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
+
+
+BYTE_VOCAB = ByteTokenizer.vocab_size
 
 
 class ModelConfig(GPTConfig):
@@ -114,6 +117,10 @@ class PretrainConfig(AppConfig):
         if self.train.offload and not self.optimizer.sharded:
             raise ValueError(f"train.offload: optimizer.name={self.optimizer.name!r} keeps its "
                              "state on every rank; offload works with adam, adamw or lamb")
+        if self.model.pretrained is None and self.model.vocab_size < BYTE_VOCAB:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size}: the byte tokenizer's "
+                             f"ids need at least {BYTE_VOCAB} (set model.pretrained for "
+                             "another tokenizer)")
         if self.model.moe is not None and W % self.model.moe.ep_size:
             raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
                              f"workers={W}")

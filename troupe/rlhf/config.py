@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from troupe.config import AppConfig, Config
+from troupe.data import ByteTokenizer
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
@@ -241,6 +242,10 @@ class RLHFConfig(AppConfig):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RLHFConfig":
+        byte_vocab = ByteTokenizer.vocab_size
+        if self.model.pretrained is None and self.model.gpt.vocab_size != byte_vocab:
+            raise ValueError(f"model.gpt.vocab_size={self.model.gpt.vocab_size}: troupe's GPT "
+                             f"reads byte tokens, {byte_vocab} ids")
         n = self.samples_per_prompt()
         if self.algorithm in ("grpo", "rloo") and n < 2:
             raise ValueError(f"ppo.samples_per_prompt={n}: {self.algorithm} compares samples of "
