@@ -20,6 +20,7 @@ import hashlib
 import json
 from typing import Any
 
+from troupe.checkpoint import CheckpointError
 from troupe.config import Config, ConfigError, validate
 from troupe.models.gpt import GPTConfig
 
@@ -52,6 +53,17 @@ class ModelRecord(Config):
             raise ConfigError(f"{source}: the model record's architecture does not match its "
                               "sha256 (edited by hand?); refusing to build a model from it")
         return record
+
+    @classmethod
+    def in_manifest(cls, manifest: dict, directory: Any) -> "ModelRecord | None":
+        """The record a checkpoint's manifest carries (None for one written before manifests
+        carried it); CheckpointError naming the checkpoint when it is malformed or edited."""
+        if "model" not in manifest:
+            return None
+        try:
+            return cls.read(manifest["model"], str(directory))
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -56,9 +56,10 @@ def checkpoint_model(manifest: dict, directory: str | Path,
     its hash checked), or for a checkpoint written before manifests carried one, what its
     config (``cfg``, else the manifest's) describes. CheckpointError when neither is there or
     the record is damaged."""
+    record = ModelRecord.in_manifest(manifest, directory)
+    if record is not None:
+        return record
     try:
-        if "model" in manifest:
-            return ModelRecord.read(manifest["model"], str(directory))
         if cfg is None and "config" in manifest:
             cfg = validate(PretrainConfig, manifest["config"], f"{directory}: manifest config")
     except ConfigError as e:

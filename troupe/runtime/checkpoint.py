@@ -20,7 +20,6 @@ from troupe import checkpoint as ckpt
 from troupe.actors.dispatch import Dispatch
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
-from troupe.config import ConfigError
 from troupe.errors import WorkerCallError
 from troupe.models.record import ModelRecord
 from troupe.runtime.handle import Call, RoleGroup
@@ -113,12 +112,9 @@ def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None =
 
 def check_model(manifest: dict, directory: StorePath, model: ModelRecord) -> None:
     """CheckpointError unless the manifest's model record is ``model``'s architecture."""
-    if "model" not in manifest:
+    saved = ModelRecord.in_manifest(manifest, directory)
+    if saved is None:
         return  # written before manifests carried a record: the weights' shapes are checked
-    try:
-        saved = ModelRecord.read(manifest["model"], str(directory))
-    except ConfigError as e:
-        raise ckpt.CheckpointError(str(e)) from None
     diff = saved.differences(model)
     if diff:
         raise ckpt.CheckpointError(f"checkpoint {directory} holds another model than this run "
