@@ -31,3 +31,9 @@ def sort_digits(prompt, response: str, **fields) -> float:
 def exact_match(prompt, response: str, ground_truth: str, **fields) -> float:
     """1 when the response, stripped, is the row's ground_truth, else 0."""
     return float(response.strip() == str(ground_truth).strip())
+
+
+def sorted_exactly(prompt, response: str, **fields) -> float:
+    """A binary version of ``sort_digits``: 1 for the exactly sorted answer, else 0 (DAPO's
+    dynamic sampling then drops the groups whose samples are all right or all wrong)."""
+    return float(sort_digits(prompt, response, **fields) == 1.0)

@@ -13,6 +13,7 @@ from tests.runtime.helpers import kill_worker
 from troupe.errors import RunFailedError
 from troupe.models.io import read_module_file
 from troupe.rlhf import driver as rlhf
+from troupe.rlhf.algorithms import Advantages, Algorithm
 from troupe.rlhf.config import RLHFConfig
 from troupe.runtime import checkpoint
 
@@ -188,11 +189,11 @@ def flaky(prompt, response, **fields):
 '''
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "dpo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "gspo", "dpo"])
 def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
     cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, dpo=dict(steps=4, batch_size=8))
-    assert rlhf.roles(cfg) == (["policy", "reference"] if algorithm == "dpo" else
-                               ["policy", "reference", "reward"])
+    assert rlhf.roles(cfg) == {"dpo": ["policy", "reference"], "gspo": ["policy", "reward"]
+                               }.get(algorithm, ["policy", "reference", "reward"])
     summary = rlhf.run(cfg)
     assert {"sft", "ppo", "reward_accuracy"} - set(summary) == (
         {"reward_accuracy"} if algorithm == "dpo" else set())
@@ -293,3 +294,62 @@ def test_three_steps_on_cuda(cluster, tmp_path):
     assert all(torch.isfinite(torch.tensor(v)) for v in summary["ppo"]["after"].values()
                if isinstance(v, float))
     assert (tmp_path / "cuda" / "policy-hf" / "config.json").is_file()
+
+
+class SignOfReward(Algorithm):
+    """A toy algorithm declared here alone: each sample's advantage is the sign of its reward
+    minus the batch's mean, on every token; no KL; it reports how many were positive."""
+
+    name = "sign_of_reward"
+    kl_coef = 0.0
+
+    def advantages(self, s, cfg):
+        reward = torch.cat(s.reward)
+        sign = torch.sign(reward - reward.mean())
+        return Advantages([a * sgn[:, None] for a, sgn in zip(s.action, sign.split(s.rows()))],
+                          stats={"positive_share": (sign > 0).float().mean().item()})
+
+
+def test_an_algorithm_declared_in_a_test_file_runs_through_the_driver(cluster, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    cfg = _cfg(tmp_path, "toy", algorithm=f"{__name__}:SignOfReward", **SORTED_EXACTLY)
+    assert rlhf.roles(cfg) == ["policy"]  # no KL: no reference; a function: no reward model
+    summary = rlhf.run(cfg, ("sft", "ppo"))
+    steps = [r for r in rlhf.MetricsLog(tmp_path / "toy" / "metrics.jsonl").records()
+             if r["kind"] == "ppo"]
+    assert [r["algorithm"] for r in steps] == [cfg.algorithm] * 3
+    assert all(0 <= r["positive_share"] <= 1 for r in steps)
+    assert "gold" in summary["ppo"]["after"]
+
+
+SORTED_EXACTLY = dict(reward=dict(function="apps.rewards:sorted_exactly"))
+
+
+def test_ppo_with_a_reward_function_alone_starts_its_critic_from_the_sft_policy(
+        cluster, tmp_path, monkeypatch):
+    """No reward model: the critic starts from the SFT weights and a fresh value head (the
+    run used to stop on "model file None does not exist")."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    cfg = _cfg(tmp_path, "ppo-fn", reward=dict(function="apps.rewards:sort_digits"))
+    assert rlhf.roles(cfg) == ["policy", "reference", "critic"]
+    rlhf.run(cfg, ("sft", "ppo"))
+    steps = [r for r in rlhf.MetricsLog(tmp_path / "ppo-fn" / "metrics.jsonl").records()
+             if r["kind"] == "ppo"]
+    assert len(steps) == 3 and all(r["value_loss"] > 0 for r in steps)
+
+
+def test_dapo_with_a_binary_reward_samples_dynamically(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    cfg = _cfg(tmp_path, "dapo", algorithm="dapo", **SORTED_EXACTLY,
+               ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+                        checkpoint_every=0, sample_rounds=2))
+    assert rlhf.roles(cfg) == ["policy"]
+    rlhf.run(cfg, ("sft", "ppo"))
+    steps = [r for r in rlhf.MetricsLog(tmp_path / "dapo" / "metrics.jsonl").records()
+             if r["kind"] == "ppo"]
+    assert len(steps) == 2
+    for r in steps:  # every round drew 4 groups; what was short was filled
+        assert r["groups_sampled"] == 4 * r["sample_rounds"]
+        assert r["groups_filled"] == max(0, 4 - r["groups_kept"])
+        assert r["overlong_penalty"] <= 0

@@ -10,6 +10,7 @@ from troupe.rlhf.algorithms import (
     clip_fraction,
     discounted_returns,
     dpo_loss,
+    group_ids,
     grpo_advantages,
     kl_estimate,
     kl_rewards,
@@ -22,25 +23,25 @@ from troupe.rlhf.algorithms import (
 
 def test_grpo_normalizes_within_each_group():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
-    adv = grpo_advantages(scores, n=4)
+    adv = grpo_advantages(scores, group_ids(8, 4))
     # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: mean 2.75, std 1.5
     s1 = math.sqrt(1 / 3)
     want = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, -0.5, -0.5, -0.5, 1.5]
     torch.testing.assert_close(adv, torch.tensor(want), rtol=1e-5, atol=1e-5)
     # Dr. GRPO: no division
-    torch.testing.assert_close(grpo_advantages(scores, 4, std_normalize=False),
+    torch.testing.assert_close(grpo_advantages(scores, group_ids(8, 4), std_normalize=False),
                                torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
 
 
 def test_grpo_group_with_equal_scores_gets_no_advantage():
-    adv = grpo_advantages(torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 0.0]), n=3)
+    adv = grpo_advantages(torch.tensor([0.3, 0.3, 0.3, 1.0, 0.0, 0.0]), group_ids(6, 3))
     assert torch.equal(adv[:3], torch.zeros(3))
     assert adv[3] > 0 > adv[4]
 
 
 def test_rloo_subtracts_the_mean_of_the_others():
     scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])
-    adv = rloo_advantages(scores, n=3)
+    adv = rloo_advantages(scores, group_ids(6, 3))
     want = [1 - 4, 2 - 3.5, 6 - 1.5, 0 - 1.5, 0 - 1.5, 3 - 0]
     torch.testing.assert_close(adv, torch.tensor(want))
     # = n / (n - 1) * (score - group mean)
@@ -48,11 +49,27 @@ def test_rloo_subtracts_the_mean_of_the_others():
     torch.testing.assert_close(adv, (1.5 * (g - g.mean(1, keepdim=True))).reshape(-1))
 
 
-def test_group_estimators_refuse_ragged_or_single_groups():
-    with pytest.raises(ValueError, match="multiple of n"):
-        grpo_advantages(torch.zeros(5), n=2)
-    with pytest.raises(ValueError, match="n >= 2"):
-        rloo_advantages(torch.zeros(4), n=1)
+def test_groups_are_ids_not_row_positions():
+    """Shuffled rows, and groups of unequal sizes, give each row its own group's advantage."""
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    for fn in (grpo_advantages, rloo_advantages):
+        torch.testing.assert_close(fn(scores[order], groups[order]), fn(scores, groups)[order])
+    ragged = grpo_advantages(torch.tensor([1.0, 3.0, 0.0, 0.0, 3.0]),
+                             torch.tensor([7, 7, 2, 2, 2]), std_normalize=False)
+    torch.testing.assert_close(ragged, torch.tensor([-1.0, 1.0, -1.0, -1.0, 2.0]))
+    # leave-one-out over groups of 2 and 3: 1 - 3, 3 - 1; 0 - 1.5, 0 - 1.5, 3 - 0
+    torch.testing.assert_close(rloo_advantages(torch.tensor([1.0, 3.0, 0.0, 0.0, 3.0]),
+                                               torch.tensor([7, 7, 2, 2, 2])),
+                               torch.tensor([-2.0, 2.0, -1.5, -1.5, 3.0]))
+
+
+def test_group_estimators_refuse_single_sample_groups():
+    with pytest.raises(ValueError, match="at least 2 samples per group"):
+        grpo_advantages(torch.zeros(5), torch.tensor([0, 0, 1, 1, 2]))
+    with pytest.raises(ValueError, match="do not split"):
+        group_ids(5, 2)
 
 
 def test_sequence_advantages_fill_the_response_tokens():

@@ -161,10 +161,10 @@ def test_int8_generation_layout():
     # after an update the INT8 copy is re-quantized in place, not made again, and generates
     # what a fresh copy of the updated policy would
     policy.cfg.ppo.int8_generation = True
-    engine = policy._int8[1]
+    engine = policy.engine._int8[1]
     policy.sft_step(SortTask().demonstrations(32, 99), 41)
     again = policy.generate(request)
-    assert policy._int8[1] is engine
+    assert policy.engine._int8[1] is engine
     policy._int8 = None
     assert torch.equal(policy.generate(request).ids, again.ids)
 

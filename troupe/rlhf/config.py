@@ -11,6 +11,7 @@ from troupe.data import ByteTokenizer
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
+from troupe.rlhf import algorithms
 
 
 class ModelConfig(Config):
@@ -135,18 +136,24 @@ class LoRAConfig(Config):
 
 
 class PPOConfig(Config):
-    """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp; the key keeps PPO's
-    name). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
+    """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp, dapo, gspo; the key
+    keeps PPO's name). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
     and critic updates) on each worker, gradients accumulated (None: all at once). threads:
     torch threads of each worker in this step, where the roles compute at once (more threads
     than cores in all makes every role spin-wait for the others).
 
-    samples_per_prompt: responses sampled per prompt (None: 4 for grpo and rloo, else 1).
-    kl_coef: weight of the KL to the reference, in the reward (kl_in_loss false: per token,
-    PPO/RLOO/REINFORCE++) or as a loss term (true: GRPO's; None: true for grpo only), estimated
-    by kl_estimator (None: k1 in the reward, k3 in the loss). clip_high: the upper clip of the
-    ratio (DAPO's clip-higher; None: policy_clip). group_std: GRPO divides by the group's
-    standard deviation (false: Dr. GRPO). generation_batch: sequences the rollout engine
+    A setting left None takes the algorithm's value (troupe.rlhf.algorithms):
+    samples_per_prompt: responses sampled per prompt (4 for the group algorithms, else 1).
+    kl_coef: weight of the KL to the reference (0.05; 0 for dapo and gspo), in the reward
+    (kl_in_loss false: per token, PPO/RLOO/REINFORCE++) or as a loss term (true: GRPO's),
+    estimated by kl_estimator (k1 in the reward, k3 in the loss). policy_clip, clip_high: the
+    ratio is clipped to [1 - policy_clip, 1 + clip_high] (0.2 and 0.2; DAPO's clip-higher 0.28;
+    GSPO's sequence ratio 3e-4 and 4e-4). group_std: the group algorithms divide by the group's
+    standard deviation (false: Dr. GRPO). dynamic_sampling: keep only groups whose rewards are
+    not all equal, sampling more prompts (up to ``sample_rounds`` rounds an iteration) until
+    ``prompts_per_iter`` groups are kept (true for dapo). overlong_buffer: responses longer than
+    max_new_tokens - overlong_buffer tokens lose up to ``overlong_penalty`` of reward, linearly
+    (DAPO's soft overlong punishment; dapo: a quarter of max_new_tokens, else 0). generation_batch: sequences the rollout engine
     decodes at once (the others wait for a free slot: continuous batching; None: all at
     once); 16 is what the CPU decode kernel serves, and bounds the KV cache.
     keep_decode_weights: the policy keeps its weights packed for the CPU decode kernel between
@@ -167,8 +174,13 @@ class PPOConfig(Config):
     samples_per_prompt: int | None = Field(default=None, ge=1)
     kl_in_loss: bool | None = None
     kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    policy_clip: float | None = Field(default=None, gt=0)
     clip_high: float | None = Field(default=None, gt=0)
     group_std: bool = True
+    dynamic_sampling: bool | None = None
+    sample_rounds: int = Field(default=4, ge=1)
+    overlong_buffer: int | None = Field(default=None, ge=0)
+    overlong_penalty: float = Field(default=1.0, ge=0)
     generation_batch: int | None = Field(default=16, ge=1)
     keep_decode_weights: bool = False
     release_memory: bool = False
@@ -178,11 +190,10 @@ class PPOConfig(Config):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     ppo_epochs: int = Field(default=1, ge=1)
-    kl_coef: float = Field(default=0.05, ge=0)
+    kl_coef: float | None = Field(default=None, ge=0)
     clip_reward: float = Field(default=5.0, gt=0)
     gamma: float = Field(default=1.0, ge=0, le=1)
     lam: float = Field(default=0.95, ge=0, le=1)
-    policy_clip: float = Field(default=0.2, gt=0)
     value_clip: float = Field(default=0.2, gt=0)
     actor: OptimizerConfig = OptimizerConfig(name="adamw", lr=2e-4, min_lr=2e-4)
     critic: OptimizerConfig = OptimizerConfig(name="adamw", lr=5e-4, min_lr=5e-4)
@@ -197,7 +208,8 @@ class PPOConfig(Config):
 
 class RLHFConfig(AppConfig):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). algorithm: step 3's (ppo, grpo, rloo,
-    reinforce_pp: online, configured under ``ppo``; dpo: offline, under ``dpo``). steps: which
+    reinforce_pp, dapo, gspo: online, configured under ``ppo``; dpo: offline, under ``dpo``;
+    or "module:attribute" naming your own troupe.rlhf.algorithms.Algorithm). steps: which
     of the three steps run (the command line's --step wins; step 3 is "ppo" whatever the
     algorithm, and step 2 is skipped when no learned reward model is used). workers: data-parallel workers per role;
     threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
@@ -218,7 +230,7 @@ class RLHFConfig(AppConfig):
 
     MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision"}
 
-    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dpo"] = "ppo"
+    algorithm: str = "ppo"
     steps: list[Literal["sft", "reward", "ppo"]] = ["sft", "reward", "ppo"]
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -240,43 +252,63 @@ class RLHFConfig(AppConfig):
     seed: int = 0
     out_dir: str = "runs/rlhf"
 
+    @field_validator("algorithm")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        algorithms.get(v)  # ValueError naming what it looked for
+        return v
+
     @model_validator(mode="after")
-    def _consistent(self) -> "RLHFConfig":
+    def _consistent(self) -> RLHFConfig:
         byte_vocab = ByteTokenizer.vocab_size
         if self.model.pretrained is None and self.model.gpt.vocab_size != byte_vocab:
             raise ValueError(f"model.gpt.vocab_size={self.model.gpt.vocab_size}: troupe's GPT "
                              f"reads byte tokens, {byte_vocab} ids")
-        n = self.samples_per_prompt()
-        if self.algorithm in ("grpo", "rloo") and n < 2:
-            raise ValueError(f"ppo.samples_per_prompt={n}: {self.algorithm} compares samples of "
-                             "one prompt and needs at least 2")
-        if self.reward_in_critic and not self.uses_critic():
-            raise ValueError(f"reward_in_critic: algorithm={self.algorithm} has no critic")
-        if self.reward.model_weight() == 0 and not self.reward.function and \
-                self.algorithm != "dpo":
-            raise ValueError("reward: model_coef is 0 and no reward.function is set: step 3 "
-                             "would have no reward")
+        self.algo().check(self)
         return self
 
-    # what the recipe resolves to (None means "the algorithm's default") -----------------------
+    # what the recipe resolves to (None means "the algorithm's value") -------------------------
+    def algo(self) -> algorithms.Algorithm:
+        """Step 3's algorithm object (troupe.rlhf.algorithms)."""
+        return algorithms.get(self.algorithm)
+
     def samples_per_prompt(self) -> int:
-        n = self.ppo.samples_per_prompt
-        return n if n is not None else (4 if self.algorithm in ("grpo", "rloo") else 1)
+        return _or(self.ppo.samples_per_prompt, self.algo().samples_per_prompt)
+
+    def kl_coef(self) -> float:
+        return _or(self.ppo.kl_coef, self.algo().kl_coef)
 
     def kl_in_loss(self) -> bool:
-        k = self.ppo.kl_in_loss
-        return k if k is not None else self.algorithm == "grpo"
+        return _or(self.ppo.kl_in_loss, self.algo().kl_in == "loss")
 
     def kl_estimator(self) -> str:
-        e = self.ppo.kl_estimator
-        return e if e is not None else ("k3" if self.kl_in_loss() else "k1")
+        return _or(self.ppo.kl_estimator, "k3" if self.kl_in_loss() else "k1")
+
+    def clip(self) -> tuple[float, float]:
+        """The ratio's clip range below and above 1."""
+        low = _or(self.ppo.policy_clip, self.algo().clip)
+        high = self.ppo.clip_high
+        if high is None:
+            high = self.algo().clip_high if self.ppo.policy_clip is None else None
+        return low, _or(high, low)
+
+    def dynamic_sampling(self) -> bool:
+        return _or(self.ppo.dynamic_sampling, self.algo().dynamic_sampling)
+
+    def overlong_buffer(self) -> int:
+        return _or(self.ppo.overlong_buffer,
+                   int(self.algo().overlong_share * self.ppo.max_new_tokens))
 
     def uses_critic(self) -> bool:
-        return self.algorithm == "ppo"
+        return self.algo().critic
 
     def uses_reward_model(self) -> bool:
         """A learned reward model is trained in step 2 and scores in step 3."""
-        return self.algorithm != "dpo" and self.reward.model_weight() > 0
+        return self.algo().uses_reward_model(self)
 
     def uses_reference(self) -> bool:
-        return self.algorithm == "dpo" or self.ppo.kl_coef > 0
+        return self.algo().uses_reference(self)
+
+
+def _or(value, default):
+    return default if value is None else value

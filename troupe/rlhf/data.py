@@ -198,7 +198,7 @@ def check_sizes(cfg: RLHFConfig, data: Data, steps: tuple[str, ...]) -> None:
         need.append(("sft.batch_size", cfg.sft.batch_size, len(data.sft), "demonstrations"))
     if "reward" in steps and cfg.uses_reward_model():
         need.append(("reward.batch_size", cfg.reward.batch_size, len(data.pairs), "pairs"))
-    if "ppo" in steps and cfg.algorithm == "dpo":
+    if "ppo" in steps and not cfg.algo().online:
         need.append(("dpo.batch_size", cfg.dpo.batch_size, len(data.pairs), "pairs"))
     elif "ppo" in steps:
         need.append(("ppo.prompts_per_iter", cfg.ppo.prompts_per_iter, len(data.prompts),

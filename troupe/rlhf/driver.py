@@ -116,7 +116,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
             summary["reward_accuracy"] = log.records()[-1]["accuracy"]
         if "ppo" in steps:
             start = sft_path if sft_path.is_file() else None
-            if cfg.algorithm == "dpo":
+            if not cfg.algo().online:  # learns the preference pairs
                 summary["ppo"] = run_dpo(graph, cfg, data, log, out, start)
             else:
                 summary["ppo"] = run_ppo(graph, cfg, data, log, out, start,

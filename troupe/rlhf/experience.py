@@ -28,14 +28,16 @@ def _split_rows(obj: Any, n: int) -> list[Any]:
 @dataclass
 class RolloutRequest:
     """Prompts to answer, each with the seed of its sampling stream (so a response does not
-    depend on which rank or batch it lands in). temperature None: the recipe's."""
+    depend on which rank or batch it lands in) and its group id (the samples of one prompt
+    draw share one; group estimators compare within it). temperature None: the recipe's."""
 
     prompts: list        # text, or chat messages (troupe.rlhf.data.Prompt)
     seeds: list[int]
     temperature: float | None = None
     use_ema: bool = False
+    groups: list[int] | None = None
 
-    def split(self, n: int) -> list["RolloutRequest"]:
+    def split(self, n: int) -> list[RolloutRequest]:
         return _split_rows(self, n)
 
 
@@ -50,9 +52,36 @@ class Rollout:
     responses: list[str]   # decoded, without the eos
     seconds: float = 0.0   # generation time on the rank
     prompt_len: int = 0    # the first prompt_len columns are the (left-padded) prompts
+    groups: list[int] | None = None  # as in the request
 
-    def split(self, n: int) -> list["Rollout"]:
+    def split(self, n: int) -> list[Rollout]:
         return _split_rows(self, n)
+
+    def rows(self, index: list[int]) -> Rollout:
+        """The rollout of the rows ``index``, in that order."""
+        pick = torch.tensor(index, dtype=torch.long)  # host: a rollout
+        return Rollout(self.ids[pick], self.valid[pick], self.action[pick],
+                       [self.prompts[i] for i in index], [self.responses[i] for i in index],
+                       self.seconds, self.prompt_len,
+                       None if self.groups is None else [self.groups[i] for i in index])
+
+    @staticmethod
+    def concat(parts: list[Rollout], pad_id: int = 0) -> Rollout:
+        """One rollout of every part's rows, the prompts left-padded to the longest (padding
+        is invalid and no target, whatever its id)."""
+        P = max(r.prompt_len for r in parts)
+
+        def pad(x: torch.Tensor, r: Rollout, value) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (P - r.prompt_len, 0), value=value)
+
+        return Rollout(torch.cat([pad(r.ids, r, pad_id) for r in parts]),
+                       torch.cat([pad(r.valid, r, False) for r in parts]),
+                       torch.cat([pad(r.action, r, 0.0) for r in parts]),
+                       [q for r in parts for q in r.prompts],
+                       [x for r in parts for x in r.responses],
+                       sum(r.seconds for r in parts), P,
+                       None if any(r.groups is None for r in parts)
+                       else [g for r in parts for g in r.groups])
 
 
 @dataclass
@@ -72,7 +101,7 @@ class Experience:
     returns: torch.Tensor | None = None     # (B, S-1) value targets
     prompt_len: int = 0                     # as in the rollout
 
-    def split(self, n: int) -> list["Experience"]:
+    def split(self, n: int) -> list[Experience]:
         return _split_rows(self, n)
 
 
@@ -85,7 +114,7 @@ class PreferenceBatch:
     ref_chosen: torch.Tensor    # (B,)
     ref_rejected: torch.Tensor  # (B,)
 
-    def split(self, n: int) -> list["PreferenceBatch"]:
+    def split(self, n: int) -> list[PreferenceBatch]:
         return _split_rows(self, n)
 
 
@@ -111,7 +140,7 @@ class RewardEval:
 
 @dataclass(frozen=True)
 class PolicyStats:
-    policy_loss: float
+    policy_loss: float             # the algorithm's surrogate, without the KL and ptx terms
     ptx_loss: float | None = None  # the pretraining-loss term, when ppo.ptx_coef > 0
     kl: float | None = None        # mean per-token KL estimate, when it is a loss term
     entropy: float = 0.0           # mean per-token entropy of the policy on its responses

@@ -28,12 +28,11 @@ from tqdm import tqdm
 from troupe.actors import PerRank
 from troupe.checkpoint import read_manifest
 from troupe.errors import WorkerCallError, WorkerDiedError
-from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
-from troupe.rlhf.experience import Experience, Rollout, RolloutRequest
 from troupe.rlhf.rewards import RewardFunction
-from troupe.rlhf.stages import evaluate_policy, seeds
+from troupe.rlhf.scoring import make_experience, sample
+from troupe.rlhf.stages import evaluate_policy
 from troupe.rlhf.workers import (
     CriticActor,
     PolicyActor,
@@ -70,86 +69,6 @@ def reward_function(cfg: RLHFConfig) -> RewardFunction | None:
     return RewardFunction(r.function, r.timeout_s, r.function_workers, r.failure_score)
 
 
-def make_experience(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
-                    reward_fn: RewardFunction | None = None,
-                    fields: list[dict] | None = None) -> tuple[list[Experience], dict]:
-    """Score each rank's rollouts with the roles the algorithm has, at once (and with the
-    reward function meanwhile, on the driver), and turn the scores into experience, one per
-    data-parallel rank; also the batch's statistics."""
-    p, alg = cfg.ppo, cfg.algorithm
-    batch, calls = PerRank(rollouts), {}
-    in_reward_kl = p.kl_coef > 0 and not cfg.kl_in_loss()
-    if cfg.uses_critic() or in_reward_kl or p.ppo_epochs > 1:  # else the ratio is 1: no need
-        calls["logp"] = graph["policy"].invoke_async(PolicyActor.logprobs, batch)
-    if cfg.uses_reference():
-        calls["ref"] = reference_of(graph, cfg).invoke_async(ReferenceCalls.reference_logprobs,
-                                                              batch)
-    if cfg.uses_reward_model():
-        calls["score"] = reward_of(graph, cfg).invoke_async(RewardCalls.reward_score, batch)
-    if cfg.uses_critic():
-        calls["values"] = graph["critic"].invoke_async(CriticActor.values, batch)
-    rows = [len(ro.responses) for ro in rollouts]
-    score = torch.zeros(sum(rows))  # host: the driver's sums of what the roles sent back
-    stats: dict = {}
-    if reward_fn is not None:
-        prompts = [q for ro in rollouts for q in ro.prompts]
-        responses = [r for ro in rollouts for r in ro.responses]
-        got = reward_fn(prompts, responses, fields)
-        score += cfg.reward.function_coef * torch.tensor(got.values)  # host: (as score)
-        stats["reward_failures"] = len(got.failures)
-        if got.failures:
-            i, why = got.failures[0]
-            logger.warning("reward.function %s: %d of %d samples failed (scored %g); first: "
-                           "sample %d %s", cfg.reward.function, len(got.failures), len(prompts),
-                           cfg.reward.failure_score, i, why)
-    out = {k: c.result() for k, c in calls.items()}
-    if "score" in out:
-        score += cfg.reward.model_weight() * torch.cat(out["score"])
-    stats["reward"] = score.mean().item()
-    action = [ro.action for ro in rollouts]
-    logp, ref = out.get("logp"), out.get("ref")
-    parts = list(score.split(rows))
-    if alg == "ppo":
-        advs, rets = [], []
-        for r, ro in enumerate(rollouts):
-            rewards = algorithms.kl_rewards(  # the KL here, unless it is a loss term
-                logp[r], ref[r] if in_reward_kl else logp[r], parts[r], ro.action,
-                p.kl_coef if in_reward_kl else 0.0, p.clip_reward, cfg.kl_estimator())
-            adv, ret = algorithms.gae(rewards, out["values"][r], ro.action, p.gamma, p.lam)
-            advs.append(adv)
-            rets.append(ret)
-        advs = algorithms.whiten(advs, action)
-    elif alg == "reinforce_pp":  # token rewards, returns normalized over the whole batch
-        rets, advs, kl_coef = None, [], p.kl_coef if in_reward_kl else 0.0
-        for r, a in enumerate(action):
-            lp = logp[r] if in_reward_kl else torch.zeros_like(a)
-            rewards = algorithms.kl_rewards(lp, ref[r] if in_reward_kl else lp, parts[r], a,
-                                            kl_coef, p.clip_reward, cfg.kl_estimator())
-            advs.append(algorithms.discounted_returns(rewards, a, p.gamma))
-        advs = algorithms.whiten(advs, action)
-    else:  # grpo, rloo: one advantage per sequence from its group of samples
-        rets, seq = None, score.clone()
-        if in_reward_kl:
-            seq -= p.kl_coef * torch.cat([
-                (algorithms.kl_estimate(lp, rf, cfg.kl_estimator()) * a).sum(1)
-                for lp, rf, a in zip(logp, ref, action)])
-        n = cfg.samples_per_prompt()
-        adv_B = (algorithms.grpo_advantages(seq, n, p.group_std) if alg == "grpo"
-                 else algorithms.rloo_advantages(seq, n))
-        advs = [algorithms.sequence_advantages(a_B, a)
-                for a_B, a in zip(adv_B.split(rows), action)]
-    exps = [Experience(ro.ids, ro.valid, ro.action, advs[r],
-                       old_logp=logp[r] if logp else None,
-                       ref_logp=ref[r] if ref and cfg.kl_in_loss() else None,
-                       old_values=out["values"][r] if "values" in out else None,
-                       returns=rets[r] if rets else None, prompt_len=ro.prompt_len)
-            for r, ro in enumerate(rollouts)]
-    if ref and logp:
-        kl = torch.cat([((lp - rf) * ro.action).sum(1) for lp, rf, ro in zip(logp, ref, rollouts)])
-        stats["kl"] = kl.mean().item()
-    return exps, stats
-
-
 def role_memory(graph: Graph) -> dict[str, float]:
     """Each role's peak memory so far (MiB, the most of its workers; the CUDA allocator's or
     the resident set's: runtime.metrics.peak_memory_mb), asked at the evaluations only."""
@@ -159,17 +78,15 @@ def role_memory(graph: Graph) -> dict[str, float]:
 
 def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
                   reward_fn: RewardFunction | None = None) -> dict:
-    """Generate, score, and update the policy (and critic) once; returns the metrics."""
-    p, W, n = cfg.ppo, cfg.workers, cfg.samples_per_prompt()
+    """Generate, score, and update the policy (and critic) ``ppo_epochs`` times; returns the
+    metrics (the losses averaged over the epochs)."""
+    p, W = cfg.ppo, cfg.workers
     t0 = time.perf_counter()
-    picked = rng.sample(range(len(data.prompts)), p.prompts_per_iter)
-    prompts = [data.prompts[i] for i in picked for _ in range(n)]  # a prompt's n in a row
-    fields = [data.fields[i] for i in picked for _ in range(n)] if data.fields else None
-    request = RolloutRequest(prompts, seeds(rng, len(prompts)))
-    rollouts = graph["policy"].invoke(PolicyActor.generate, request)
+    batch = sample(graph, cfg, data, rng, reward_fn)
     t1 = time.perf_counter()
-    exps, stats = make_experience(graph, cfg, rollouts, reward_fn, fields)
+    exps, stats = make_experience(graph, cfg, batch, reward_fn)
     t2 = time.perf_counter()
+    pstats, cstats = [], []
     for _ in range(p.ppo_epochs):
         ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) if p.ptx_coef > 0 else None
                for _ in range(W)]
@@ -177,20 +94,24 @@ def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
                                               PerRank(ptx))
         critic = (graph["critic"].invoke_async(CriticActor.critic_step, PerRank(exps), it)
                   if cfg.uses_critic() else None)
-        pstats, cstats = policy.result(), critic.result() if critic else None
+        pstats += policy.result()
+        cstats += critic.result() if critic else []
+    rollouts = batch.rollouts
     tokens = sum(s.tokens for s in pstats)
     lengths = torch.cat([ro.action.sum(1) for ro in rollouts])
     rec = {"kind": "ppo", "step": it, "algorithm": cfg.algorithm, **stats,
-           "policy_loss": sum(s.policy_loss for s in pstats) / W,
+           "policy_loss": sum(s.policy_loss for s in pstats) / len(pstats),
            "entropy": sum(s.entropy * s.tokens for s in pstats) / max(tokens, 1),
            "clip_fraction": sum(s.clip_fraction * s.tokens for s in pstats) / max(tokens, 1),
            "response_length": lengths.mean().item(),
            "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2,
            "generated_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9)}
     if cstats:
-        rec["value_loss"] = sum(s.value_loss for s in cstats) / W
+        rec["value_loss"] = sum(s.value_loss for s in cstats) / len(cstats)
     if pstats[0].kl is not None:
-        rec["kl_loss"] = sum(s.kl for s in pstats) / W
+        rec["kl_loss"] = sum(s.kl for s in pstats) / len(pstats)
+    if pstats[0].ptx_loss is not None:
+        rec["ptx_loss"] = sum(s.ptx_loss for s in pstats) / len(pstats)
     if data.gold is not None:
         golds = [data.gold(q, r) for ro in rollouts for q, r in zip(ro.prompts, ro.responses)]
         rec["gold"] = sum(golds) / len(golds)
@@ -218,8 +139,9 @@ def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
     if cfg.uses_reference() and sft is not None:
         reference_of(graph, cfg).invoke(ReferenceCalls.load_reference, sft)
     graph["policy"].invoke(PolicyActor.begin_ppo, sft)
-    if "critic" in graph.roles:
-        graph["critic"].invoke(CriticActor.begin_ppo, str(reward_path))
+    if "critic" in graph.roles:  # from the reward model, or else the SFT policy's body
+        graph["critic"].invoke(CriticActor.begin_ppo,
+                               str(reward_path) if cfg.uses_reward_model() else None, sft)
     rng = random.Random(cfg.seed + 30)
     found = checkpoint.restore_latest(_trained(graph), root)
     if found is None:

@@ -27,7 +27,7 @@ class RewardFunctionError(RuntimeError):
 
 
 @dataclass
-class Scores:
+class Rewards:
     """A batch's scores (failures at failure_score) and its failures as (index, message)."""
 
     values: list[float]
@@ -84,12 +84,12 @@ class RewardFunction:
         self.failures = 0  # over the pool's life
 
     def __call__(self, prompts: list, responses: list[str],
-                 fields: list[dict] | None = None) -> Scores:
+                 fields: list[dict] | None = None) -> Rewards:
         fields = fields or [{}] * len(prompts)
         todo = [{"i": i, "prompt": p, "response": r, "fields": f}
                 for i, (p, r, f) in enumerate(zip(prompts, responses, fields))][::-1]
         values: list[float | None] = [None] * len(todo)
-        out = Scores([])
+        out = Rewards([])
         with selectors.DefaultSelector() as sel:
             for w in self.workers:
                 sel.register(w.proc.stdout, selectors.EVENT_READ, w)
@@ -112,7 +112,7 @@ class RewardFunction:
         self.failures += len(out.failures)
         return out
 
-    def _send(self, w: _Worker, request: dict, out: Scores, values: list, sel) -> None:
+    def _send(self, w: _Worker, request: dict, out: Rewards, values: list, sel) -> None:
         try:
             w.send(request)
         except (BrokenPipeError, OSError):
@@ -120,7 +120,7 @@ class RewardFunction:
             self._fail(w, f"the reward process had exited (code {w.proc.poll()})", out,
                        values, sel)
 
-    def _receive(self, w: _Worker, out: Scores, values: list, sel) -> None:
+    def _receive(self, w: _Worker, out: Rewards, values: list, sel) -> None:
         reply = w.read_line(0.0)
         if reply is None:
             if w.eof:
@@ -133,7 +133,7 @@ class RewardFunction:
         else:
             values[i] = reply["value"]
 
-    def _fail(self, w: _Worker, why: str, out: Scores, values: list, sel) -> None:
+    def _fail(self, w: _Worker, why: str, out: Rewards, values: list, sel) -> None:
         """The sample ``w`` was scoring fails; ``w``'s process is replaced by a fresh one."""
         out.failures.append((w.task, why))
         sel.unregister(w.proc.stdout)

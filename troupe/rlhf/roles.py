@@ -15,20 +15,18 @@ role shells (troupe.rlhf.workers)."""
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 
 from troupe.collectives import Communicator
-from troupe.compression import quantize_model, requantize
+from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels
 from troupe.devices import move, rng_state, set_rng_state, worker_device
-from troupe.generation import SamplingParams
-from troupe.models.io import load_module, save_module
 from troupe.models import save_pretrained
-from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
+from troupe.models.io import load_module, save_module
+from troupe.models.lora import inject_lora, merged_state_dict
 from troupe.rlhf import algorithms
-from troupe.rlhf.batch import completions, prompts, response_mask
+from troupe.rlhf.batch import completions
 from troupe.rlhf.common import Trainable, build_lm, micro_batches
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
@@ -44,6 +42,7 @@ from troupe.rlhf.experience import (
     SFTStats,
 )
 from troupe.rlhf.lm import GPTLM, ValueModel
+from troupe.rlhf.rollout import RolloutEngine
 
 
 class Policy:
@@ -54,7 +53,8 @@ class Policy:
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
         self.train = Trainable(self.lm, group, cfg.precision)
         self.ema = None
-        self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
+        self.algorithm = cfg.algo()
+        self.engine = RolloutEngine(cfg, self.tok)
 
     # step 1 ---------------------------------------------------------------------------------
     def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
@@ -80,7 +80,7 @@ class Policy:
         """Step 3 starts from the SFT weights (None: from the model's own)."""
         if sft_path is not None:
             load_module(sft_path, self.lm)
-        if self.cfg.algorithm == "dpo":
+        if not self.algorithm.online:
             d = self.cfg.dpo
             self.train.use_optimizer(d.optimizer, d.steps)
             return
@@ -93,59 +93,14 @@ class Policy:
         if self.cfg.ppo.ema:
             self.ema = copy.deepcopy(self.lm)
 
-    @torch.no_grad()
     def generate(self, request: RolloutRequest) -> Rollout:
-        """Sample responses in the inference layout (eval mode, LoRA fused, INT8 weights if
-        the recipe says so) through troupe.generation's engine, one seed per prompt."""
+        """Responses from the rollout engine, with the current weights (the EMA's if asked)."""
         model = self.ema if request.use_ema and self.ema is not None else self.lm
-        t0 = time.perf_counter()
         if self.cfg.ppo.release_memory:
             self.train.flat.free_grad()  # zero between updates: nothing is lost
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        model.eval()
-        fused = self.cfg.ppo.lora.enabled and fuse_lora(model)
-        p = self.cfg.ppo
-        temp = p.temperature if request.temperature is None else request.temperature
-        engine = self._int8_engine(model) if p.int8_generation else model
-        params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp, top_p=p.top_p,
-                                 seed=seed) for seed in request.seeds]
-        tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
-                                 self.tok.eos_id, p.generation_batch,
-                                 keep_packed=p.keep_decode_weights and engine is model)
-        if fused:
-            unfuse_lora(model)
-        rollout = self._rollout(request.prompts, tokens)
-        rollout.seconds = time.perf_counter() - t0
-        return rollout
-
-    def _rollout(self, texts: list[str], tokens: list[list[int]]) -> Rollout:
-        """Prompts and sampled tokens as left-padded sequences with their masks."""
-        eos, N = self.tok.eos_id, self.cfg.ppo.max_new_tokens
-        p_ids, p_valid = prompts(self.tok, texts)
-        resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens],  # host: a rollout
-                            dtype=torch.long)
-        rmask = response_mask(resp, eos)
-        ids = torch.cat([p_ids, resp], 1)
-        valid = torch.cat([p_valid, rmask.bool()], 1)
-        P = p_ids.shape[1]
-        action = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
-        action[:, P - 1:] = rmask  # target t+1 predicted at t
-        responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
-        return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
-
-    def _int8_engine(self, model):
-        """The inference layout with INT8 weights: a copy whose linear layers run W8A8 (the
-        tied output embedding stays fp32), made at the first rollout and re-quantized in
-        place from the policy's current weights at each later one (the policy changes only
-        between rollouts: once per update)."""
-        if self._int8 is None or self._int8[0] is not model:
-            engine = copy.deepcopy(model)
-            quantize_model(engine, {"*": "w8a8"})
-            self._int8 = (model, engine)
-        else:
-            requantize(self._int8[1], model)
-        return self._int8[1]
+        return self.engine.generate(model, request)
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
@@ -154,38 +109,39 @@ class Policy:
 
     def ppo_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None) -> PolicyStats:
-        """One update on the experience: the clipped surrogate (ratio against the sampling
-        policy's log-probabilities, or 1 when the experience has none: a single on-policy
-        epoch), plus the KL to the reference when it is a loss term; token-mean over the batch."""
+        """One update on the experience: the algorithm's surrogate (its ratio against the
+        sampling policy's log-probabilities, or 1 when the experience has none: a single
+        on-policy epoch), plus the KL to the reference when it is a loss term, averaged over
+        the batch's units (tokens, or sequences for a sequence-level loss)."""
         self.lm.train()
-        p, cfg = self.cfg.ppo, self.cfg
-        kl_coef = p.kl_coef if cfg.kl_in_loss() else 0.0
-        total = exp.action.sum().clamp_min(1)
+        p, cfg, alg = self.cfg.ppo, self.cfg, self.algorithm
+        kl_coef = cfg.kl_coef() if cfg.kl_in_loss() else 0.0
+        clip, clip_high = cfg.clip()
+        total, tokens = alg.loss_units(exp.action).clamp_min(1), exp.action.sum().clamp_min(1)
         policy_loss, kl_sum, ent_sum, clip_sum, ptx_loss = 0.0, 0.0, 0.0, 0.0, None
         for s in micro_batches(len(exp.ids), p.micro_batch_size):
             mask = exp.action[s]
             logp, ent = self.lm.token_logprobs(exp.ids[s], exp.valid[s], mask, entropy=True,
                                                prompt_len=exp.prompt_len)
             old = exp.old_logp[s] if exp.old_logp is not None else logp.detach()
-            share = mask.sum() / total  # of the batch's masked mean
-            loss = share * algorithms.policy_loss(logp, old, exp.advantages[s], mask,
-                                                  p.policy_clip, p.clip_high)
+            surrogate, clipped = alg.policy_loss(logp, old, exp.advantages[s], mask, clip,
+                                                 clip_high)
+            loss = alg.loss_units(mask) / total * surrogate  # its share of the batch's mean
+            policy_loss += loss.item()
             if kl_coef > 0:
                 kl = algorithms.masked_mean(
                     algorithms.kl_estimate(logp, exp.ref_logp[s], cfg.kl_estimator()), mask)
-                loss = loss + share * kl_coef * kl
-                kl_sum += (share * kl).item()
+                loss = loss + mask.sum() / tokens * kl_coef * kl
+                kl_sum += (mask.sum() / tokens * kl).item()
             self.train.backward(loss)
-            policy_loss += loss.item()
             ent_sum += (ent * mask).sum().item()
-            clip_sum += (algorithms.clip_fraction(logp.detach(), old, exp.advantages[s], mask,
-                                                  p.policy_clip, p.clip_high) * mask.sum()).item()
+            clip_sum += (clipped * mask.sum()).item()
         if ptx and p.ptx_coef > 0:
             ptx_loss = self._lm_loss(ptx, p.micro_batch_size, p.ptx_coef)
         self.train.step(iteration)
         if self.ema is not None:
             algorithms.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
-        n = int(total.item())
+        n = int(tokens.item())
         return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
                            ent_sum / n, clip_sum / n, n)
 
@@ -260,7 +216,8 @@ class Reference:
 
     def __init__(self, cfg: RLHFConfig, rank: int):
         self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, tokenizer=cfg.algorithm == "dpo",
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision,
+                                     tokenizer=not cfg.algo().online,  # DPO's pairs are text
                                      device=self.device)
         self.lm.requires_grad_(False)
         self.micro = cfg.ppo.micro_batch_size
@@ -362,7 +319,8 @@ class Reward:
 
 
 class Critic:
-    """The value function, started from the reward model's weights."""
+    """The value function, started from the reward model's weights (or, without one, from the
+    SFT policy's body and a fresh head: ``begin_ppo``)."""
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
@@ -371,8 +329,14 @@ class Critic:
         self.model = ValueModel(lm).to(self.device)
         self.train = Trainable(self.model, group, cfg.precision)
 
-    def begin_ppo(self, reward_path: str) -> None:
-        load_module(reward_path, self.model)
+    def begin_ppo(self, reward_path: str | None, sft_path: str | None = None) -> None:
+        """Step 3 starts from the reward model's weights, head included; without a learned
+        reward model, from the SFT policy's body (None: the model's own) and a fresh value
+        head (zero: every value starts at 0)."""
+        if reward_path is not None:
+            load_module(reward_path, self.model)
+        elif sft_path is not None:
+            load_module(sft_path, self.model.lm)
         self.train.use_optimizer(self.cfg.ppo.critic,
                                  self.cfg.ppo.iterations * self.cfg.ppo.ppo_epochs)
 

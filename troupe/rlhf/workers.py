@@ -244,8 +244,8 @@ class CriticActor(_TrainedShell, RewardCalls):
         self.role = Critic(self.cfg, group, rank)
 
     @dispatch(Dispatch.ALL)
-    def begin_ppo(self, reward_path: str) -> None:
-        self.role.begin_ppo(reward_path)
+    def begin_ppo(self, reward_path: str | None, sft_path: str | None = None) -> None:
+        self.role.begin_ppo(reward_path, sft_path)
 
     @dispatch(Dispatch.SHARD)
     def values(self, rollout: Rollout) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The arithmetic of the RL algorithms, as pure tensor functions: PPO with GAE (DeepSpeed-Chat),
 the critic-free estimators (GRPO's group-normalized, RLOO's leave-one-out, REINFORCE++'s
-globally normalized returns), the KL estimators, the clipped surrogate (with clip-higher), the
-value loss, DPO/IPO and the pairwise reward-model loss.
+globally normalized returns), the KL estimators, the clipped surrogate (token-level, with
+clip-higher; GSPO's sequence-level), DAPO's overlong reward shaping, the value loss, DPO/IPO
+and the pairwise reward-model loss. The algorithm objects (troupe.rlhf.algorithms) compose
+them.
 
 Shapes: B sequences, R response positions. ``mask_BR`` marks real response tokens (the prompt is
-not part of R; padding after the end of a response is 0). Group estimators take the B sequences
-as B / n groups of n consecutive samples of one prompt."""
+not part of R; padding after the end of a response is 0). Group estimators take a group id per
+sequence, ``group_B`` (the samples of one prompt share one), so rows may come in any order."""
 
 from __future__ import annotations
 
@@ -64,31 +66,70 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1)
 
 
-def _groups(score_B: torch.Tensor, n: int) -> torch.Tensor:
-    if n < 2 or score_B.numel() % n:
-        raise ValueError(f"group estimators need n >= 2 samples per prompt and a batch that is a "
-                         f"multiple of n; got n={n} for {score_B.numel()} sequences")
-    return score_B.reshape(-1, n)
+def group_ids(B: int, n: int) -> torch.Tensor:
+    """Ids for B rows that come as groups of n consecutive samples: 0, .., 0, 1, .., 1, ..."""
+    if n < 1 or B % n:
+        raise ValueError(f"{B} rows do not split into groups of n={n}")
+    return torch.arange(B) // n
 
 
-def grpo_advantages(score_B: torch.Tensor, n: int, std_normalize: bool = True,
+def _by_group(score_B: torch.Tensor, group_B: torch.Tensor, per_group) -> torch.Tensor:
+    """``per_group(g_GN) -> (G, N)`` applied to the scores arranged one group per row, the
+    result put back in the rows' order. Groups of unequal sizes go one at a time (G = 1)."""
+    _, inverse, counts = torch.unique(group_B.to(score_B.device), return_inverse=True,
+                                      return_counts=True)
+    if (counts < 2).any():
+        raise ValueError(f"group estimators need at least 2 samples per group; group sizes: "
+                         f"{sorted(set(counts.tolist()))}")
+    out = torch.empty_like(score_B)
+    if (counts == counts[0]).all():
+        order = torch.argsort(inverse, stable=True)
+        out[order] = per_group(score_B[order].reshape(len(counts), -1)).reshape(-1)
+        return out
+    for g in range(len(counts)):
+        rows = (inverse == g).nonzero().squeeze(1)
+        out[rows] = per_group(score_B[rows][None])[0]
+    return out
+
+
+def grpo_advantages(score_B: torch.Tensor, group_B: torch.Tensor, std_normalize: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024): each sample's score minus its group's mean, over the group's
     standard deviation (unbiased, as the paper's; ``std_normalize=False`` is Dr. GRPO's
     unscaled form). (B,): one advantage per sequence, given to every one of its tokens."""
-    g = _groups(score_B, n)
-    adv = g - g.mean(1, keepdim=True)
-    if std_normalize:
-        adv = adv / (g.std(1, keepdim=True) + eps)
-    return adv.reshape(-1)
+    def normalize(g):
+        adv = g - g.mean(1, keepdim=True)
+        return adv / (g.std(1, keepdim=True) + eps) if std_normalize else adv
+    return _by_group(score_B, group_B, normalize)
 
 
-def rloo_advantages(score_B: torch.Tensor, n: int) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024): each sample's score minus the mean of the other n - 1
-    samples of its prompt, which equals n / (n - 1) x (score - group mean). (B,)."""
-    g = _groups(score_B, n)
-    baseline = (g.sum(1, keepdim=True) - g) / (n - 1)
-    return (g - baseline).reshape(-1)
+def rloo_advantages(score_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each sample's score minus the mean of the other samples of
+    its group, which equals n / (n - 1) x (score - group mean) for a group of n. (B,)."""
+    def leave_one_out(g):
+        return g - (g.sum(1, keepdim=True) - g) / (g.shape[1] - 1)
+    return _by_group(score_B, group_B, leave_one_out)
+
+
+def spread_groups(score_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the rows whose group's scores are not all equal (DAPO's dynamic sampling
+    keeps these: a group of equal rewards has zero advantage everywhere, no gradient)."""
+    _, inverse = torch.unique(group_B, return_inverse=True)
+    G = int(inverse.max()) + 1 if len(inverse) else 0
+    lo = torch.full((G,), float("inf")).scatter_reduce(0, inverse, score_B.float(), "amin")
+    hi = torch.full((G,), float("-inf")).scatter_reduce(0, inverse, score_B.float(), "amax")
+    return (hi > lo)[inverse]
+
+
+def overlong_penalty(length_B: torch.Tensor, max_len: int, buffer: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025), (B,) <= 0: nothing for a response of
+    at most max_len - buffer tokens, then falling linearly to -factor at max_len tokens (a
+    response cut at the limit: it never ended), -factor beyond."""
+    if buffer <= 0:
+        return torch.zeros_like(length_B, dtype=torch.float)
+    over = (length_B.float() - (max_len - buffer)).clamp(min=0) / buffer
+    return -factor * over.clamp(max=1.0)
 
 
 def sequence_advantages(adv_B: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
@@ -134,6 +175,25 @@ def policy_loss(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor, adv_BR: torch.
     hi = clip if clip_high is None else clip_high
     loss = torch.max(-adv_BR * ratio, -adv_BR * ratio.clamp(1 - clip, 1 + hi))
     return masked_mean(loss, mask_BR)
+
+
+def sequence_policy_loss(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor,
+                         adv_BR: torch.Tensor, mask_BR: torch.Tensor, clip: float,
+                         clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): the clipped surrogate on the sequence-level importance ratio
+    s = exp(mean over the response's tokens of logp - old_logp), with the sequence's advantage
+    (the mean of its tokens' advantages), averaged over the sequences that have a response.
+    Returns (loss, share of the response tokens whose sequence is clipped)."""
+    n_B = mask_BR.sum(1)
+    has = n_B > 0
+    log_s = ((logp_BR - old_logp_BR) * mask_BR).sum(1) / n_B.clamp_min(1)
+    s = torch.exp(log_s)
+    adv_B = (adv_BR * mask_BR).sum(1) / n_B.clamp_min(1)
+    hi = clip if clip_high is None else clip_high
+    loss_B = torch.max(-adv_B * s, -adv_B * s.clamp(1 - clip, 1 + hi))
+    loss = (loss_B * has).sum() / has.sum().clamp_min(1)
+    clipped = ((s.detach() > 1 + hi) & (adv_B > 0)) | ((s.detach() < 1 - clip) & (adv_B < 0))
+    return loss, masked_mean(clipped[:, None].float().expand_as(mask_BR), mask_BR)
 
 
 def clip_fraction(logp_BR: torch.Tensor, old_logp_BR: torch.Tensor, adv_BR: torch.Tensor,

@@ -1,0 +1,80 @@
+"""The policy's rollout engine: what samples responses from the trained model's weights, in
+the inference layout (eval mode, no autograd, KV cache, LoRA adapters fused into the weights,
+INT8 weights when the recipe asks), through troupe.generation's continuous batcher and sampler.
+
+The trained model (troupe.rlhf.roles.Policy) owns the weights and hands them to the engine at
+each rollout; the engine owns what only sampling needs (the tokenizer's prompt rendering, the
+INT8 copy, the sampling settings), as verl separates an actor from its rollout. Today both
+live in the policy's worker processes; an engine of its own on other actors would receive the
+weights instead of sharing them.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from troupe.compression import quantize_model, requantize
+from troupe.generation import SamplingParams
+from troupe.models.lora import fuse_lora, unfuse_lora
+from troupe.rlhf.batch import prompts, response_mask
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.experience import Rollout, RolloutRequest
+
+
+class RolloutEngine:
+    def __init__(self, cfg: RLHFConfig, tok):
+        self.cfg, self.tok = cfg, tok
+        self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
+
+    @torch.no_grad()
+    def generate(self, model: torch.nn.Module, request: RolloutRequest) -> Rollout:
+        """Sample responses to the request's prompts from ``model``'s weights, one seed per
+        prompt; the model is left as it came (adapters unfused) whatever happens."""
+        t0, p = time.perf_counter(), self.cfg.ppo
+        model.eval()
+        fused = p.lora.enabled and fuse_lora(model)
+        try:
+            temp = p.temperature if request.temperature is None else request.temperature
+            engine = self._int8_engine(model) if p.int8_generation else model
+            params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp,
+                                     top_p=p.top_p, seed=seed) for seed in request.seeds]
+            tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
+                                     self.tok.eos_id, p.generation_batch,
+                                     keep_packed=p.keep_decode_weights and engine is model)
+        finally:
+            if fused:
+                unfuse_lora(model)
+        rollout = self._rollout(request.prompts, tokens)
+        rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
+        return rollout
+
+    def _rollout(self, texts: list, tokens: list[list[int]]) -> Rollout:
+        """Prompts and sampled tokens as left-padded sequences with their masks."""
+        eos, N = self.tok.eos_id, self.cfg.ppo.max_new_tokens
+        p_ids, p_valid = prompts(self.tok, texts)
+        resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens],  # host: a rollout
+                            dtype=torch.long)
+        rmask = response_mask(resp, eos)
+        ids = torch.cat([p_ids, resp], 1)
+        valid = torch.cat([p_valid, rmask.bool()], 1)
+        P = p_ids.shape[1]
+        action = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+        action[:, P - 1:] = rmask  # target t+1 predicted at t
+        responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
+        return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
+
+    def _int8_engine(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The inference layout with INT8 weights: a copy whose linear layers run W8A8 (the
+        tied output embedding stays fp32), made at the first rollout and re-quantized in
+        place from the policy's current weights at each later one (the policy changes only
+        between rollouts: once per update)."""
+        if self._int8 is None or self._int8[0] is not model:
+            engine = copy.deepcopy(model)
+            quantize_model(engine, {"*": "w8a8"})
+            self._int8 = (model, engine)
+        else:
+            requantize(self._int8[1], model)
+        return self._int8[1]
