@@ -33,13 +33,13 @@ def troupe_side(a, tmp: Path) -> dict:
     out = tmp / "troupe"
     cmd = [sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config",
            str(ROOT / "apps" / "configs" / "grpo-smollm2.yaml"), f"model.pretrained={a.model}",
-           f"ppo.iterations={a.steps}", f"ppo.prompts_per_iter={a.prompts}",
-           f"ppo.samples_per_prompt={a.group}", f"ppo.max_new_tokens={a.new_tokens}",
-           f"ppo.kl_coef={a.beta}", f"ppo.threads={a.threads}", "ppo.checkpoint_every=0",
-           f"ppo.eval_every={a.steps}", "task.eval_examples=8", f"out_dir={out}"]
+           f"step3.iterations={a.steps}", f"step3.prompts_per_iter={a.prompts}",
+           f"step3.samples_per_prompt={a.group}", f"step3.max_new_tokens={a.new_tokens}",
+           f"step3.kl_coef={a.beta}", f"step3.threads={a.threads}", "step3.checkpoint_every=0",
+           f"step3.eval_every={a.steps}", "task.eval_examples=8", f"out_dir={out}"]
     mem = measure(cmd)
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if r["kind"] == "ppo"][1:]
+    steps = [r for r in recs if r["kind"] == "step3"][1:]
     tokens = [r["response_length"] * a.prompts * a.group for r in steps]
     return {"side": "troupe", "cmd": " ".join(cmd[1:]), "exit": mem["exit"],
             "s_per_iteration": statistics.median(r["generate_s"] + r["score_s"] + r["train_s"]

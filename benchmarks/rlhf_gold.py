@@ -1,5 +1,5 @@
-"""The RLHF claim: on the bundled task, step 3 (PPO, GRPO, RLOO, REINFORCE++ against the learned
-reward model; DPO on the preference pairs) raises the gold reward (a program the reward model
+"""The RLHF claim: on the bundled task, step 3 (PPO, GRPO, RLOO, REINFORCE++, DAPO, GSPO against
+the learned reward model; DPO on the preference pairs) raises the gold reward (a program the reward model
 never sees) above the SFT policy's, with the KL to the reference bounded; over several seeds.
 
     python benchmarks/rlhf_gold.py [--seeds 0 1 2] [--algorithms ppo grpo rloo reinforce_pp dpo]
@@ -12,6 +12,10 @@ for GRPO the loss term's per-token estimate), the mean seconds of an iteration's
 training, and the wall time of the whole run. GRPO and
 RLOO sample 4 responses for each of 8 prompts per iteration (PPO: 1 for each of 32). dpo is the
 recipe's (RPO: DPO plus the chosen responses' NLL); dpo_plain is DPO alone at a lower rate.
+DAPO and GSPO sample as GRPO, without a KL term; dapo_binary is DAPO with the 0/1 reward
+function apps.rewards:sorted_exactly instead of the reward model (a reward whose groups are
+often all equal, which DAPO's dynamic sampling drops: its records add the groups kept and the
+sampling rounds per iteration).
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRA = {"ppo": [], "grpo": ["ppo.prompts_per_iter=8"], "rloo": ["ppo.prompts_per_iter=8"],
-         "reinforce_pp": [], "dpo": [],  # the same 32 sequences an iteration
-         "dpo_plain": ["dpo.sft_coef=0", "dpo.optimizer.lr=2e-5", "dpo.optimizer.min_lr=2e-6"]}
+GROUPS = ["step3.prompts_per_iter=8"]  # 4 samples of 8 prompts: PPO's 32 sequences
+EXTRA = {"ppo": [], "grpo": GROUPS, "rloo": GROUPS, "reinforce_pp": [], "dpo": [],
+         "dpo_plain": ["dpo.sft_coef=0", "dpo.optimizer.lr=2e-5", "dpo.optimizer.min_lr=2e-6"],
+         "dapo": GROUPS, "gspo": GROUPS,
+         "dapo_binary": [*GROUPS, "reward.function=apps.rewards:sorted_exactly"]}
+ALGORITHM = {"dpo_plain": "dpo", "dapo_binary": "dapo"}  # the variants' algorithm
 
 
 def main() -> None:
@@ -44,19 +51,20 @@ def main() -> None:
             out = ROOT / "runs" / f"rlhf-{alg}-seed{seed}{a.tag}"
             t0 = time.perf_counter()
             subprocess.run([sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config", a.config,
-                            f"algorithm={alg.split('_plain')[0]}", f"seed={seed}",
+                            f"algorithm={ALGORITHM.get(alg, alg)}", f"seed={seed}",
                             f"out_dir={out}", *EXTRA[alg],
                             *a.overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
             s = json.loads((out / "summary.json").read_text())
             recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            kl = [r.get("kl", r.get("kl_loss")) for r in recs if r["kind"] == "ppo"]
+            kl = [r.get("kl", r.get("kl_loss")) for r in recs if r["kind"] == "step3"]
             kl = [k for k in kl if k is not None] or [float("nan")]
-            steps = [r for r in recs if r["kind"] == "ppo" and "score_s" in r]
+            steps = [r for r in recs if r["kind"] == "step3" and "score_s" in r]
             timing = {f"{k}_mean": round(sum(r[k] for r in steps) / max(len(steps), 1), 4)
-                      for k in ("generate_s", "score_s", "train_s")}
-            before, after = s["ppo"]["before"], s["ppo"]["after"]
+                      for k in ("generate_s", "score_s", "train_s", "groups_kept",
+                                "sample_rounds") if all(k in r for r in steps)}
+            before, after = s["step3"]["before"], s["step3"]["after"]
             margins.append(after["gold"] - before["gold"])
             print(json.dumps({"bench": "rlhf_gold", "machine": platform.node(), "algorithm": alg,
                               "seed": seed,

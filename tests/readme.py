@@ -48,9 +48,9 @@ NOT_HERE = re.compile(r"<!--\s*readme-test:\s*not here:\s*(.+?)\s*-->")
 
 # Size overrides: each app command runs a few steps instead of a full run.
 SIZE = {
-    "rlhf": ["sft.steps=2", "reward.steps=2", "ppo.iterations=1", "ppo.eval_every=1",
-             "ppo.checkpoint_every=1", "dpo.steps=2", "dpo.eval_every=1", "task.eval_examples=8",
-             "ppo.prompts_per_iter=4", "sft.batch_size=4", "reward.batch_size=4",
+    "rlhf": ["sft.steps=2", "reward.steps=2", "step3.iterations=1", "step3.eval_every=1",
+             "step3.checkpoint_every=1", "dpo.steps=2", "dpo.eval_every=1", "task.eval_examples=8",
+             "step3.prompts_per_iter=4", "sft.batch_size=4", "reward.batch_size=4",
              "dpo.batch_size=4"],
     "pretrain": ["train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                  "train.checkpoint_every=2"],

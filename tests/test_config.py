@@ -56,7 +56,7 @@ def test_override_syntax_and_yaml_errors(tmp_path):
     ("troupe.pretrain.config.PretrainConfig", "model.vocab_size=10", "model.vocab_size=10"),
     ("troupe.rlhf.config.RLHFConfig", "model.gpt.vocab_size=10", "model.gpt.vocab_size=10"),
     ("troupe.pretrain.config.PretrainConfig", "optimizer.betas=[1.5,0.9]", "optimizer.betas.0"),
-    ("troupe.rlhf.config.RLHFConfig", "ppo.actor.betas=[0.9,1.0]", "ppo.actor.betas.1"),
+    ("troupe.rlhf.config.RLHFConfig", "step3.actor.betas=[0.9,1.0]", "step3.actor.betas.1"),
 ])
 def test_values_that_would_fail_later_are_refused_by_name(cls, override, words):
     """A byte-level model whose vocabulary cannot hold the byte ids (an IndexError at the

@@ -81,7 +81,7 @@ def test_imports_point_down():
 @pytest.mark.parametrize("module,source", [
     ("troupe.models.gpt", "from troupe.runtime import ActorGraph"),          # upward
     ("troupe.actors.worker", "from troupe.runtime.graph import rewire"),     # upward
-    ("troupe.rlhf.ppo", "from troupe.serving.model import load_source"),     # across apps
+    ("troupe.rlhf.step3", "from troupe.serving.model import load_source"),     # across apps
     ("troupe.pretrain.driver", "import troupe.rlhf.data"),                   # across apps
     ("troupe.context", "from troupe.collectives import get_group"),          # leaf
 ])

@@ -36,9 +36,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_the_size_overrides_keep_what_a_line_sets():
-    line = "python apps/rlhf.py algorithm=grpo ppo.prompts_per_iter=8"
+    line = "python apps/rlhf.py algorithm=grpo step3.prompts_per_iter=8"
     sized = readme.with_sizes(line)
-    assert sized.startswith(line) and "ppo.prompts_per_iter=4" not in sized
+    assert sized.startswith(line) and "step3.prompts_per_iter=4" not in sized
     assert "sft.steps=2" in sized and readme.with_sizes("troupe serve --help") == \
         "troupe serve --help"
 

@@ -48,24 +48,68 @@ class AppConfig(Config):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or not cls.MOVED:
-            return data
-        data = dict(data)
-        for old, new in cls.MOVED.items():
-            *parents, leaf = old.split(".")
-            node: Any = data
-            for part in parents:
-                node = node.get(part) if isinstance(node, dict) else None
-            if not isinstance(node, dict) or leaf not in node:
-                continue
-            node = _copy_path(data, parents)
-            value = node.pop(leaf)
-            if new in data:
-                raise ValueError(f"{old} and {new} both given: {old} is now {new}; keep only "
-                                 f"{new}")
-            log.warning("config: %s is now %s (read as %s=%s)", old, new, new, value)
-            data[new] = value
+        return move_keys(cls.MOVED, data)
+
+
+def move_keys(moved: dict[str, str], data: Any) -> Any:
+    """``data`` with each key of ``moved`` (old dotted place -> new top-level name) read as its
+    new name, one warning each; a section under both names is merged (a key in both: error)."""
+    if not isinstance(data, dict) or not moved:
         return data
+    data = dict(data)
+    for old, new in moved.items():
+        *parents, leaf = old.split(".")
+        node: Any = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        node = _copy_path(data, parents)
+        value = node.pop(leaf)
+        if isinstance(value, dict) and isinstance(data.get(new), dict):
+            value = _merge_section(old, value, new, data[new])
+        elif new in data:
+            raise ValueError(f"{old} and {new} both given: {old} is now {new}; keep only "
+                             f"{new}")
+        log.warning("config: %s is now %s (read as %s=%s)", old, new, new, value)
+        data[new] = value
+    return data
+
+
+def moved_overrides(moved: dict[str, str], overrides: Sequence[str]) -> list[str]:
+    """``a.b=c`` overrides with keys in an old place renamed (so that an override by the old
+    name still beats the recipe's value under the new one); the same key by both names is an
+    error."""
+    given = {item.partition("=")[0] for item in overrides}
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        for old, new in moved.items():
+            if key == old or key.startswith(old + "."):
+                renamed = new + key[len(old):]
+                if renamed in given:
+                    raise ConfigError(f"{key} and {renamed} both given: {old} is now {new}; "
+                                      f"keep only {renamed}")
+                log.warning("config: %s is now %s (read as %s)", key, renamed, renamed)
+                key = renamed
+                break
+        out.append(key + sep + value)
+    return out
+
+
+def _merge_section(old: str, value: dict, new: str, current: dict) -> dict:
+    """A section under its old name merged into the one under its new name (an override
+    ``ppo.kl_coef=0.1`` beside a recipe's ``step3:``); a key given in both is an error."""
+    out = dict(current)
+    for key, v in value.items():
+        if isinstance(v, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge_section(f"{old}.{key}", v, f"{new}.{key}", out[key])
+        elif key in out:
+            raise ValueError(f"{old}.{key} and {new}.{key} both given: {old} is now {new}; "
+                             f"keep only {new}.{key}")
+        else:
+            out[key] = v
+    return out
 
 
 def _copy_path(data: dict, parents: list[str]) -> dict:
@@ -194,7 +238,12 @@ def load_config(
 ) -> C:
     """Load ``cls`` from an optional YAML file plus ``a.b=c`` overrides, validated together."""
     data = read_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides)
+    moved = getattr(cls, "MOVED", {})
+    try:
+        data = move_keys(moved, data)
+    except ValueError as e:
+        raise ConfigError(f"invalid config from {path}: {e}") from None
+    data = apply_overrides(data, moved_overrides(moved, overrides))
     source = str(path) if path is not None else "defaults"
     if overrides:
         source += " with overrides " + " ".join(overrides)

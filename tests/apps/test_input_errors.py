@@ -41,7 +41,7 @@ def bad_files(tmp_path):
     ("pretrain", ["model.d_ff=-5"], "model.d_ff"),
     ("pretrain", ["model.seq_len=1e8"], "model.seq_len"),
     ("pretrain", ["optimizer.lr=.inf"], "optimizer.lr"),
-    ("rlhf", ["ppo.top_p=0"], "ppo.top_p"),
+    ("rlhf", ["step3.top_p=0"], "step3.top_p"),
     ("serve", ["quantize.*=w3a3"], "mode 'w3a3' is not one of"),
     ("serve", ["model.checkpoint=s3://bucket/run"], "model.checkpoint="),
 ])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from troupe.config import ConfigError, load_config, recipe_path
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.config import RLHFConfig
 
@@ -18,19 +19,33 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bad_override_is_named():
-    out = _cli("ppo.iteratoins=3")
-    assert out.returncode == 2 and "ppo.iteratoins: unknown key" in out.stderr
+    out = _cli("step3.iteratoins=3")
+    assert out.returncode == 2 and "step3.iteratoins: unknown key" in out.stderr
 
 
-def test_resume_is_for_ppo_alone():
+def test_resume_is_for_step3_alone():
     out = _cli("--resume")
-    assert out.returncode == 2 and "--step ppo alone" in out.stderr
+    assert out.returncode == 2 and "--step step3 alone" in out.stderr
     with pytest.raises(ValueError, match="steps 1 and 2 would change"):
-        rlhf.run(RLHFConfig(), ("sft", "ppo"), resume=True)
+        rlhf.run(RLHFConfig(), ("sft", "step3"), resume=True)
+
+
+def test_step3_still_answers_to_its_older_name_ppo():
+    """A ``ppo:`` section or ``ppo.KEY`` override (beside a recipe's ``step3:``) and
+    ``steps: [ppo]`` are read as step3; the same key under both names is refused."""
+    cfg = load_config(RLHFConfig, recipe_path("rlhf-sort"),
+                      ["ppo.kl_coef=0.1", "ppo.lora.rank=4", "steps=[ppo]"])
+    assert (cfg.step3.kl_coef, cfg.step3.lora.rank, cfg.step3.iterations) == (0.1, 4, 200)
+    assert cfg.steps == ["step3"]
+    with pytest.raises(ConfigError, match="ppo.kl_coef and step3.kl_coef both given"):
+        load_config(RLHFConfig, recipe_path("rlhf-sort"), ["ppo.kl_coef=0.1",
+                                                                   "step3.kl_coef=0.2"])
+    out = _cli("--step", "ppo", "--resume", "step3.iterationz=1")  # --step ppo is accepted
+    assert out.returncode == 2 and "step3.iterationz: unknown key" in out.stderr
 
 
 def test_overrides_may_come_before_and_after_options():
-    out = _cli("algorithm=dpo", "--step", "ppo", "dpo.stepz=3")
+    out = _cli("algorithm=dpo", "--step", "step3", "dpo.stepz=3")
     assert out.returncode == 2 and "dpo.stepz: unknown key" in out.stderr
 
 

@@ -65,7 +65,7 @@ def test_engine_tokens_with_and_without_packed_weights(arch):
 
 
 def test_kept_weights_refresh_in_place_after_a_change():
-    """RLHF's policy keeps its packed weights between rollouts (ppo.keep_decode_weights):
+    """RLHF's policy keeps its packed weights between rollouts (step3.keep_decode_weights):
     after the weights change, a refresh packs them into the same buffers, and generation
     gives the tokens of freshly packed weights."""
     from troupe.rlhf.lm import GPTLM

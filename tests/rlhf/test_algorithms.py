@@ -37,14 +37,14 @@ def test_each_algorithm_states_its_roles_scores_and_kl():
     assert resolved("reinforce_pp") == (1, 0.05, False, (0.2, 0.2), False, True, ["logp", "ref"])
     assert resolved("dapo") == (4, 0.0, True, (0.2, 0.28), False, False, [])
     assert resolved("gspo") == (4, 0.0, True, (3e-4, 4e-4), False, False, [])
-    assert resolved("gspo", ppo=dict(ppo_epochs=2)) == (4, 0.0, True, (3e-4, 4e-4), False, False,
+    assert resolved("gspo", step3=dict(ppo_epochs=2)) == (4, 0.0, True, (3e-4, 4e-4), False, False,
                                                         ["logp"])
-    assert resolved("dpo", ppo=dict(kl_coef=0.0))[5] is True  # its reference is its baseline
+    assert resolved("dpo", step3=dict(kl_coef=0.0))[5] is True  # its reference is its baseline
     # a recipe's own values win over the algorithm's
-    assert RLHFConfig(algorithm="dapo", ppo=dict(kl_coef=0.1)).uses_reference()
-    assert RLHFConfig(algorithm="dapo", ppo=dict(policy_clip=0.1)).clip() == (0.1, 0.1)
+    assert RLHFConfig(algorithm="dapo", step3=dict(kl_coef=0.1)).uses_reference()
+    assert RLHFConfig(algorithm="dapo", step3=dict(policy_clip=0.1)).clip() == (0.1, 0.1)
     assert RLHFConfig(algorithm="dapo").dynamic_sampling()
-    assert RLHFConfig(algorithm="dapo", ppo=dict(max_new_tokens=8)).overlong_buffer() == 2
+    assert RLHFConfig(algorithm="dapo", step3=dict(max_new_tokens=8)).overlong_buffer() == 2
     assert RLHFConfig(algorithm="grpo").overlong_buffer() == 0
 
 
@@ -52,7 +52,7 @@ def test_each_algorithm_states_its_roles_scores_and_kl():
     (dict(algorithm="sarsa"), "algorithm: 'sarsa': expected one of ppo, .*dapo, gspo, dpo"),
     (dict(algorithm="no_such_module:X"), "cannot import it"),
     (dict(algorithm="math:pi"), "is a float, not an Algorithm"),
-    (dict(algorithm="grpo", ppo=dict(samples_per_prompt=1)), "needs at least 2"),
+    (dict(algorithm="grpo", step3=dict(samples_per_prompt=1)), "needs at least 2"),
     (dict(algorithm="gspo", reward_in_critic=True), "gspo has no critic"),
     (dict(algorithm="dpo", **FN), "uses no reward"),
     (dict(algorithm="dapo", reward=dict(model_coef=0)), "would have no reward"),
@@ -83,7 +83,7 @@ def test_overlong_penalty_by_hand():
 def test_dapo_advantages_with_overlong_shaping_by_hand():
     """Two groups of 2; the sequence rewards get the overlong penalty, then GRPO's
     normalization (unbiased std of 2 samples: |a - b| / sqrt(2))."""
-    cfg = RLHFConfig(algorithm="dapo", ppo=dict(max_new_tokens=4, overlong_buffer=2))
+    cfg = RLHFConfig(algorithm="dapo", step3=dict(max_new_tokens=4, overlong_buffer=2))
     action = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1.0]])
     reward = torch.tensor([1.0, 1.0, 0.0, 1.0])
     shaped = reward + overlong_penalty(action.sum(1), 4, cfg.overlong_buffer())
@@ -146,7 +146,7 @@ def test_dynamic_sampling_drops_equal_groups_and_refills():
     """Prompts "a" always get right answers, "b" always wrong, "c" mixed: only "c" groups
     have rewards that differ; rounds go on until 2 such groups are kept."""
     cfg = RLHFConfig(algorithm="dapo", workers=2, reward=dict(function="m:f"),
-                     ppo=dict(prompts_per_iter=2, samples_per_prompt=2, sample_rounds=4))
+                     step3=dict(prompts_per_iter=2, samples_per_prompt=2, sample_rounds=4))
     data = Data(sft=[], pairs=[], eval_pairs=[], prompts=["a", "c", "b", "c", "a", "c"],
                 eval_prompts=[], gold=None)
 

@@ -22,7 +22,7 @@ def _cfg(tmp_path, name, **over) -> RLHFConfig:
     base = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
                 task=dict(sft_examples=500, preference_examples=500, eval_examples=16),
                 sft=dict(steps=10, batch_size=8), reward=dict(steps=10, batch_size=8),
-                ppo=dict(iterations=3, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
+                step3=dict(iterations=3, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
                          checkpoint_every=1),
                 workers=2, out_dir=str(tmp_path / name))
     base.update(over)
@@ -33,23 +33,25 @@ def test_three_steps_end_to_end(cluster, tmp_path):
     cfg = _cfg(tmp_path, "e2e")
     summary = rlhf.run(cfg)
     out = tmp_path / "e2e"
-    for f in ("sft/policy.trp", "reward/reward.trp", "ppo/iter-00003/policy.trp",
-              "ppo/iter-00003/critic.trp", "rlhf.png", "metrics.jsonl", "summary.json"):
+    for f in ("sft/policy.trp", "reward/reward.trp", "step3/iter-00003/policy.trp",
+              "step3/iter-00003/critic.trp", "rlhf.png", "metrics.jsonl", "summary.json"):
         assert (out / f).is_file(), f
     kinds = {json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()}
-    assert {"sft", "sft_eval", "reward", "reward_eval", "ppo", "ppo_eval"} <= kinds
+    assert {"sft", "sft_eval", "reward", "reward_eval", "step3", "step3_eval"} <= kinds
     assert 0.0 <= summary["reward_accuracy"] <= 1.0
     ppo = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-           if '"kind": "ppo"' in line]
+           if '"kind": "step3"' in line]
     assert [r["step"] for r in ppo] == [1, 2, 3]
     assert all(r["generate_s"] > 0 and r["score_s"] > 0 and r["train_s"] > 0 for r in ppo)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-             if '"kind": "ppo_eval"' in line and '"peak_memory_mb"' in line]
+             if '"kind": "step3_eval"' in line and '"peak_memory_mb"' in line]
     assert evals and set(evals[-1]["peak_memory_mb"]) == set(rlhf.roles(cfg))
     assert all(mb > 50 for mb in evals[-1]["peak_memory_mb"].values())  # torch alone is more
     # step 3 alone reuses the weights of steps 1 and 2
-    again = rlhf.run(cfg, ("ppo",))
-    assert "after" in again["ppo"]
+    again = rlhf.run(cfg, ("ppo",))  # step 3's older name
+    assert "after" in again["step3"] and again["ppo"] == again["step3"]
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["ppo"] == saved["step3"] == json.loads(json.dumps(again["step3"]))
 
 
 def _once(at: int, action):
@@ -97,14 +99,14 @@ def _ppo(graph, cfg, out, hook=None, resume=False):
         graph[role].call("setup")
     base, log = Path(cfg.out_dir), rlhf.MetricsLog(out / "metrics.jsonl")
     try:
-        res = rlhf.run_ppo(graph, cfg, rlhf.prepare_data(cfg), log, out,
+        res = rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg), log, out,
                            base / "sft" / "policy.trp", base / "reward" / "reward.trp",
                            on_iteration=hook, resume=resume)
     except Interrupted:
         res = None
     final = {}
     for r in log.records():
-        if r["kind"] in ("ppo", "ppo_eval"):
+        if r["kind"] in ("step3", "step3_eval"):
             final[(r["kind"], r["step"])] = {k: v for k, v in r.items()
                                              if not k.endswith("_s") and k != "peak_memory_mb"}
     return res, final
@@ -126,7 +128,7 @@ def test_killed_policy_rank_recovers_and_repeats_the_uninterrupted_run(trained):
              if r["kind"] == "recovery"]
     assert (rec["role"], rec["rank"], rec["step"], rec["failed_step"]) == ("policy", 1, 2, 3)
     assert got == full  # every PPO and evaluation record, exactly
-    assert sorted(k[1] for k in got if k[0] == "ppo") == [1, 2, 3]
+    assert sorted(k[1] for k in got if k[0] == "step3") == [1, 2, 3]
     _assert_same_weights(out, Path(cfg.out_dir) / "full")
 
 
@@ -134,7 +136,7 @@ def test_interrupted_ppo_resumes_from_its_checkpoint(trained):
     cfg, graph, full = trained
     out = Path(cfg.out_dir) / "interrupted"
     res, _ = _ppo(graph, cfg, out, _once(3, _interrupt))
-    assert res is None and checkpoint.latest(out / "ppo" / "checkpoints").name == \
+    assert res is None and checkpoint.latest(out / "step3" / "checkpoints").name == \
         "step-00000002"
     res, got = _ppo(graph, cfg, out, resume=True)
     assert got == full and res["restarts"] == 0
@@ -144,8 +146,8 @@ def test_interrupted_ppo_resumes_from_its_checkpoint(trained):
 def _assert_same_weights(out, reference):
     """The final policy and critic weights of two runs are bit for bit the same."""
     for name in ("policy", "critic"):
-        _, mine = read_module_file(out / "ppo" / "iter-00003" / f"{name}.trp")
-        _, theirs = read_module_file(reference / "ppo" / "iter-00003" / f"{name}.trp")
+        _, mine = read_module_file(out / "step3" / "iter-00003" / f"{name}.trp")
+        _, theirs = read_module_file(reference / "step3" / "iter-00003" / f"{name}.trp")
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), name
 
@@ -157,7 +159,7 @@ def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
     out = tmp_path / "norestart"
     try:
         with pytest.raises(RunFailedError, match="critic") as err:
-            rlhf.run_ppo(graph, cfg, rlhf.prepare_data(cfg),
+            rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg),
                          rlhf.MetricsLog(out / "m.jsonl"), out, out / "sft" / "policy.trp",
                          out / "reward" / "reward.trp",
                          on_iteration=_once(2, _kill_rank1("critic")))
@@ -195,20 +197,20 @@ def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
     assert rlhf.roles(cfg) == {"dpo": ["policy", "reference"], "gspo": ["policy", "reward"]
                                }.get(algorithm, ["policy", "reference", "reward"])
     summary = rlhf.run(cfg)
-    assert {"sft", "ppo", "reward_accuracy"} - set(summary) == (
+    assert {"sft", "step3", "reward_accuracy"} - set(summary) == (
         {"reward_accuracy"} if algorithm == "dpo" else set())
-    assert "gold" in summary["ppo"]["before"] and "gold" in summary["ppo"]["after"]
+    assert "gold" in summary["step3"]["before"] and "gold" in summary["step3"]["after"]
     records = rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
-    kind = "dpo" if algorithm == "dpo" else "ppo"
+    kind = "dpo" if algorithm == "dpo" else "step3"
     steps = [r for r in records if r["kind"] == kind]
     assert len(steps) == (4 if algorithm == "dpo" else 3)
     if algorithm == "dpo":
         assert all(0 <= r["accuracy"] <= 1 for r in steps)
-        assert summary["ppo"]["reference_scored"] <= 4 * 8  # each pair scored once
+        assert summary["step3"]["reference_scored"] <= 4 * 8  # each pair scored once
     else:
         assert all(r["algorithm"] == algorithm and r["entropy"] > 0 and r["response_length"] > 0
                    and r["generated_tokens_per_s"] > 0 and "gold" in r for r in steps)
-        assert not (tmp_path / algorithm / "ppo" / "iter-00003" / "critic.trp").exists()
+        assert not (tmp_path / algorithm / "step3" / "iter-00003" / "critic.trp").exists()
 
 
 def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_path,
@@ -217,15 +219,15 @@ def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_p
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     cfg = _cfg(tmp_path, "flaky", algorithm="grpo",
                reward=dict(function="flaky_rewards:flaky", timeout_s=1.0, failure_score=-1.0),
-               ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
-                        checkpoint_every=0, temperature=1.5))
+               step3=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+                          checkpoint_every=0, temperature=1.5))
     assert rlhf.roles(cfg) == ["policy", "reference"]  # no reward model, no critic
-    summary = rlhf.run(cfg, ("sft", "ppo"))
+    summary = rlhf.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "flaky" / "metrics.jsonl").records()
-             if r["kind"] == "ppo"]
+             if r["kind"] == "step3"]
     assert len(steps) == 2
     failures = [r["reward_failures"] for r in steps]
-    assert summary["ppo"]["reward_failures"] == sum(failures) and all(f > 0 for f in failures)
+    assert summary["step3"]["reward_failures"] == sum(failures) and all(f > 0 for f in failures)
     assert (tmp_path / "hung").exists()  # the hang happened and cost its time limit only
 
 
@@ -242,7 +244,7 @@ def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, 
     for fused in (False, True):
         cfg = _cfg(tmp_path, f"{algorithm}{fused}", algorithm=algorithm,
                    reference_in_policy=fused, reward_in_critic=fused and algorithm == "ppo",
-                   ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+                   step3=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
                             checkpoint_every=0), **extra)
         want = {("grpo", False): ["policy", "reference"], ("grpo", True): ["policy"],
                 ("ppo", False): ["policy", "reference", "reward", "critic"],
@@ -252,7 +254,7 @@ def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, 
         runs[fused] = [{k: v for k, v in r.items()  # timings and memory differ
                         if not k.endswith("_s") and k != "peak_memory_mb"}
                        for r in rlhf.MetricsLog(tmp_path / f"{algorithm}{fused}" / "metrics.jsonl")
-                       .records() if r["kind"] in ("reward", "reward_eval", "ppo", "ppo_eval")]
+                       .records() if r["kind"] in ("reward", "reward_eval", "step3", "step3_eval")]
         runs[fused].append(summary.get("reward_accuracy"))
     assert runs[True] == runs[False]
     assert len(runs[True]) == (5 if algorithm == "grpo" else 16)  # (+ 10 reward steps, 1 eval)
@@ -291,7 +293,7 @@ def test_three_steps_on_cuda(cluster, tmp_path):
     finally:
         graph.shutdown()
     summary = rlhf.run(cfg)
-    assert all(torch.isfinite(torch.tensor(v)) for v in summary["ppo"]["after"].values()
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary["step3"]["after"].values()
                if isinstance(v, float))
     assert (tmp_path / "cuda" / "policy-hf" / "config.json").is_file()
 
@@ -315,12 +317,12 @@ def test_an_algorithm_declared_in_a_test_file_runs_through_the_driver(cluster, t
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "toy", algorithm=f"{__name__}:SignOfReward", **SORTED_EXACTLY)
     assert rlhf.roles(cfg) == ["policy"]  # no KL: no reference; a function: no reward model
-    summary = rlhf.run(cfg, ("sft", "ppo"))
+    summary = rlhf.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "toy" / "metrics.jsonl").records()
-             if r["kind"] == "ppo"]
+             if r["kind"] == "step3"]
     assert [r["algorithm"] for r in steps] == [cfg.algorithm] * 3
     assert all(0 <= r["positive_share"] <= 1 for r in steps)
-    assert "gold" in summary["ppo"]["after"]
+    assert "gold" in summary["step3"]["after"]
 
 
 SORTED_EXACTLY = dict(reward=dict(function="apps.rewards:sorted_exactly"))
@@ -333,21 +335,21 @@ def test_ppo_with_a_reward_function_alone_starts_its_critic_from_the_sft_policy(
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "ppo-fn", reward=dict(function="apps.rewards:sort_digits"))
     assert rlhf.roles(cfg) == ["policy", "reference", "critic"]
-    rlhf.run(cfg, ("sft", "ppo"))
+    rlhf.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "ppo-fn" / "metrics.jsonl").records()
-             if r["kind"] == "ppo"]
+             if r["kind"] == "step3"]
     assert len(steps) == 3 and all(r["value_loss"] > 0 for r in steps)
 
 
 def test_dapo_with_a_binary_reward_samples_dynamically(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "dapo", algorithm="dapo", **SORTED_EXACTLY,
-               ppo=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
+               step3=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
                         checkpoint_every=0, sample_rounds=2))
     assert rlhf.roles(cfg) == ["policy"]
-    rlhf.run(cfg, ("sft", "ppo"))
+    rlhf.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "dapo" / "metrics.jsonl").records()
-             if r["kind"] == "ppo"]
+             if r["kind"] == "step3"]
     assert len(steps) == 2
     for r in steps:  # every round drew 4 groups; what was short was filled
         assert r["groups_sampled"] == 4 * r["sample_rounds"]

@@ -20,7 +20,7 @@ def tiny_llama(tmp_path_factory):
 
 def test_every_role_runs_on_the_pretrained_model(tiny_llama, tmp_path):
     cfg = RLHFConfig(model=dict(pretrained=str(tiny_llama)), sft=dict(steps=20),
-                     reward=dict(steps=5), ppo=dict(max_new_tokens=6))
+                     reward=dict(steps=5), step3=dict(max_new_tokens=6))
     policy = Policy(cfg, None, 0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
     assert policy.tok.prompt("sort 31:") == hf_tok.encode("<user>sort 31:<end><assistant>",

@@ -15,7 +15,7 @@ from troupe.rlhf.lm import GPTLM
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
 
 SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
-             sft=dict(steps=30), reward=dict(steps=30), ppo=dict(iterations=5, max_new_tokens=6))
+             sft=dict(steps=30), reward=dict(steps=30), step3=dict(iterations=5, max_new_tokens=6))
 
 
 def test_jsonl_errors_name_file_and_line(tmp_path):
@@ -97,8 +97,8 @@ def _greedy_recompute(policy, texts, n):
 def test_ppo_step_on_own_samples():
     cfg = RLHFConfig(**SMALL)
     policy, critic = Policy(cfg, None, 0), Critic(cfg, None, 0)
-    policy.train.use_optimizer(cfg.ppo.actor, 5)
-    critic.train.use_optimizer(cfg.ppo.critic, 5)
+    policy.train.use_optimizer(cfg.step3.actor, 5)
+    critic.train.use_optimizer(cfg.step3.critic, 5)
     g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1]))
     assert g.ids.shape[1] == g.valid.shape[1] == g.action.shape[1] + 1
     old = policy.logprobs(g.ids, g.valid, g.action)
@@ -107,7 +107,7 @@ def test_ppo_step_on_own_samples():
     adv = torch.ones_like(old) * g.action
     exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=values, advantages=adv,
                      returns=adv)
-    stats = policy.ppo_step(exp, 1, None)
+    stats = policy.rl_step(exp, 1, None)
     assert stats.policy_loss == pytest.approx(-1.0, abs=1e-5)  # ratio 1: -mean(A)
     assert critic.critic_step(exp, 1).value_loss > 0
 
@@ -115,12 +115,12 @@ def test_ppo_step_on_own_samples():
 def test_lora_ema_and_ptx_in_ppo(tmp_path):
     """PPO with LoRA adapters, EMA and pretraining-loss mixing; the saved policy is a plain
     model equal to the adapted one."""
-    cfg = RLHFConfig(**{**SMALL, "ppo": dict(iterations=3, max_new_tokens=6, ema=True,
+    cfg = RLHFConfig(**{**SMALL, "step3": dict(iterations=3, max_new_tokens=6, ema=True,
                                                ptx_coef=0.5, lora=dict(enabled=True, rank=4))})
     sft = Policy(cfg, None, 0)
     sft.save(str(tmp_path / "sft.trp"))
     policy = Policy(cfg, None, 0)
-    policy.begin_ppo(str(tmp_path / "sft.trp"))
+    policy.begin_step3(str(tmp_path / "sft.trp"))
     trainable = [n for n, p in policy.lm.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     g = policy.generate(RolloutRequest(["sort 321:", "sort 90:"], [0, 1]))
@@ -128,7 +128,7 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
     exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=torch.zeros_like(old),
                      advantages=torch.randn_like(old) * g.action, returns=torch.zeros_like(old))
     demos = SortTask().demonstrations(4, 0)
-    stats = policy.ppo_step(exp, 1, demos)
+    stats = policy.rl_step(exp, 1, demos)
     assert stats.ptx_loss is not None
     ema_w = dict(policy.ema.named_parameters())
     lm_w = dict(policy.lm.named_parameters())
@@ -144,7 +144,7 @@ def test_lora_ema_and_ptx_in_ppo(tmp_path):
 def test_int8_generation_layout():
     """W8A8 rollouts: the trained policy keeps fp32 weights; greedy INT8 generations agree with
     fp32 ones on most tokens (quantization error is small against logit gaps)."""
-    cfg = RLHFConfig(**{**SMALL, "ppo": dict(max_new_tokens=6, int8_generation=True)})
+    cfg = RLHFConfig(**{**SMALL, "step3": dict(max_new_tokens=6, int8_generation=True)})
     policy = Policy(cfg, None, 0)
     policy.train.use_optimizer(cfg.sft.optimizer, 40)
     for s in range(1, 41):
@@ -152,7 +152,7 @@ def test_int8_generation_layout():
     texts = SortTask().prompts(32, 5)
     request = RolloutRequest(texts, list(range(len(texts))), temperature=0.0)
     q = policy.generate(request)
-    policy.cfg.ppo.int8_generation = False
+    policy.cfg.step3.int8_generation = False
     f = policy.generate(request)
     agree = (q.ids == f.ids).float().mean().item()
     assert agree > 0.9
@@ -160,7 +160,7 @@ def test_int8_generation_layout():
                for m in policy.lm.modules())
     # after an update the INT8 copy is re-quantized in place, not made again, and generates
     # what a fresh copy of the updated policy would
-    policy.cfg.ppo.int8_generation = True
+    policy.cfg.step3.int8_generation = True
     engine = policy.engine._int8[1]
     policy.sft_step(SortTask().demonstrations(32, 99), 41)
     again = policy.generate(request)
@@ -170,12 +170,12 @@ def test_int8_generation_layout():
 
 
 def test_frozen_roles_in_w8a8(tmp_path):
-    """ppo.quantize_frozen=w8a8: the reference and reward models load as W8A8 (the value head
+    """step3.quantize_frozen=w8a8: the reference and reward models load as W8A8 (the value head
     fp32) and score close to their fp32 selves."""
     from troupe.compression import QuantizedLinear
     from troupe.rlhf.roles import Reference
 
-    fp32, w8a8 = RLHFConfig(**SMALL), RLHFConfig(**{**SMALL, "ppo": {"quantize_frozen": "w8a8"}})
+    fp32, w8a8 = RLHFConfig(**SMALL), RLHFConfig(**{**SMALL, "step3": {"quantize_frozen": "w8a8"}})
     policy = Policy(fp32, None, 0)
     policy.train.use_optimizer(fp32.sft.optimizer, 30)
     for s in range(1, 31):
@@ -212,19 +212,19 @@ def test_micro_batches_give_the_whole_batch_step():
     positions only equal those of the full logits there."""
     def run(micro):
         cfg = RLHFConfig(**{**SMALL, "sft": dict(micro_batch_size=micro),
-                            "ppo": dict(max_new_tokens=6, micro_batch_size=micro)})
+                            "step3": dict(max_new_tokens=6, micro_batch_size=micro)})
         policy, critic = Policy(cfg, None, 0), Critic(cfg, None, 0)
         policy.train.use_optimizer(cfg.sft.optimizer, 5)
         sft = policy.sft_step(SortTask().demonstrations(5, 0), 1)
-        policy.train.use_optimizer(cfg.ppo.actor, 5)
-        critic.train.use_optimizer(cfg.ppo.critic, 5)
+        policy.train.use_optimizer(cfg.step3.actor, 5)
+        critic.train.use_optimizer(cfg.step3.critic, 5)
         g = policy.generate(RolloutRequest(["sort 321:", "sort 9:", "sort 4410:"], [0, 1, 2]))
         old = policy.logprobs(g.ids, g.valid, g.action)
         values = critic.values(g.ids, g.valid)
         adv = torch.linspace(-1, 1, old.numel()).view_as(old) * g.action
         exp = Experience(g.ids, g.valid, g.action, old_logp=old, old_values=values,
                          advantages=adv, returns=adv)
-        losses = (sft.loss, policy.ppo_step(exp, 1, None).policy_loss,
+        losses = (sft.loss, policy.rl_step(exp, 1, None).policy_loss,
                   critic.critic_step(exp, 1).value_loss)
         return losses, policy.train.flat.data.clone(), critic.train.flat.data.clone(), g, policy
 
@@ -332,8 +332,8 @@ def test_a_ppo_iteration_on_cuda_matches_cpu():
         assert policy.device.type == critic.device.type == reference.device.type == device
         policy.train.use_optimizer(cfg.sft.optimizer, 5)
         sft = policy.sft_step(SortTask().demonstrations(4, 0), 1).loss
-        policy.train.use_optimizer(cfg.ppo.actor, 5)
-        critic.train.use_optimizer(cfg.ppo.critic, 5)
+        policy.train.use_optimizer(cfg.step3.actor, 5)
+        critic.train.use_optimizer(cfg.step3.critic, 5)
         g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1], temperature=0.0))
         ids, valid, action = (t.to(device) for t in (g.ids, g.valid, g.action))
         old = policy.logprobs(ids, valid, action)
@@ -343,7 +343,7 @@ def test_a_ppo_iteration_on_cuda_matches_cpu():
         adv = (values.detach() - 0.5) * action
         exp = Experience(ids, valid, action, old_logp=old, ref_logp=ref, old_values=values,
                          advantages=adv, returns=adv)
-        p, c = policy.ppo_step(exp, 1, None), critic.critic_step(exp, 1)
+        p, c = policy.rl_step(exp, 1, None), critic.critic_step(exp, 1)
         after = policy.logprobs(ids, valid, action)
         return g.ids, sft, old.cpu(), values.cpu(), p.policy_loss, c.value_loss, after.cpu()
 
@@ -354,19 +354,19 @@ def test_a_ppo_iteration_on_cuda_matches_cpu():
 
 
 def test_released_gradients_during_generation_give_the_same_updates():
-    """ppo.release_memory: the policy's gradient buffer is gone while it generates and comes
+    """step3.release_memory: the policy's gradient buffer is gone while it generates and comes
     back zeroed at the next backward; two iterations' weights equal those of a policy that
     kept it (bit for bit: the buffer is zero between updates either way)."""
     def run(release):
-        cfg = RLHFConfig(**{**SMALL, "ppo": {**SMALL["ppo"], "release_memory": release}})
+        cfg = RLHFConfig(**{**SMALL, "step3": {**SMALL["step3"], "release_memory": release}})
         policy = Policy(cfg, None, 0)
-        policy.train.use_optimizer(cfg.ppo.actor, 5)
+        policy.train.use_optimizer(cfg.step3.actor, 5)
         freed = []
         for it in (1, 2):
             g = policy.generate(RolloutRequest(["sort 321:", "sort 94:"], [it, it + 10]))
             freed.append(policy.train.flat.grad.numel() == 0)
             adv = torch.ones_like(g.action) * g.action
-            policy.ppo_step(Experience(g.ids, g.valid, g.action, advantages=adv), it, None)
+            policy.rl_step(Experience(g.ids, g.valid, g.action, advantages=adv), it, None)
         return freed, policy.train.flat.data.clone()
 
     (kept, w_kept), (freed, w_freed) = run(False), run(True)

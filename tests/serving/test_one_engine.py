@@ -22,7 +22,7 @@ N, TEMPERATURE, TOP_P = 10, 0.9, 0.95
 @pytest.fixture(scope="module")
 def policy_and_server(cluster, serve_port, tmp_path_factory):
     cfg = RLHFConfig(model=dict(gpt=dict(seq_len=48, n_layer=2, n_head=2, d_model=32)),
-                     sft=dict(steps=15), ppo=dict(max_new_tokens=N, temperature=TEMPERATURE,
+                     sft=dict(steps=15), step3=dict(max_new_tokens=N, temperature=TEMPERATURE,
                                                  top_p=TOP_P))
     policy = Policy(cfg, None, 0)
     policy.train.use_optimizer(cfg.sft.optimizer, 15)

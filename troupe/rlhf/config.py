@@ -13,6 +13,8 @@ from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
 from troupe.rlhf import algorithms
 
+STEP3 = "step3"  # step 3's name (it was "ppo", whatever the algorithm: still read as step3)
+
 
 class ModelConfig(Config):
     """The model every role starts from: ``pretrained``, a local Hugging Face directory
@@ -135,9 +137,9 @@ class LoRAConfig(Config):
     alpha: float = Field(default=16.0, gt=0)
 
 
-class PPOConfig(Config):
-    """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp, dapo, gspo; the key
-    keeps PPO's name). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
+class Step3Config(Config):
+    """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp, dapo, gspo; the section
+    was called ``ppo``, which is still read as ``step3``). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
     and critic updates) on each worker, gradients accumulated (None: all at once). threads:
     torch threads of each worker in this step, where the roles compute at once (more threads
     than cores in all makes every role spin-wait for the others).
@@ -208,18 +210,18 @@ class PPOConfig(Config):
 
 class RLHFConfig(AppConfig):
     """An RLHF recipe (apps/configs/rlhf-*.yaml). algorithm: step 3's (ppo, grpo, rloo,
-    reinforce_pp, dapo, gspo: online, configured under ``ppo``; dpo: offline, under ``dpo``;
+    reinforce_pp, dapo, gspo: online, configured under ``step3``; dpo: offline, under ``dpo``;
     or "module:attribute" naming your own troupe.rlhf.algorithms.Algorithm). steps: which
-    of the three steps run (the command line's --step wins; step 3 is "ppo" whatever the
+    of the three steps run (the command line's --step wins; step 3 is "step3" whatever the
     algorithm, and step 2 is skipped when no learned reward model is used). workers: data-parallel workers per role;
     threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
-    has its own, ppo.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
+    has its own, step3.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
     reference_in_policy: the frozen reference lives in the policy's worker processes instead of
     its own (a process fewer per rank; its log-probabilities then wait for the policy's work);
     reward_in_critic (ppo only): the reward model lives, and trains in step 2, in the critic's
     worker processes (a process fewer per rank);
-    max_restarts: how often PPO may recover from a failed worker of any role (Ray restarts it,
-    every role goes back to the last PPO checkpoint) before the run fails.
+    max_restarts: how often step 3 may recover from a failed worker of any role (Ray restarts
+    it, every role goes back to the last step-3 checkpoint) before the run fails.
     precision: "bf16" runs every role's forward and backward except generation under bf16
     autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept;
     "fp16" the same in fp16, the trained roles' losses scaled dynamically (an update whose
@@ -228,16 +230,16 @@ class RLHFConfig(AppConfig):
     num_gpus: GPUs each worker of each role asks Ray for on cuda (None: colocated roles
     share one GPU per rank in equal fractions, a role placed on its own takes a whole one)."""
 
-    MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision"}
+    MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision", "ppo": "step3"}
 
     algorithm: str = "ppo"
-    steps: list[Literal["sft", "reward", "ppo"]] = ["sft", "reward", "ppo"]
+    steps: list[Literal["sft", "reward", "step3"]] = ["sft", "reward", "step3"]
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
     sft: StepConfig = StepConfig()
     reward: RewardConfig = RewardConfig(steps=400)
-    ppo: PPOConfig = PPOConfig()
+    step3: Step3Config = Step3Config()
     dpo: DPOConfig = DPOConfig()
     workers: int = Field(default=2, ge=1)
     threads: int = Field(default=1, ge=1)
@@ -251,6 +253,11 @@ class RLHFConfig(AppConfig):
     max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _step3_was_ppo(cls, v):
+        return [STEP3 if s == "ppo" else s for s in v] if isinstance(v, list) else v
 
     @field_validator("algorithm")
     @classmethod
@@ -273,31 +280,31 @@ class RLHFConfig(AppConfig):
         return algorithms.get(self.algorithm)
 
     def samples_per_prompt(self) -> int:
-        return _or(self.ppo.samples_per_prompt, self.algo().samples_per_prompt)
+        return _or(self.step3.samples_per_prompt, self.algo().samples_per_prompt)
 
     def kl_coef(self) -> float:
-        return _or(self.ppo.kl_coef, self.algo().kl_coef)
+        return _or(self.step3.kl_coef, self.algo().kl_coef)
 
     def kl_in_loss(self) -> bool:
-        return _or(self.ppo.kl_in_loss, self.algo().kl_in == "loss")
+        return _or(self.step3.kl_in_loss, self.algo().kl_in == "loss")
 
     def kl_estimator(self) -> str:
-        return _or(self.ppo.kl_estimator, "k3" if self.kl_in_loss() else "k1")
+        return _or(self.step3.kl_estimator, "k3" if self.kl_in_loss() else "k1")
 
     def clip(self) -> tuple[float, float]:
         """The ratio's clip range below and above 1."""
-        low = _or(self.ppo.policy_clip, self.algo().clip)
-        high = self.ppo.clip_high
+        low = _or(self.step3.policy_clip, self.algo().clip)
+        high = self.step3.clip_high
         if high is None:
-            high = self.algo().clip_high if self.ppo.policy_clip is None else None
+            high = self.algo().clip_high if self.step3.policy_clip is None else None
         return low, _or(high, low)
 
     def dynamic_sampling(self) -> bool:
-        return _or(self.ppo.dynamic_sampling, self.algo().dynamic_sampling)
+        return _or(self.step3.dynamic_sampling, self.algo().dynamic_sampling)
 
     def overlong_buffer(self) -> int:
-        return _or(self.ppo.overlong_buffer,
-                   int(self.algo().overlong_share * self.ppo.max_new_tokens))
+        return _or(self.step3.overlong_buffer,
+                   int(self.algo().overlong_share * self.step3.max_new_tokens))
 
     def uses_critic(self) -> bool:
         return self.algo().critic

@@ -18,7 +18,7 @@ from typing import Callable
 
 from troupe.data.corpus import jsonl_objects
 from troupe.errors import DataError
-from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.config import STEP3, RLHFConfig
 
 Prompt = str | list[dict[str, str]]  # a task's text, or chat messages
 
@@ -198,10 +198,10 @@ def check_sizes(cfg: RLHFConfig, data: Data, steps: tuple[str, ...]) -> None:
         need.append(("sft.batch_size", cfg.sft.batch_size, len(data.sft), "demonstrations"))
     if "reward" in steps and cfg.uses_reward_model():
         need.append(("reward.batch_size", cfg.reward.batch_size, len(data.pairs), "pairs"))
-    if "ppo" in steps and not cfg.algo().online:
+    if STEP3 in steps and not cfg.algo().online:
         need.append(("dpo.batch_size", cfg.dpo.batch_size, len(data.pairs), "pairs"))
-    elif "ppo" in steps:
-        need.append(("ppo.prompts_per_iter", cfg.ppo.prompts_per_iter, len(data.prompts),
+    elif STEP3 in steps:
+        need.append(("step3.prompts_per_iter", cfg.step3.prompts_per_iter, len(data.prompts),
                      "prompts"))
     for key, want, have, what in need:
         if want > have:

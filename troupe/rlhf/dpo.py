@@ -48,16 +48,16 @@ def _key(pair) -> str:
 def run_dpo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
             sft_path: Path | None) -> dict:
     """``dpo.steps`` steps of ``dpo.batch_size`` pairs; the policy's weights then go to
-    out/dpo/policy.trp. Returns the summary's ``ppo`` entry (before, after)."""
+    out/dpo/policy.trp. Returns the summary's step-3 entry (before, after)."""
     d = cfg.dpo
     if not data.pairs:
         raise ValueError("algorithm=dpo needs preference pairs: rows with chosen and rejected")
     sft = str(sft_path) if sft_path is not None else None
     if sft is not None:
         reference_of(graph, cfg).invoke(ReferenceCalls.load_reference, sft)
-    graph["policy"].invoke(PolicyActor.begin_ppo, sft)
+    graph["policy"].invoke(PolicyActor.begin_step3, sft)
     before = evaluate_policy(graph, data, cfg.seed + 99)
-    log.write({"kind": "ppo_eval", "step": 0, **before})
+    log.write({"kind": "step3_eval", "step": 0, **before})
     reference = ReferenceCache(graph, cfg)
     for step, pairs in tqdm(batches(data.pairs, d.batch_size, d.steps, cfg.seed + 40),
                             total=d.steps, desc="step 3: DPO"):
@@ -70,9 +70,9 @@ def run_dpo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
                    "accuracy": sum(s.accuracy * k for s, k in zip(stats, n)) / len(pairs),
                    "lr": stats[0].lr, "reference_scored": reference.scored})
         if step % d.eval_every == 0 and step < d.steps:
-            log.write({"kind": "ppo_eval", "step": step,
+            log.write({"kind": "step3_eval", "step": step,
                        **evaluate_policy(graph, data, cfg.seed + 99)})
     graph["policy"].invoke(PolicyActor.save, str(out / "dpo" / "policy.trp"))
     after = evaluate_policy(graph, data, cfg.seed + 99)
-    log.write({"kind": "ppo_eval", "step": d.steps, **after})
+    log.write({"kind": "step3_eval", "step": d.steps, **after})
     return {"before": before, "after": after, "reference_scored": reference.scored}

@@ -1,9 +1,9 @@
 """Driver of the three-step RLHF pipeline: one graph holding the roles the recipe's algorithm
 needs (policy always; reference when there is a KL term or DPO; a reward model when the
 reward is learned; a critic for PPO), colocated on the same bundles by default; then step 1
-(SFT) and step 2 (reward model) from troupe.rlhf.stages and step 3 from troupe.rlhf.ppo (PPO,
+(SFT) and step 2 (reward model) from troupe.rlhf.stages and step 3 from troupe.rlhf.step3 (PPO,
 GRPO, RLOO, REINFORCE++) or troupe.rlhf.dpo. Metrics go to JSON lines, plots to rlhf.png,
-weights after each step and every ``ppo.checkpoint_every`` iterations, and the final policy to
+weights after each step and every ``step3.checkpoint_every`` iterations, and the final policy to
 out_dir/policy-hf as a Hugging Face directory."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 from troupe.devices import cluster_device
-from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.config import STEP3, RLHFConfig
 from troupe.rlhf.data import Data, check_sizes, prepare_data
 from troupe.rlhf.dpo import run_dpo
 from troupe.rlhf.plots import plot
-from troupe.rlhf.ppo import run_ppo, setup_roles
+from troupe.rlhf.step3 import run_step3, setup_roles
 from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
 from troupe.rlhf.workers import CriticActor, PolicyActor, ReferenceActor, RewardActor
 from troupe.runtime.cluster import init
@@ -24,11 +24,11 @@ from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 
-STEPS = ("sft", "reward", "ppo")
+STEPS = ("sft", "reward", STEP3)
 ROLES = ("policy", "reference", "reward", "critic")
 
 __all__ = ["Data", "MetricsLog", "ROLES", "STEPS", "build_graph", "evaluate_policy",
-           "load_data", "prepare_data", "run", "run_ppo", "run_reward", "run_sft"]
+           "load_data", "prepare_data", "run", "run_step3", "run_reward", "run_sft"]
 
 
 def roles(cfg: RLHFConfig) -> list[str]:
@@ -87,22 +87,24 @@ def load_data(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Data:
 
 def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
         data: Data | None = None) -> dict:
-    """Run ``steps`` (a subset of "sft", "reward", "ppo", in that order; "ppo" is step 3,
-    whatever the algorithm) and return a summary; a later step alone uses the weights an
-    earlier run left in ``out_dir``, and ``resume`` continues step 3 from its latest
-    checkpoint there. Step 2 is skipped when no learned reward model is used; step 3 without
-    step 1's weights starts from the model's own (a pretrained model's only). ``data``: what
-    ``load_data`` returned (else it is loaded here)."""
+    """Run ``steps`` (a subset of "sft", "reward", "step3", in that order; "step3" is step 3
+    whatever the algorithm, and its older name "ppo" is read as it) and return a summary; a
+    later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
+    continues step 3 from its latest checkpoint there. Step 2 is skipped when no learned
+    reward model is used; step 3 without step 1's weights starts from the model's own (a
+    pretrained model's only). ``data``: what ``load_data`` returned (else it is loaded here).
+    The summary holds step 3's result under "step3", and under "ppo" as it used to."""
+    steps = tuple(STEP3 if s == "ppo" else s for s in steps)
     if resume and ("sft" in steps or "reward" in steps):
         raise ValueError("resume continues step 3 from its checkpoint; run it with steps "
-                         "('ppo',) alone (steps 1 and 2 would change the weights it started "
+                         "('step3',) alone (steps 1 and 2 would change the weights it started "
                          "from)")
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
     log, data = MetricsLog(out / "metrics.jsonl"), data or load_data(cfg, steps)
     sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
-    if "ppo" in steps:
+    if STEP3 in steps:
         _check_inputs(cfg, steps, sft_path, reward_path)
     summary: dict = {"algorithm": cfg.algorithm}
     graph = build_graph(cfg)
@@ -114,14 +116,15 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
         if "reward" in steps and cfg.uses_reward_model():
             run_reward(graph, cfg, data, log, out)
             summary["reward_accuracy"] = log.records()[-1]["accuracy"]
-        if "ppo" in steps:
+        if STEP3 in steps:
             start = sft_path if sft_path.is_file() else None
             if not cfg.algo().online:  # learns the preference pairs
-                summary["ppo"] = run_dpo(graph, cfg, data, log, out, start)
+                summary[STEP3] = run_dpo(graph, cfg, data, log, out, start)
             else:
-                summary["ppo"] = run_ppo(graph, cfg, data, log, out, start,
-                                         reward_path if cfg.uses_reward_model() else None,
-                                         resume=resume)
+                summary[STEP3] = run_step3(graph, cfg, data, log, out, start,
+                                           reward_path if cfg.uses_reward_model() else None,
+                                           resume=resume)
+            summary["ppo"] = summary[STEP3]  # its older name, for scripts that read it
             if cfg.model.pretrained is not None or cfg.model.gpt.moe is None:
                 summary["exported"] = graph["policy"].invoke(PolicyActor.export,
                                                              str(out / "policy-hf"))

@@ -141,7 +141,7 @@ class RewardEval:
 @dataclass(frozen=True)
 class PolicyStats:
     policy_loss: float             # the algorithm's surrogate, without the KL and ptx terms
-    ptx_loss: float | None = None  # the pretraining-loss term, when ppo.ptx_coef > 0
+    ptx_loss: float | None = None  # the pretraining-loss term, when step3.ptx_coef > 0
     kl: float | None = None        # mean per-token KL estimate, when it is a loss term
     entropy: float = 0.0           # mean per-token entropy of the policy on its responses
     clip_fraction: float = 0.0     # share of response tokens whose ratio was clipped

@@ -76,7 +76,7 @@ class Policy:
         return loss
 
     # step 3 ---------------------------------------------------------------------------------
-    def begin_ppo(self, sft_path: str | None) -> None:
+    def begin_step3(self, sft_path: str | None) -> None:
         """Step 3 starts from the SFT weights (None: from the model's own)."""
         if sft_path is not None:
             load_module(sft_path, self.lm)
@@ -84,19 +84,19 @@ class Policy:
             d = self.cfg.dpo
             self.train.use_optimizer(d.optimizer, d.steps)
             return
-        if self.cfg.ppo.lora.enabled:
-            inject_lora(self.lm, self.cfg.ppo.lora.rank, self.cfg.ppo.lora.alpha)
+        if self.cfg.step3.lora.enabled:
+            inject_lora(self.lm, self.cfg.step3.lora.rank, self.cfg.step3.lora.alpha)
             self.train = Trainable(self.lm, self.train.group,  # only the adapters train
                                    self.cfg.precision)
-        p = self.cfg.ppo
+        p = self.cfg.step3
         self.train.use_optimizer(p.actor, p.iterations * p.ppo_epochs)
-        if self.cfg.ppo.ema:
+        if self.cfg.step3.ema:
             self.ema = copy.deepcopy(self.lm)
 
     def generate(self, request: RolloutRequest) -> Rollout:
         """Responses from the rollout engine, with the current weights (the EMA's if asked)."""
         model = self.ema if request.use_ema and self.ema is not None else self.lm
-        if self.cfg.ppo.release_memory:
+        if self.cfg.step3.release_memory:
             self.train.flat.free_grad()  # zero between updates: nothing is lost
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -104,17 +104,17 @@ class Policy:
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
-        return action_logprobs(self.lm, ids, valid, action, self.cfg.ppo.micro_batch_size,
+        return action_logprobs(self.lm, ids, valid, action, self.cfg.step3.micro_batch_size,
                                prompt_len)
 
-    def ppo_step(self, exp: Experience, iteration: int,
+    def rl_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None) -> PolicyStats:
         """One update on the experience: the algorithm's surrogate (its ratio against the
         sampling policy's log-probabilities, or 1 when the experience has none: a single
         on-policy epoch), plus the KL to the reference when it is a loss term, averaged over
         the batch's units (tokens, or sequences for a sequence-level loss)."""
         self.lm.train()
-        p, cfg, alg = self.cfg.ppo, self.cfg, self.algorithm
+        p, cfg, alg = self.cfg.step3, self.cfg, self.algorithm
         kl_coef = cfg.kl_coef() if cfg.kl_in_loss() else 0.0
         clip, clip_high = cfg.clip()
         total, tokens = alg.loss_units(exp.action).clamp_min(1), exp.action.sum().clamp_min(1)
@@ -140,7 +140,7 @@ class Policy:
             ptx_loss = self._lm_loss(ptx, p.micro_batch_size, p.ptx_coef)
         self.train.step(iteration)
         if self.ema is not None:
-            algorithms.ema_update(self.ema, self.lm, self.cfg.ppo.ema_beta)
+            algorithms.ema_update(self.ema, self.lm, self.cfg.step3.ema_beta)
         n = int(tokens.item())
         return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
                            ent_sum / n, clip_sum / n, n)
@@ -178,7 +178,7 @@ class Policy:
         return directory
 
     def state_dict(self) -> dict:
-        """What PPO needs to go on exactly from here (after ``begin_ppo``): trainable weights,
+        """What PPO needs to go on exactly from here (after ``begin_step3``): trainable weights,
         this rank's optimizer state, the EMA weights and the torch RNG."""
         ema = None if self.ema is None else {k: v.clone() for k, v in self.ema.state_dict().items()}
         return {"train": self.train.state_dict(), "ema": ema, **rng_state(self.device)}
@@ -187,7 +187,7 @@ class Policy:
         self.train.load_state_dict(state["train"], where)
         if (self.ema is None) != (state["ema"] is None):
             raise ValueError(f"{where}: saved {'with' if state['ema'] is not None else 'without'}"
-                             f" EMA weights, but ppo.ema={self.ema is not None}")
+                             f" EMA weights, but step3.ema={self.ema is not None}")
         if self.ema is not None:
             try:
                 self.ema.load_state_dict(state["ema"])
@@ -200,7 +200,7 @@ class Policy:
 
 
 def quantize_frozen(gpt: torch.nn.Module, ids: torch.Tensor) -> None:
-    """A frozen role's model in W8A8 (ppo.quantize_frozen), at its first scoring call: each
+    """A frozen role's model in W8A8 (step3.quantize_frozen), at its first scoring call: each
     layer keeps 1 in 36 of its input channels in fp32 (16 for SmolLM2's 576), those with the
     largest activations on this first batch of rollouts (prompts and responses: the data the
     role will score), which is what keeps a real LLM's INT8 error small
@@ -220,9 +220,9 @@ class Reference:
                                      tokenizer=not cfg.algo().online,  # DPO's pairs are text
                                      device=self.device)
         self.lm.requires_grad_(False)
-        self.micro = cfg.ppo.micro_batch_size
+        self.micro = cfg.step3.micro_batch_size
         self.dpo_micro = cfg.dpo.micro_batch_size
-        self.quantize, self.to_quantize = cfg.ppo.quantize_frozen, False
+        self.quantize, self.to_quantize = cfg.step3.quantize_frozen, False
 
     def load(self, path: str) -> None:
         load_module(path, self.lm)
@@ -296,7 +296,7 @@ class Reward:
             quantize_frozen(self.model.lm.gpt, ids)  # the value head stays fp32
             self.to_quantize = False
         out = []
-        for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size):
+        for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size):
             values = self.model(ids[s], valid[s])
             out.append(values[torch.arange(len(values), device=values.device),
                               last_real(valid[s])])
@@ -315,12 +315,12 @@ class Reward:
         are freed first)."""
         self.train.release()
         load_module(path, self.model)
-        self.to_quantize = self.cfg.ppo.quantize_frozen == "w8a8"  # at the first score call
+        self.to_quantize = self.cfg.step3.quantize_frozen == "w8a8"  # at the first score call
 
 
 class Critic:
     """The value function, started from the reward model's weights (or, without one, from the
-    SFT policy's body and a fresh head: ``begin_ppo``)."""
+    SFT policy's body and a fresh head: ``begin_step3``)."""
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
         self.cfg = cfg
@@ -329,7 +329,7 @@ class Critic:
         self.model = ValueModel(lm).to(self.device)
         self.train = Trainable(self.model, group, cfg.precision)
 
-    def begin_ppo(self, reward_path: str | None, sft_path: str | None = None) -> None:
+    def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:
         """Step 3 starts from the reward model's weights, head included; without a learned
         reward model, from the SFT policy's body (None: the model's own) and a fresh value
         head (zero: every value starts at 0)."""
@@ -337,18 +337,18 @@ class Critic:
             load_module(reward_path, self.model)
         elif sft_path is not None:
             load_module(sft_path, self.model.lm)
-        self.train.use_optimizer(self.cfg.ppo.critic,
-                                 self.cfg.ppo.iterations * self.cfg.ppo.ppo_epochs)
+        self.train.use_optimizer(self.cfg.step3.critic,
+                                 self.cfg.step3.iterations * self.cfg.step3.ppo_epochs)
 
     @torch.no_grad()
     def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         return torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
-                          for s in micro_batches(len(ids), self.cfg.ppo.micro_batch_size)])
+                          for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size)])
 
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         self.model.train()
-        p = self.cfg.ppo
+        p = self.cfg.step3
         total, value_loss = exp.action.sum().clamp_min(1), 0.0
         for s in micro_batches(len(exp.ids), p.micro_batch_size):
             values = self.model(exp.ids[s], exp.valid[s])[:, :-1]
@@ -364,7 +364,7 @@ class Critic:
         return path
 
     def state_dict(self) -> dict:
-        """Weights, this rank's optimizer state and the torch RNG (after ``begin_ppo``)."""
+        """Weights, this rank's optimizer state and the torch RNG (after ``begin_step3``)."""
         return {"train": self.train.state_dict(), **rng_state(self.device)}
 
     def load_state_dict(self, state: dict, where: str) -> None:

@@ -33,7 +33,7 @@ class RolloutEngine:
     def generate(self, model: torch.nn.Module, request: RolloutRequest) -> Rollout:
         """Sample responses to the request's prompts from ``model``'s weights, one seed per
         prompt; the model is left as it came (adapters unfused) whatever happens."""
-        t0, p = time.perf_counter(), self.cfg.ppo
+        t0, p = time.perf_counter(), self.cfg.step3
         model.eval()
         fused = p.lora.enabled and fuse_lora(model)
         try:
@@ -53,7 +53,7 @@ class RolloutEngine:
 
     def _rollout(self, texts: list, tokens: list[list[int]]) -> Rollout:
         """Prompts and sampled tokens as left-padded sequences with their masks."""
-        eos, N = self.tok.eos_id, self.cfg.ppo.max_new_tokens
+        eos, N = self.tok.eos_id, self.cfg.step3.max_new_tokens
         p_ids, p_valid = prompts(self.tok, texts)
         resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens],  # host: a rollout
                             dtype=torch.long)

@@ -49,9 +49,9 @@ class Batch:
 
 def draw(cfg: RLHFConfig, data: Data, rng: random.Random, first_group: int
          ) -> tuple[RolloutRequest, list[dict] | None]:
-    """``ppo.prompts_per_iter`` prompts drawn without repeats, each asked
+    """``step3.prompts_per_iter`` prompts drawn without repeats, each asked
     ``samples_per_prompt`` times in a row (one group id per draw, from ``first_group``)."""
-    n, k = cfg.samples_per_prompt(), cfg.ppo.prompts_per_iter
+    n, k = cfg.samples_per_prompt(), cfg.step3.prompts_per_iter
     picked = rng.sample(range(len(data.prompts)), k)
     prompts = [data.prompts[i] for i in picked for _ in range(n)]
     fields = [data.fields[i] for i in picked for _ in range(n)] if data.fields else None
@@ -87,15 +87,15 @@ def sample(graph: Graph, cfg: RLHFConfig, data: Data, rng: random.Random,
            reward_fn: RewardFunction | None) -> Batch:
     """The iteration's rollouts. Without dynamic sampling: one draw, its rewards left to
     ``make_experience`` (scored at once with the other roles' work). With it: rounds of draws
-    (at most ``ppo.sample_rounds``), each scored, keeping the groups the algorithm keeps, until
+    (at most ``step3.sample_rounds``), each scored, keeping the groups the algorithm keeps, until
     ``prompts_per_iter`` are kept; if the rounds run out first, dropped groups fill the batch
     (their advantages are zero: they add no gradient)."""
     if not cfg.dynamic_sampling():
         request, fields = draw(cfg, data, rng, 0)
         return Batch(graph["policy"].invoke(PolicyActor.generate, request), fields)
-    alg, want = cfg.algo(), cfg.ppo.prompts_per_iter
+    alg, want = cfg.algo(), cfg.step3.prompts_per_iter
     kept, dropped, stats = [], [], {"groups_sampled": 0, "reward_failures": 0}
-    for round_ in range(cfg.ppo.sample_rounds):
+    for round_ in range(cfg.step3.sample_rounds):
         request, fields = draw(cfg, data, rng, round_ * want)
         parts = graph["policy"].invoke(PolicyActor.generate, request)
         reward, more = rewards(graph, cfg, parts, reward_fn, fields)
@@ -142,8 +142,8 @@ def make_experience(graph: Graph, cfg: RLHFConfig, batch: Batch,
     rows = [len(ro.responses) for ro in rollouts]
     action = [ro.action for ro in rollouts]
     if cfg.overlong_buffer() > 0:
-        penalty = algorithms.overlong_penalty(torch.cat(action).sum(1), cfg.ppo.max_new_tokens,
-                                              cfg.overlong_buffer(), cfg.ppo.overlong_penalty)
+        penalty = algorithms.overlong_penalty(torch.cat(action).sum(1), cfg.step3.max_new_tokens,
+                                              cfg.overlong_buffer(), cfg.step3.overlong_penalty)
         reward = reward + penalty
         stats["overlong_penalty"] = penalty.mean().item()
     scores = algorithms.Scores(list(reward.split(rows)), _groups(rollouts), action,

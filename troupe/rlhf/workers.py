@@ -42,7 +42,7 @@ class _Shell:
 
     def __init__(self, config: dict | RLHFConfig):
         self.cfg = _config(config)
-        torch.set_num_threads(self.cfg.ppo.threads)  # reference and critic work in step 3 only
+        torch.set_num_threads(self.cfg.step3.threads)  # reference and critic work in step 3 only
         self.device = worker_device(self.cfg.device)
         self.role = None
 
@@ -62,8 +62,8 @@ class _Shell:
 
     @dispatch(Dispatch.ALL)
     def load(self, path: str) -> None:
-        """Weights for step 3 (where the roles compute side by side: ppo.threads)."""
-        torch.set_num_threads(self.cfg.ppo.threads)
+        """Weights for step 3 (where the roles compute side by side: step3.threads)."""
+        torch.set_num_threads(self.cfg.step3.threads)
         self.role.load(path)
 
 
@@ -139,10 +139,10 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
         self.role.train.drop_optimizer()
 
     @dispatch(Dispatch.ALL)
-    def begin_ppo(self, sft_path: str | None) -> None:
+    def begin_step3(self, sft_path: str | None) -> None:
         """Step 3 (any algorithm) from the SFT weights (None: the model's own)."""
-        torch.set_num_threads(self.cfg.ppo.threads)
-        self.role.begin_ppo(sft_path)
+        torch.set_num_threads(self.cfg.step3.threads)
+        self.role.begin_step3(sft_path)
 
     @dispatch(Dispatch.SHARD)
     def generate(self, request: RolloutRequest) -> Rollout:
@@ -155,9 +155,9 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
         return self.role.logprobs(r.ids, r.valid, r.action, r.prompt_len)
 
     @dispatch(Dispatch.SHARD)
-    def ppo_step(self, exp: Experience, iteration: int,
+    def rl_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None = None) -> PolicyStats:
-        return self.role.ppo_step(self._here(exp), iteration, ptx)
+        return self.role.rl_step(self._here(exp), iteration, ptx)
 
     @dispatch(Dispatch.SHARD)
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
@@ -210,7 +210,7 @@ class RewardCalls:
     @dispatch(Dispatch.ALL)
     def load_reward(self, path: str) -> None:
         """The trained reward model for step 3, frozen (its training state freed first)."""
-        torch.set_num_threads(self.cfg.ppo.threads)
+        torch.set_num_threads(self.cfg.step3.threads)
         self.reward_model.load(path)
 
     @dispatch(Dispatch.SHARD)
@@ -244,8 +244,8 @@ class CriticActor(_TrainedShell, RewardCalls):
         self.role = Critic(self.cfg, group, rank)
 
     @dispatch(Dispatch.ALL)
-    def begin_ppo(self, reward_path: str | None, sft_path: str | None = None) -> None:
-        self.role.begin_ppo(reward_path, sft_path)
+    def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:
+        self.role.begin_step3(reward_path, sft_path)
 
     @dispatch(Dispatch.SHARD)
     def values(self, rollout: Rollout) -> torch.Tensor:

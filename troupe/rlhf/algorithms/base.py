@@ -63,7 +63,7 @@ class Algorithm:
     """Step 3's algorithm. Subclasses set the class attributes and override ``advantages``
     (online algorithms) and, when the loss is not the token-level clipped surrogate,
     ``policy_loss`` and ``loss_units``. The defaults resolve settings the recipe leaves None
-    (``ppo.samples_per_prompt``, ``kl_coef``, ``kl_in_loss``, ``kl_estimator``,
+    (``step3.samples_per_prompt``, ``kl_coef``, ``kl_in_loss``, ``kl_estimator``,
     ``policy_clip``, ``clip_high``)."""
 
     name: ClassVar[str] = ""
@@ -86,7 +86,7 @@ class Algorithm:
         """Refuse a recipe this algorithm cannot run (ValueError, one line naming the key)."""
         n = cfg.samples_per_prompt()
         if n < self.min_samples_per_prompt:
-            raise ValueError(f"ppo.samples_per_prompt={n}: {self.name} compares samples of one "
+            raise ValueError(f"step3.samples_per_prompt={n}: {self.name} compares samples of one "
                              f"prompt and needs at least {self.min_samples_per_prompt}")
         if cfg.reward_in_critic and not self.critic:
             raise ValueError(f"reward_in_critic: algorithm={self.name} has no critic")
@@ -98,7 +98,7 @@ class Algorithm:
         """Which of "logp", "ref", "values" the driver collects for a batch of rollouts."""
         want = set()
         kl_reward = cfg.kl_coef() > 0 and not cfg.kl_in_loss()
-        if self.critic or kl_reward or cfg.ppo.ppo_epochs > 1:  # else the ratio is 1
+        if self.critic or kl_reward or cfg.step3.ppo_epochs > 1:  # else the ratio is 1
             want.add("logp")
         if cfg.kl_coef() > 0:
             want.add("ref")

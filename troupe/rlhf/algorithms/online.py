@@ -31,10 +31,10 @@ if TYPE_CHECKING:
 
 
 def token_rewards(s: Scores, r: int, cfg: RLHFConfig) -> torch.Tensor:
-    """Rank r's per-token rewards: the sequence reward, clipped to ``ppo.clip_reward``, on the
+    """Rank r's per-token rewards: the sequence reward, clipped to ``step3.clip_reward``, on the
     last response token, and minus kl_coef x the KL estimate on every response token when the
     KL goes in the reward."""
-    p, a = cfg.ppo, s.action[r]
+    p, a = cfg.step3, s.action[r]
     if cfg.kl_coef() > 0 and not cfg.kl_in_loss():
         return F.kl_rewards(s.logp[r], s.ref[r], s.reward[r], a, cfg.kl_coef(), p.clip_reward,
                             cfg.kl_estimator())
@@ -64,7 +64,7 @@ class PPO(Algorithm):
     critic = True
 
     def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
-        p, advs, rets = cfg.ppo, [], []
+        p, advs, rets = cfg.step3, [], []
         for r in range(len(s.reward)):
             adv, ret = F.gae(token_rewards(s, r, cfg), s.values[r], s.action[r], p.gamma, p.lam)
             advs.append(adv)
@@ -77,7 +77,7 @@ class ReinforcePP(Algorithm):
     name = "reinforce_pp"
 
     def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
-        returns = [F.discounted_returns(token_rewards(s, r, cfg), s.action[r], cfg.ppo.gamma)
+        returns = [F.discounted_returns(token_rewards(s, r, cfg), s.action[r], cfg.step3.gamma)
                    for r in range(len(s.reward))]
         return Advantages(F.whiten(returns, s.action))
 
@@ -91,7 +91,7 @@ class GRPO(Algorithm):
 
     def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
         adv_B = F.grpo_advantages(sequence_rewards(s, cfg), torch.cat(s.group),
-                                  cfg.ppo.group_std)
+                                  cfg.step3.group_std)
         return Advantages(per_token(adv_B, s))
 
 

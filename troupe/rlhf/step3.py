@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class PPOState:
+class Step3State:
     """Where step 3 stands on the driver: iterations done, the sampling RNG, and the
     evaluation before it (kept for the summary)."""
 
@@ -76,11 +76,11 @@ def role_memory(graph: Graph) -> dict[str, float]:
             for name, group in graph.roles.items()}
 
 
-def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
+def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
                   reward_fn: RewardFunction | None = None) -> dict:
     """Generate, score, and update the policy (and critic) ``ppo_epochs`` times; returns the
     metrics (the losses averaged over the epochs)."""
-    p, W = cfg.ppo, cfg.workers
+    p, W = cfg.step3, cfg.workers
     t0 = time.perf_counter()
     batch = sample(graph, cfg, data, rng, reward_fn)
     t1 = time.perf_counter()
@@ -90,7 +90,7 @@ def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     for _ in range(p.ppo_epochs):
         ptx = [rng.sample(data.sft, max(1, p.prompts_per_iter // W)) if p.ptx_coef > 0 else None
                for _ in range(W)]
-        policy = graph["policy"].invoke_async(PolicyActor.ppo_step, PerRank(exps), it,
+        policy = graph["policy"].invoke_async(PolicyActor.rl_step, PerRank(exps), it,
                                               PerRank(ptx))
         critic = (graph["critic"].invoke_async(CriticActor.critic_step, PerRank(exps), it)
                   if cfg.uses_critic() else None)
@@ -99,7 +99,7 @@ def ppo_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     rollouts = batch.rollouts
     tokens = sum(s.tokens for s in pstats)
     lengths = torch.cat([ro.action.sum(1) for ro in rollouts])
-    rec = {"kind": "ppo", "step": it, "algorithm": cfg.algorithm, **stats,
+    rec = {"kind": "step3", "step": it, "algorithm": cfg.algorithm, **stats,
            "policy_loss": sum(s.policy_loss for s in pstats) / len(pstats),
            "entropy": sum(s.entropy * s.tokens for s in pstats) / max(tokens, 1),
            "clip_fraction": sum(s.clip_fraction * s.tokens for s in pstats) / max(tokens, 1),
@@ -127,7 +127,7 @@ def _trained(graph: Graph) -> list:
 
 
 def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
-            reward_path: Path | None, resume: bool) -> PPOState:
+            reward_path: Path | None, resume: bool) -> Step3State:
     """Every role at the start of step 3 (policy and reference from step 1's weights, or the
     model's own when ``sft_path`` is None; reward and critic from step 2's), then the trained
     ones at the latest checkpoint under ``root``. One role at a time: each reads a whole
@@ -138,9 +138,9 @@ def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
         reward_of(graph, cfg).invoke(RewardCalls.load_reward, str(reward_path))
     if cfg.uses_reference() and sft is not None:
         reference_of(graph, cfg).invoke(ReferenceCalls.load_reference, sft)
-    graph["policy"].invoke(PolicyActor.begin_ppo, sft)
+    graph["policy"].invoke(PolicyActor.begin_step3, sft)
     if "critic" in graph.roles:  # from the reward model, or else the SFT policy's body
-        graph["critic"].invoke(CriticActor.begin_ppo,
+        graph["critic"].invoke(CriticActor.begin_step3,
                                str(reward_path) if cfg.uses_reward_model() else None, sft)
     rng = random.Random(cfg.seed + 30)
     found = checkpoint.restore_latest(_trained(graph), root)
@@ -148,21 +148,21 @@ def restore(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
         if resume:
             logger.warning("no step-3 checkpoint under %s: step 3 starts from the beginning",
                            root)
-        return PPOState(0, rng, None)
+        return Step3State(0, rng, None)
     source, done = found
     meta = read_manifest(source)
     version, state, gauss = meta["rng"]
     rng.setstate((version, tuple(state), gauss))
-    return PPOState(done, rng, meta["before"])
+    return Step3State(done, rng, meta["before"])
 
 
-def save_checkpoint(graph: Graph, root: Path, out: Path, state: PPOState) -> None:
+def save_checkpoint(graph: Graph, root: Path, out: Path, state: Step3State) -> None:
     """The trained roles' full state (atomically, the newest two kept; the driver's RNG in
-    the manifest), and their weights as out/ppo/iter-N/{policy,critic}.trp."""
+    the manifest), and their weights as out/step3/iter-N/{policy,critic}.trp."""
     it = state.iteration
     checkpoint.save(_trained(graph), root, it, rng=list(state.rng.getstate()),
                     before=state.before)
-    d = out / "ppo" / f"iter-{it:05d}"
+    d = out / "step3" / f"iter-{it:05d}"
     graph["policy"].invoke(PolicyActor.save, str(d / "policy.trp"))
     if "critic" in graph.roles:
         graph["critic"].invoke(CriticActor.save, str(d / "critic.trp"))
@@ -181,24 +181,31 @@ def setup_roles(graph: Graph) -> None:
 
 
 def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
-             reward_path: Path | None, resume: bool) -> PPOState:
+             reward_path: Path | None, resume: bool) -> Step3State:
     """After the failure policy brought the workers back: every role built afresh, then
     ``restore``."""
     setup_roles(graph)
     return restore(graph, cfg, root, sft_path, reward_path, resume)
 
 
-def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
+def checkpoints(out: Path, resume: bool) -> Path:
+    """Where step 3's checkpoints go: out/step3/checkpoints, or, resuming a run made while
+    step 3 was called ppo, its out/ppo/checkpoints (the run goes on there)."""
+    root, old = out / "step3" / "checkpoints", out / "ppo" / "checkpoints"
+    return old if resume and not root.exists() and old.exists() else root
+
+
+def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
             sft_path: Path | None, reward_path: Path | None,
             on_iteration: Callable | None = None, resume: bool = False) -> dict:
-    """Step 3 of an online algorithm for ``cfg.ppo.iterations`` iterations, checkpointed
-    every ``checkpoint_every`` to out/ppo/checkpoints/step-N. A failed worker is handled by
+    """Step 3 of an online algorithm for ``cfg.step3.iterations`` iterations, checkpointed
+    every ``checkpoint_every`` to out/step3/checkpoints/step-N. A failed worker is handled by
     troupe.runtime.recovery (``cfg.max_restarts``): every role goes back to the last
     checkpoint and the iterations after it are redone exactly; past the restarts,
     RunFailedError and out/failure.json. ``resume`` starts from the latest checkpoint that an
     earlier run left in ``out``. ``on_iteration(it, graph)`` is called before each iteration
     (again when one is redone)."""
-    p, root = cfg.ppo, out / "ppo" / "checkpoints"
+    p, root = cfg.step3, checkpoints(out, resume)
     if not resume and root.exists():  # a fresh run must never go back to an older run's state
         shutil.rmtree(root)
     reward_fn = reward_function(cfg)  # fails here, before any work, if it cannot be imported
@@ -206,13 +213,13 @@ def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
         state = restore(graph, cfg, root, sft_path, reward_path, resume)
         if state.before is None:
             state.before = evaluate_policy(graph, data, cfg.seed + 99)
-            log.write({"kind": "ppo_eval", "step": 0, **state.before})
+            log.write({"kind": "step3_eval", "step": 0, **state.before})
         policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
         bar = tqdm(total=p.iterations, initial=state.iteration,
                    desc=f"step 3: {cfg.algorithm.upper()}")
         while state.iteration < p.iterations:
             try:
-                _iterate(graph, cfg, data, log, out, state, on_iteration, reward_fn)
+                _iterate(graph, cfg, data, log, out, root, state, on_iteration, reward_fn)
                 bar.update(1)
             except (WorkerDiedError, WorkerCallError) as e:
                 failed = state.iteration + 1
@@ -235,17 +242,17 @@ def run_ppo(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pat
     return summary
 
 
-def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path,
-             state: PPOState, on_iteration: Callable | None,
+def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path, root: Path,
+             state: Step3State, on_iteration: Callable | None,
              reward_fn: RewardFunction | None) -> None:
     """One iteration, then the evaluation and checkpoint it is due."""
-    p, it = cfg.ppo, state.iteration + 1
+    p, it = cfg.step3, state.iteration + 1
     if on_iteration is not None:
         on_iteration(it, graph)
-    log.write(ppo_iteration(graph, cfg, data, it, state.rng, reward_fn))
+    log.write(run_iteration(graph, cfg, data, it, state.rng, reward_fn))
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:
-        log.write({"kind": "ppo_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99),
+        log.write({"kind": "step3_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99),
                    "peak_memory_mb": role_memory(graph)})
     if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
-        save_checkpoint(graph, out / "ppo" / "checkpoints", out, state)
+        save_checkpoint(graph, root, out, state)
