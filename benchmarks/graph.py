@@ -18,11 +18,16 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import troupe
+from troupe.actors import Dispatch, dispatch
 from troupe.runtime import ActorGraph
 
 
 class Noop:
     def noop(self, x=None):
+        return x
+
+    @dispatch(Dispatch.RANK0)
+    def noop_on_rank0(self, x=None):
         return x
 
 
@@ -93,9 +98,9 @@ def main() -> None:
     group = graph["w"]
     plain_actors = [PlainNoop.remote() for _ in range(w)]
     ray.get([a.noop.remote() for a in plain_actors])
-    one_troupe = timed(lambda: group.call_rank(0, "noop"), args.calls)
+    one_troupe = timed(lambda: group.invoke(Noop.noop_on_rank0), args.calls)
     one_plain = timed(lambda: ray.get(plain_actors[0].noop.remote()), args.calls)
-    all_troupe = timed(lambda: group.call("noop"), args.calls)
+    all_troupe = timed(lambda: group.invoke(Noop.noop), args.calls)
     all_plain = timed(lambda: ray.get([a.noop.remote() for a in plain_actors]), args.calls)
     emit(figure="call_round_trip_ms", workers=1, troupe=round(one_troupe * 1e3, 3),
          plain_ray=round(one_plain * 1e3, 3), overhead_ms=round((one_troupe - one_plain) * 1e3, 3))

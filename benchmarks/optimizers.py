@@ -25,7 +25,7 @@ import time
 from allreduce import tcp_bytes_sent  # benchmarks/ is the script's directory
 
 import troupe
-from troupe.pretrain import PretrainRank
+from troupe.pretrain import TrainerActor
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.driver import build_graph
 
@@ -48,17 +48,17 @@ def train(args, name: str, optimizer: dict) -> dict:
         b0, t0 = tcp_bytes_sent(*pids), time.perf_counter()
         sent = [0]
         for step in range(1, args.steps + 1):
-            metrics = trainer.invoke(PretrainRank.train_step, step)
+            metrics = trainer.invoke(TrainerActor.train_step, step)
             sent.append(metrics[0].bytes_sent)
         seconds, tcp = time.perf_counter() - t0, tcp_bytes_sent(*pids) - b0
-        val = sum(trainer.invoke(PretrainRank.evaluate)) / args.workers
+        val = sum(trainer.invoke(TrainerActor.evaluate)) / args.workers
         frozen = _freeze_step(optimizer)
         return {"optimizer": name, "val_loss": round(val, 4),
                 "train_loss": round(sum(m.loss for m in metrics) / len(metrics), 4),
                 "bytes_sent_per_rank": sent[-1],
                 "bytes_per_step_after_freeze": (sent[-1] - sent[frozen]) // (args.steps - frozen),
                 "tcp_bytes_sent_per_rank": tcp // args.workers,
-                "optimizer_state_bytes": trainer.invoke(PretrainRank.memory)[0]["optimizer_bytes"],
+                "optimizer_state_bytes": trainer.invoke(TrainerActor.memory)[0]["optimizer_bytes"],
                 "seconds": round(seconds, 1), "lr": cfg.optimizer.lr, **optimizer}
     finally:
         built.shutdown()
@@ -77,8 +77,8 @@ def memory(args, name: str, optimizer: dict, workers: int) -> dict:
     try:
         trainer = built.graph["trainer"]
         for step in range(1, steps + 1):
-            trainer.invoke(PretrainRank.train_step, step)
-        held = trainer.invoke(PretrainRank.memory)
+            trainer.invoke(TrainerActor.train_step, step)
+        held = trainer.invoke(TrainerActor.memory)
     finally:
         built.shutdown()
     return {"bench": "optimizer_memory", "optimizer": name, "workers": workers,

@@ -37,8 +37,8 @@ def test_the_same_gradients_bit_for_bit(arch):
 
 
 def test_pretraining_turns_it_on_from_the_config():
-    from troupe.pretrain.rank import PretrainWorker
+    from troupe.pretrain.rank import Trainer
     for on in (False, True):
         cfg = PretrainConfig(model={"d_model": 32, "n_layer": 2, "n_head": 2, "seq_len": 16},
                              train={"activation_checkpointing": on}, workers=1)
-        assert PretrainWorker(cfg, 0, 1, None).model.checkpoint_activations is on
+        assert Trainer(cfg, 0, 1, None).model.checkpoint_activations is on

@@ -7,7 +7,7 @@ import torch
 from tests.collectives.helpers import gloo_ranks
 from troupe.optim import FlatParams, LossScaler
 from troupe.pretrain.config import PretrainConfig
-from troupe.pretrain.rank import PretrainWorker
+from troupe.pretrain.rank import Trainer
 
 
 def _flat(values):
@@ -55,7 +55,7 @@ def test_fp16_pretraining_tracks_fp32_and_skips_overflowed_steps():
         cfg = PretrainConfig(model={"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 32},
                              precision=precision, workers=1,
                              train={"batch_size": 8, "steps": 10})
-        return PretrainWorker(cfg, 0, 1, None)
+        return Trainer(cfg, 0, 1, None)
 
     fp32, fp16 = worker("fp32"), worker("fp16")
     a = [fp32.train_step(s).loss for s in range(1, 11)]

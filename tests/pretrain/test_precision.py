@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from troupe.pretrain.config import PretrainConfig
-from troupe.pretrain.rank import PretrainWorker
+from troupe.pretrain.rank import Trainer
 
 
 @pytest.mark.parametrize("moe", [None, {"num_experts": 4, "expert_interval": 1, "top_k": 2}])
@@ -18,7 +18,7 @@ def test_bf16_steps_track_fp32(moe):
                                     "moe": moe},
                              precision=precision, workers=1,
                              train={"batch_size": 8, "steps": 10})
-        worker = PretrainWorker(cfg, 0, 1, None)
+        worker = Trainer(cfg, 0, 1, None)
         losses = [worker.train_step(step).loss for step in range(1, 11)]
         return losses, worker
 
@@ -44,7 +44,7 @@ def test_pretraining_steps_on_cuda_match_cpu(precision):
                              random_ltd={"enabled": True, "min_tokens": 16, "total_steps": 6},
                              precision=precision, workers=1, device=device,
                              train={"batch_size": 8, "steps": 3})
-        worker = PretrainWorker(cfg, 0, 1, None)
+        worker = Trainer(cfg, 0, 1, None)
         losses = [worker.train_step(step).loss for step in range(1, 4)]
         assert worker.buckets[0].flat.data.device.type == device
         return torch.tensor(losses), worker.buckets[0].flat.data.cpu(), worker.evaluate()

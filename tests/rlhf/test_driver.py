@@ -14,6 +14,9 @@ from troupe.errors import RunFailedError
 from troupe.models.io import read_module_file
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.algorithms import Advantages, Algorithm
+from troupe.rlhf.step3 import setup_roles
+from troupe.rlhf.topology import RLHFTopology
+from troupe.rlhf.workers import PolicyActor
 from troupe.rlhf.config import RLHFConfig
 from troupe.runtime import checkpoint
 
@@ -95,8 +98,7 @@ def _ppo(graph, cfg, out, hook=None, resume=False):
     """PPO from step 1's and 2's weights into ``out``, with every role built afresh first (as
     in a new graph); returns the run's result and its records, one per (kind, step): the last,
     which for a redone iteration is the redo, without the timings."""
-    for role in rlhf.ROLES:
-        graph[role].call("setup")
+    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers))
     base, log = Path(cfg.out_dir), rlhf.MetricsLog(out / "metrics.jsonl")
     try:
         res = rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg), log, out,
@@ -266,7 +268,8 @@ def test_roles_compute_where_the_device_setting_resolves(trained, cluster):
     cfg, graph, _ = trained
     want = "cuda" if cluster.num_gpus >= cfg.workers else "cpu"
     for role in rlhf.roles(cfg):
-        assert [d.split(":")[0] for d in graph[role].call("device_name")] == [want] * 2, role
+        names = graph[role].invoke(PolicyActor.device_name)  # every role's shell has it
+        assert [d.split(":")[0] for d in names] == [want] * 2, role
 
 
 def test_gpu_shares_and_a_device_the_cluster_lacks(cluster, tmp_path):
@@ -289,7 +292,7 @@ def test_three_steps_on_cuda(cluster, tmp_path):
     graph = rlhf.build_graph(cfg)
     try:
         for role in rlhf.roles(cfg):
-            assert graph[role].call("device_name")[0].startswith("cuda"), role
+            assert graph[role].invoke(PolicyActor.device_name)[0].startswith("cuda"), role
     finally:
         graph.shutdown()
     summary = rlhf.run(cfg)

@@ -114,8 +114,8 @@ def test_scatter_sends_each_worker_its_slice(rlhf_like):
     batch = torch.arange(10.0)
     assert rlhf_like["actor"].scatter("shard_sum", batch, offset=1) == [
         float(batch[:5].sum()) + 1, float(batch[5:].sum()) + 1]
-    refs = rlhf_like["actor"].call_async("double", 3)
-    assert rlhf_like["actor"].get(refs) == [6, 6]
+    call = rlhf_like["actor"].call_async("double", 3)
+    assert call.result() == [6, 6] and rlhf_like["actor"].get(call) == [6, 6]
 
 
 def test_remote_exception_names_role_rank_and_traceback(rlhf_like):

@@ -23,20 +23,19 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
 from troupe.data import ByteTokens
 from troupe.devices import cluster_device
-from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.models import save_pretrained
 from troupe.models.hf_config import config_to_hf
-from troupe.parallel import expert_layout
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.export import load_full_model
 from troupe.pretrain.rank import StepStats
-from troupe.pretrain.workers import ParameterShardRank, PretrainRank, RankInfo
+from troupe.pretrain.topology import OWNER, TRAINER, PretrainTopology
+from troupe.pretrain.workers import ShardOwnerActor, TrainerActor, RankInfo
 from troupe.runtime import checkpoint
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog, plot_losses
-from troupe.runtime.recovery import FailurePolicy
+from troupe.runtime.recovery import FailurePolicy, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +54,24 @@ class Trainers:
 
 def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1.0,
                 timeout_s: float | None = None) -> Trainers:
-    """Start ``workers`` PretrainRank actors wired with "dp" (and "ep"/"edp"); with
-    train.offload, as many CPU-only ParameterShardRank owners ("shard") and the "offload" group
-    of trainers and owners; then set every worker up. On cuda (``device``) each trainer
-    asks Ray for ``num_gpus`` and the trainers' groups are NCCL's."""
+    """Start ``workers`` TrainerActor actors and, with train.offload, as many CPU-only
+    ShardOwnerActor owners, wired with the groups of their PretrainTopology
+    (troupe/pretrain/topology.py); then set every worker up with it. On cuda (``device``)
+    each trainer asks Ray for ``num_gpus`` and the trainers' groups are NCCL's."""
     T, W, info = cfg.train, cfg.workers, init()
     device = cluster_device(cfg.device, info.num_gpus, W * cfg.num_gpus, info.embedded)
     config = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
     num_gpus = cfg.num_gpus if device == "cuda" else 0.0
-    g = ActorGraph(name).role("trainer", PretrainRank, W, num_cpus=num_cpus, num_gpus=num_gpus,
+    g = ActorGraph(name).role(TRAINER, TrainerActor, W, num_cpus=num_cpus, num_gpus=num_gpus,
                               strategy=T.strategy, max_restarts=cfg.max_restarts, config=config)
-    if W > 1:
-        g.collective("dp", ["trainer"])
     if cfg.train.offload:
-        g.role("shard", ParameterShardRank, W, num_cpus=T.shard_cpus,
+        g.role(OWNER, ShardOwnerActor, W, num_cpus=T.shard_cpus,
                max_restarts=cfg.max_restarts, config=config)
-        g.collective("offload", ["trainer", "shard"], backend="gloo")
-        if cfg.optimizer.name == "lamb" and W > 1:
-            g.collective("owners", ["shard"], backend="gloo")
-    moe = cfg.model.architecture().moe
-    if moe is not None:
-        layout = expert_layout(W, moe.ep_size)
-        if moe.ep_size > 1:
-            g.collective("ep", ["trainer"], parts=layout.ep_groups)
-        if W // moe.ep_size > 1:
-            g.collective("edp", ["trainer"], parts=layout.edp_groups)
+    topology = PretrainTopology.of(cfg)
+    topology.declare(g)
     graph = g.build(timeout_s=timeout_s or T.placement_timeout_s, call_timeout_s=600)
     try:
-        trainers, owners = _both(graph, PretrainRank.setup, ParameterShardRank.setup)
+        trainers, owners = _both(graph, TrainerActor.setup, ShardOwnerActor.setup, topology)
     except BaseException:
         graph.shutdown()
         raise
@@ -93,17 +82,17 @@ def _both(graph: Graph, trainer_method: Callable, owner_method: Callable, *args)
     """Call the trainers' method and, when there are shard owners, the owners' method of the
     same name at once (their calls exchange tensors); returns [trainer results, owner
     results (empty without owners)]."""
-    calls = [graph["trainer"].invoke_async(trainer_method, *args)]
-    if "shard" in graph.roles:
-        calls.append(graph["shard"].invoke_async(owner_method, *args))
+    calls = [graph[TRAINER].invoke_async(trainer_method, *args)]
+    if OWNER in graph.roles:
+        calls.append(graph[OWNER].invoke_async(owner_method, *args))
     return [c.result() for c in calls] + [[]] * (2 - len(calls))
 
 
 def _checkpointed(graph: Graph) -> list:
     """The roles a checkpoint holds, each with its save and load methods."""
-    parts = [(graph["trainer"], PretrainRank.save, PretrainRank.load)]
-    if "shard" in graph.roles:
-        parts.append((graph["shard"], ParameterShardRank.save, ParameterShardRank.load))
+    parts = [(graph[TRAINER], TrainerActor.save, TrainerActor.load)]
+    if OWNER in graph.roles:
+        parts.append((graph[OWNER], ShardOwnerActor.save, ShardOwnerActor.load))
     return parts
 
 
@@ -158,7 +147,8 @@ def export_hf(cfg: PretrainConfig, directory: Path) -> Path:
 
 def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: int | None,
            progress: bool, on_step: Callable[[int, Graph], None] | None) -> list[dict]:
-    """The step loop from where ``resume`` says (see ``run``) to the last step."""
+    """The step loop (troupe.runtime.recovery.run_steps) from where ``resume`` says (see
+    ``run``) to the last step; returns the records of the steps this run made."""
     out, T = Path(cfg.out_dir), cfg.train
     metrics = MetricsLog(out / "metrics.jsonl")
     policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s)
@@ -166,27 +156,20 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
     metrics.truncate_after(start)
     records: list[dict] = []
     last = min(T.steps, stop_after or T.steps)
-    bar = tqdm(desc="pretrain", disable=not progress, initial=start, total=T.steps)
-    step = start + 1
-    while step <= last:
-        if on_step is not None:
-            on_step(step, graph)
-        try:
-            done = _step(graph, cfg, step, last)
-        except (WorkerDiedError, WorkerCallError) as e:
-            start = policy.recover(e, step, lambda: _restore(graph, cfg))
-            records = [r for r in records if r["step"] <= start]
-            metrics.truncate_after(start)
-            metrics.write({**policy.failures[-1], "kind": "recovery",
-                           "failure": policy.failures[-1]["kind"], "step": start,
-                           "failed_step": step})
-            bar.n, step = start, start + 1
-            continue
-        for rec in done:
+
+    def step(n: int) -> None:
+        for rec in _step(graph, cfg, n, last):
             metrics.write(rec)
-        records += done
-        bar.update(1)
-        step += 1
+            records.append(rec)
+
+    def restore() -> int:
+        done = _restore(graph, cfg)
+        records[:] = [r for r in records if r["step"] <= done]
+        return done
+
+    bar = tqdm(desc="pretrain", disable=not progress, initial=start, total=T.steps)
+    run_steps(policy, metrics, start, last, step, restore,
+              before_step=None if on_step is None else lambda n: on_step(n, graph), bar=bar)
     bar.close()
     return records
 
@@ -217,8 +200,8 @@ def checkpoint_root(cfg: PretrainConfig) -> StorePath:
 def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]:
     """One optimizer step on every rank, then the evaluation and checkpoint it is due."""
     T = cfg.train
-    ranks: list[StepStats] = _both(graph, PretrainRank.train_step,
-                                   ParameterShardRank.train_step, step)[0]
+    ranks: list[StepStats] = _both(graph, TrainerActor.train_step,
+                                   ShardOwnerActor.train_step, step)[0]
     out = [{"kind": "train", **asdict(ranks[0]),
             "loss": sum(r.loss for r in ranks) / len(ranks),
             "aux_loss": sum(r.aux_loss for r in ranks) / len(ranks),
@@ -226,7 +209,7 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "seconds": max(r.seconds for r in ranks),
             "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]
     if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
-        val = sum(graph["trainer"].invoke(PretrainRank.evaluate)) / cfg.workers
+        val = sum(graph[TRAINER].invoke(TrainerActor.evaluate)) / cfg.workers
         out.append({"kind": "eval", "step": step, "val_loss": val})
     if (T.checkpoint_every and step % T.checkpoint_every == 0) or step in (last, T.steps):
         checkpoint.save(_checkpointed(graph), checkpoint_root(cfg), step, model=cfg.model.record(),
@@ -237,5 +220,5 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
 def _restore(graph: Graph, cfg: PretrainConfig) -> int:
     """After a restart: every worker set up afresh and loaded from the last complete
     checkpoint (none: the initial state); returns its step."""
-    _both(graph, PretrainRank.setup, ParameterShardRank.setup)
+    _both(graph, TrainerActor.setup, ShardOwnerActor.setup, PretrainTopology.of(cfg))
     return _resume(graph, cfg, "auto")

@@ -91,7 +91,7 @@ class Bucket:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-class PretrainWorker:
+class Trainer:
     """Rank ``rank`` of ``world``. Groups: ``dp`` over all ranks; with MoE, ``ep`` (this rank's
     expert-parallel group) and ``edp`` (the ranks holding the same experts); None where a group
     would have one member. ``offload``: the trainers + ParameterShard owners group, when the

@@ -1,8 +1,8 @@
 """The two roles of pretraining as graph workers: thin shells that build the plain classes of
 troupe.pretrain.rank once the groups are wired, and the dataclasses their methods return.
 
-PretrainRank: one data-parallel trainer ("dp"; with MoE "ep" and "edp"; with offload
-"offload"). ParameterShardRank: a CPU-only owner of one shard of the dense parameters' fp32
+TrainerActor: one data-parallel trainer ("dp"; with MoE "ep" and "edp"; with offload
+"offload"). ShardOwnerActor: a CPU-only owner of one shard of the dense parameters' fp32
 master weights and optimizer state (train.offload). Each owner method pairs with the
 trainers' method of the same name, which the driver calls at the same time."""
 
@@ -12,12 +12,13 @@ import os
 from dataclasses import dataclass
 
 from troupe import checkpoint as ckpt
-from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.context import get_context
 from troupe.pretrain.config import PretrainConfig
-from troupe.pretrain.rank import PretrainWorker, ShardOwner, StepStats
+from troupe.pretrain.rank import ShardOwner, StepStats, Trainer
+from troupe.pretrain.topology import PretrainTopology
+from troupe.runtime.topology import communicator
 
 SHARD_PREFIX = "shard"
 
@@ -37,19 +38,19 @@ def _config(config: dict | PretrainConfig) -> PretrainConfig:
     return validate(PretrainConfig, config, "pretrain config")
 
 
-class PretrainRank:
+class TrainerActor:
     """One data-parallel trainer rank. The driver calls ``setup`` once the groups are wired."""
 
     def __init__(self, config: dict | PretrainConfig):
         self.cfg = _config(config)
-        self.worker: PretrainWorker | None = None
+        self.worker: Trainer | None = None
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> RankInfo:
-        """Build the model and optimizers."""
-        ctx = get_context()
-        dp, ep, edp, offload = (collectives.find_group(n) for n in ("dp", "ep", "edp", "offload"))
-        self.worker = PretrainWorker(self.cfg, ctx.rank, ctx.world_size, dp, ep, edp, offload)
+    def setup(self, topology: PretrainTopology) -> RankInfo:
+        """Build the model and optimizers, with this rank's communicators in ``topology``."""
+        ctx, t = get_context(), topology
+        self.worker = Trainer(self.cfg, ctx.rank, ctx.world_size, communicator(t.dp),
+                              communicator(t.ep), communicator(t.edp), communicator(t.offload))
         return RankInfo(os.getpid(), **self.worker.memory())
 
     @dispatch(Dispatch.ALL)
@@ -80,13 +81,13 @@ class PretrainRank:
         return self._w.step
 
     @property
-    def _w(self) -> PretrainWorker:
+    def _w(self) -> Trainer:
         if self.worker is None:
-            raise RuntimeError("PretrainRank.setup() must be called before training")
+            raise RuntimeError("TrainerActor.setup() must be called before training")
         return self.worker
 
 
-class ParameterShardRank:
+class ShardOwnerActor:
     """Shard owner ``rank`` of the dense parameters (train.offload)."""
 
     def __init__(self, config: dict | PretrainConfig):
@@ -94,9 +95,9 @@ class ParameterShardRank:
         self.owner: ShardOwner | None = None
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> RankInfo:
-        self.owner = ShardOwner(self.cfg, collectives.get_group("offload"),
-                                collectives.find_group("owners"))
+    def setup(self, topology: PretrainTopology) -> RankInfo:
+        self.owner = ShardOwner(self.cfg, communicator(topology.offload),
+                                communicator(topology.owners))
         return RankInfo(os.getpid(), **self.owner.memory())
 
     @dispatch(Dispatch.ALL)
@@ -116,5 +117,5 @@ class ParameterShardRank:
     @property
     def _o(self) -> ShardOwner:
         if self.owner is None:
-            raise RuntimeError("ParameterShardRank.setup() must be called first")
+            raise RuntimeError("ShardOwnerActor.setup() must be called first")
         return self.owner

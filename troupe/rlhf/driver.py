@@ -17,6 +17,7 @@ from troupe.rlhf.data import Data, check_sizes, prepare_data
 from troupe.rlhf.dpo import run_dpo
 from troupe.rlhf.plots import plot
 from troupe.rlhf.step3 import run_step3, setup_roles
+from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
 from troupe.rlhf.workers import CriticActor, PolicyActor, ReferenceActor, RewardActor
 from troupe.runtime.cluster import init
@@ -51,7 +52,8 @@ def gpus_per_worker(cfg: RLHFConfig, device: str) -> float:
 
 def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
     """The roles of ``roles(cfg)``, ``cfg.workers`` each; colocated on the policy's bundles
-    unless ``cfg.colocate`` is off; data-parallel groups for the roles that train."""
+    unless ``cfg.colocate`` is off; data-parallel groups for the roles that train
+    (RLHFTopology)."""
     info = init()
     needed = cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
@@ -64,13 +66,11 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
-    if W > 1:
-        for name in roles(cfg):
-            if name != "reference":
-                g.collective(name, [name])
+    topology = RLHFTopology.of(roles(cfg), W)
+    topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
     try:
-        setup_roles(graph)
+        setup_roles(graph, topology)
     except BaseException:
         graph.shutdown()
         raise

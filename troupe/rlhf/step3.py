@@ -27,12 +27,12 @@ from tqdm import tqdm
 
 from troupe.actors import PerRank
 from troupe.checkpoint import read_manifest
-from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
 from troupe.rlhf.rewards import RewardFunction
 from troupe.rlhf.scoring import make_experience, sample
 from troupe.rlhf.stages import evaluate_policy
+from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.workers import (
     CriticActor,
     PolicyActor,
@@ -46,9 +46,10 @@ from troupe.rlhf.workers import (
 from troupe.runtime import checkpoint
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
-from troupe.runtime.recovery import FailurePolicy
+from troupe.runtime.recovery import FailurePolicy, run_steps
 
 logger = logging.getLogger(__name__)
+KINDS = ("step3", "step3_eval")  # the metric kinds step 3 writes (a redone iteration's replace)
 
 
 @dataclass
@@ -173,9 +174,9 @@ _SETUP = {"policy": PolicyActor.setup, "reference": ReferenceActor.setup,
           "reward": RewardActor.setup, "critic": CriticActor.setup}
 
 
-def setup_roles(graph: Graph) -> None:
-    """Build every role of the graph afresh on its workers (its groups wired)."""
-    calls = [graph[name].invoke_async(_SETUP[name]) for name in graph.roles]
+def setup_roles(graph: Graph, topology: RLHFTopology) -> None:
+    """Build every role of the graph afresh on its workers, with its groups in ``topology``."""
+    calls = [graph[name].invoke_async(_SETUP[name], topology) for name in graph.roles]
     for c in calls:
         c.result()
 
@@ -184,7 +185,7 @@ def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
              reward_path: Path | None, resume: bool) -> Step3State:
     """After the failure policy brought the workers back: every role built afresh, then
     ``restore``."""
-    setup_roles(graph)
+    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers))
     return restore(graph, cfg, root, sft_path, reward_path, resume)
 
 
@@ -215,22 +216,22 @@ def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: P
             state.before = evaluate_policy(graph, data, cfg.seed + 99)
             log.write({"kind": "step3_eval", "step": 0, **state.before})
         policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
+
+        def step(it: int) -> None:
+            _iterate(graph, cfg, data, log, out, root, state, it, reward_fn)
+
+        def back() -> int:  # every role built afresh, at the last checkpoint
+            nonlocal state
+            before, state = state.before, _restart(graph, cfg, root, sft_path, reward_path,
+                                                   resume)
+            state.before = state.before or before
+            return state.iteration
+
         bar = tqdm(total=p.iterations, initial=state.iteration,
                    desc=f"step 3: {cfg.algorithm.upper()}")
-        while state.iteration < p.iterations:
-            try:
-                _iterate(graph, cfg, data, log, out, root, state, on_iteration, reward_fn)
-                bar.update(1)
-            except (WorkerDiedError, WorkerCallError) as e:
-                failed = state.iteration + 1
-                before, state = state.before, policy.recover(e, failed, lambda: _restart(
-                    graph, cfg, root, sft_path, reward_path, resume))
-                state.before = state.before or before
-                log.write({"kind": "recovery", "step": state.iteration, "failed_step": failed,
-                           "role": e.role, "rank": e.rank, "node_id": e.node_id,
-                           "error": str(e).splitlines()[0]})
-                bar.reset(total=p.iterations)
-                bar.update(state.iteration)
+        run_steps(policy, log, state.iteration, p.iterations, step, back, kinds=KINDS,
+                  before_step=None if on_iteration is None else lambda it: on_iteration(it, graph),
+                  bar=bar)
         bar.close()
     finally:
         if reward_fn is not None:
@@ -243,16 +244,14 @@ def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: P
 
 
 def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path, root: Path,
-             state: Step3State, on_iteration: Callable | None,
-             reward_fn: RewardFunction | None) -> None:
-    """One iteration, then the evaluation and checkpoint it is due."""
-    p, it = cfg.step3, state.iteration + 1
-    if on_iteration is not None:
-        on_iteration(it, graph)
+             state: Step3State, it: int, reward_fn: RewardFunction | None) -> None:
+    """Iteration ``it``, then the evaluation and checkpoint it is due."""
+    p = cfg.step3
     log.write(run_iteration(graph, cfg, data, it, state.rng, reward_fn))
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:
-        log.write({"kind": "step3_eval", "step": it, **evaluate_policy(graph, data, cfg.seed + 99),
+        log.write({"kind": "step3_eval", "step": it,
+                   **evaluate_policy(graph, data, cfg.seed + 99),
                    "peak_memory_mb": role_memory(graph)})
     if p.checkpoint_every and (it % p.checkpoint_every == 0 or it == p.iterations):
         save_checkpoint(graph, root, out, state)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from troupe import checkpoint as ckpt
-from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.context import get_context
@@ -28,6 +27,8 @@ from troupe.rlhf.experience import (
     SFTStats,
 )
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
+from troupe.rlhf.topology import RLHFTopology
+from troupe.runtime.topology import communicator
 from troupe.runtime.metrics import peak_memory_mb
 
 
@@ -118,9 +119,9 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     NAME = "policy"
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> None:
+    def setup(self, topology: RLHFTopology) -> None:
         rank = get_context().rank
-        self.role = Policy(self.cfg, collectives.find_group("policy"), rank)
+        self.role = Policy(self.cfg, communicator(topology.policy), rank)
         if self.cfg.reference_in_policy and self.cfg.uses_reference():
             self.reference = Reference(self.cfg, rank)
 
@@ -176,7 +177,7 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
 class ReferenceActor(_Shell, ReferenceCalls):
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> None:
+    def setup(self, topology: RLHFTopology) -> None:
         self.role = self.reference = Reference(self.cfg, get_context().rank)
 
 
@@ -228,8 +229,8 @@ def reward_of(graph, cfg: RLHFConfig):
 class RewardActor(_Shell, RewardCalls):
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> None:
-        self.role = self.reward_model = Reward(self.cfg, collectives.find_group("reward"),
+    def setup(self, topology: RLHFTopology) -> None:
+        self.role = self.reward_model = Reward(self.cfg, communicator(topology.reward),
                                                get_context().rank)
 
 
@@ -237,8 +238,8 @@ class CriticActor(_TrainedShell, RewardCalls):
     NAME = "critic"
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> None:
-        group, rank = collectives.find_group("critic"), get_context().rank
+    def setup(self, topology: RLHFTopology) -> None:
+        group, rank = communicator(topology.critic), get_context().rank
         if self.cfg.reward_in_critic and self.cfg.uses_reward_model():
             self.reward_model = Reward(self.cfg, group, rank)
         self.role = Critic(self.cfg, group, rank)

@@ -16,7 +16,8 @@ from troupe.errors import (
 )
 from troupe.runtime.cluster import ClusterInfo, init, shutdown
 from troupe.runtime.graph import ActorGraph, CollectiveSpec, RoleSpec, connect_group, rewire
-from troupe.runtime.handle import Call, Graph, RoleGroup, split_batch
+from troupe.actors.dispatch import split as split_batch
+from troupe.runtime.handle import Call, Graph, RoleGroup
 
 __all__ = [
     "ActorGraph", "Call", "CallTimeoutError", "ClusterConnectionError", "ClusterInfo",

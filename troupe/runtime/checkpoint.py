@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from troupe import checkpoint as ckpt
-from troupe.actors.dispatch import Dispatch
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.errors import WorkerCallError
@@ -36,12 +35,9 @@ def _calls(parts: list[Part], what: str, directory: str) -> list[tuple[RoleGroup
     """Start the ``what`` ("save" or "load") method on every rank of every part."""
     started = []
     for part in parts:
-        if isinstance(part, RoleGroup):
-            started.append((part, Call(part, what, Dispatch.ALL, part.call_async(what, directory))))
-        else:
-            group, save, load = part
-            started.append((group, group.invoke_async(save if what == "save" else load,
-                                                      directory)))
+        group, save, load = ((part, part.cls.save, part.cls.load) if isinstance(part, RoleGroup)
+                             else part)
+        started.append((group, group.invoke_async(save if what == "save" else load, directory)))
     return started
 
 

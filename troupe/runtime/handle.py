@@ -10,8 +10,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from troupe.actors.dispatch import Dispatch, mode_of, per_rank_args
-from troupe.actors.dispatch import split as split_batch
+from troupe.actors.dispatch import Dispatch, PerRank, mode_of, per_rank_args
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
 _POLL_S = 1.0  # how often a long call checks its finished ranks for errors
@@ -21,8 +20,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 class RoleGroup:
     """The workers of one role, built from ``cls``. ``invoke`` calls a method of ``cls`` by
-    reference with the dispatch it declares (troupe.actors.dispatch); ``call`` is the generic
-    form, by name, with one result per worker in rank order."""
+    reference with the dispatch it declares (troupe.actors.dispatch); ``call``, ``call_rank``
+    and ``scatter`` are the same by name, for a method that declares none."""
 
     def __init__(self, name: str, actors: list[ray.actor.ActorHandle], node_ids: list[str],
                  call_timeout_s: float | None, cls: type | None = None):
@@ -41,12 +40,23 @@ class RoleGroup:
     def invoke_async(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> "Call":
         """``invoke`` without waiting: start the calls and return them (``Call.result``), so
         that several roles can work at once."""
-        name = self._method_name(method)
-        mode = mode_of(method)
-        calls = per_rank_args(mode, args, kwargs, self.world_size)
-        refs = [a.call.remote(name, a_args, a_kwargs)
-                for a, (a_args, a_kwargs) in zip(self.actors, calls)]
-        return Call(self, name, mode, refs)
+        return self._start(self._method_name(method), mode_of(method), args, kwargs)
+
+    def _start(self, name: str, mode: Dispatch, args: tuple, kwargs: dict,
+               rank: int | None = None) -> "Call":
+        """The one way a call leaves the driver: ``name`` on the ranks ``mode`` names (or on
+        ``rank`` alone), each with its arguments (troupe.actors.dispatch.per_rank_args)."""
+        if rank is not None:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"role {self.name!r} has ranks 0..{self.world_size - 1}, "
+                                 f"not {rank}")
+            calls, ranks = per_rank_args(mode, args, kwargs, self.world_size)[rank:rank + 1], [rank]
+        else:
+            calls = per_rank_args(mode, args, kwargs, self.world_size)
+            ranks = list(range(len(calls)))
+        refs = [self.actors[r].call.remote(name, a_args, a_kwargs)
+                for r, (a_args, a_kwargs) in zip(ranks, calls)]
+        return Call(self, name, mode, refs, ranks)
 
     def _method_name(self, method: Callable[..., Any]) -> str:
         name = getattr(method, "__name__", None)
@@ -64,37 +74,38 @@ class RoleGroup:
     def world_size(self) -> int:
         return len(self.actors)
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Start ``method`` on every worker; returns the refs in rank order (see ``get``)."""
-        return [a.call.remote(method, args, kwargs) for a in self.actors]
+    # By name: for a class whose methods declare no dispatch, or a caller without the class at
+    # hand. Each is ``invoke`` with the dispatch its name says.
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> "Call":
+        """Start ``method`` on every worker with the same arguments (Dispatch.ALL)."""
+        return self._start(method, Dispatch.ALL, args, kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every worker and wait; results in rank order."""
-        return self.get(self.call_async(method, *args, **kwargs), method)
+        return self.call_async(method, *args, **kwargs).result()
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on one worker only."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"role {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}")
-        ref = self.actors[rank].call.remote(method, args, kwargs)
-        return self.gather([ref], [rank], method, self.call_timeout_s)[0]
+        return self._start(method, Dispatch.ALL, args, kwargs, rank=rank).result()[0]
+
+    def scatter_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> "Call":
+        """Start ``method(slice, *args, **kwargs)``, worker r receiving slice r of ``batch``
+        (Dispatch.SHARD; a list of exactly world_size items gives item r to rank r)."""
+        if isinstance(batch, list) and len(batch) == self.world_size:
+            batch = PerRank(batch)
+        return self._start(method, Dispatch.SHARD, (batch, *args), kwargs)
 
     def scatter(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method(slice, *args, **kwargs)`` with worker r receiving only slice r of
-        ``batch`` (see ``split_batch``; a list of exactly world_size items is used as is)."""
-        return self.get(self.scatter_async(method, batch, *args, **kwargs), method)
+        """``scatter_async`` and wait; results in rank order."""
+        return self.scatter_async(method, batch, *args, **kwargs).result()
 
-    def scatter_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> list:
-        """``scatter`` without waiting: the refs in rank order (see ``get``)."""
-        if isinstance(batch, list) and len(batch) == self.world_size:
-            slices = batch
-        else:
-            slices = split_batch(batch, self.world_size)
-        return [a.call.remote(method, (s, *args), kwargs) for a, s in zip(self.actors, slices)]
-
-    def get(self, refs: Sequence[ray.ObjectRef], method: str = "call",
+    def get(self, refs: "Sequence[ray.ObjectRef] | Call", method: str = "call",
             timeout_s: float | None = None) -> list[Any]:
-        """Wait for refs from ``call_async`` (rank order), raising typed errors."""
+        """Wait for Ray refs of this role's workers' calls, one per rank in rank order, raising
+        typed errors (``Call.result`` for the calls troupe starts; a Call given here is waited
+        for the same way)."""
+        if isinstance(refs, Call):
+            return refs.result(timeout_s)
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
         return self.gather(list(refs), list(range(len(refs))), method, timeout)
 
@@ -174,17 +185,19 @@ class RoleGroup:
 
 
 class Call:
-    """Calls started by ``RoleGroup.invoke_async``; ``result()`` waits for them."""
+    """Calls started by ``RoleGroup.invoke_async`` (on ``ranks``); ``result()`` waits for
+    them."""
 
     def __init__(self, group: RoleGroup, method: str, mode: Dispatch,
-                 refs: list[ray.ObjectRef]):
+                 refs: list[ray.ObjectRef], ranks: list[int] | None = None):
         self.group, self.method, self.mode, self.refs = group, method, mode, refs
+        self.ranks = list(range(len(refs))) if ranks is None else ranks
 
     def result(self, timeout_s: float | None = None) -> Any:
         """The results in rank order (rank 0's alone for RANK0), or the first failure as a
         typed error (see ``RoleGroup.gather``)."""
         timeout = self.group.call_timeout_s if timeout_s is None else timeout_s
-        out = self.group.gather(self.refs, list(range(len(self.refs))), self.method, timeout)
+        out = self.group.gather(self.refs, self.ranks, self.method, timeout)
         return out[0] if self.mode is Dispatch.RANK0 else out
 
 

@@ -6,7 +6,7 @@ import json
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -28,8 +28,10 @@ class MetricsLog:
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
-    def truncate_after(self, step: int) -> None:
-        kept = [r for r in self.records() if r.get("step", 0) <= step]
+    def truncate_after(self, step: int, kinds: Collection[str] | None = None) -> None:
+        """Drop the records after ``step`` (of ``kinds`` only, when given)."""
+        kept = [r for r in self.records() if r.get("step", 0) <= step
+                or (kinds is not None and r.get("kind") not in kinds)]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 

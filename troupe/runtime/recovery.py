@@ -1,4 +1,5 @@
-"""The one failure policy of a troupe run (pretraining and RLHF alike).
+"""The one failure policy and the one step loop of a troupe run (pretraining and RLHF's step 3
+alike).
 
 When a worker dies or a call raises, Ray restarts the lost worker (its role's
 ``max_restarts``), the policy waits until every worker of the graph answers, rebuilds every
@@ -13,11 +14,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable, NoReturn, TypeVar
+from typing import Any, Callable, Collection, NoReturn, TypeVar
 
 from troupe.errors import RunFailedError, WorkerCallError, WorkerDiedError, failure_record
 from troupe.runtime.graph import rewire
 from troupe.runtime.handle import Graph
+from troupe.runtime.metrics import MetricsLog
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +87,36 @@ class FailurePolicy:
         (self.out_dir / "failure.json").write_text(json.dumps({"failures": self.failures},
                                                               indent=1))
         raise RunFailedError(self.run, len(self.failures) - 1, self.failures)
+
+
+def run_steps(policy: FailurePolicy, log: MetricsLog, done: int, last: int,
+              step: Callable[[int], None], restore: Callable[[], int],
+              kinds: Collection[str] | None = None,
+              before_step: Callable[[int], None] | None = None, bar: Any = None) -> None:
+    """Steps ``done + 1`` to ``last``, each by ``step(n)``, which logs its records and saves
+    the checkpoint it is due. A worker that dies, or a call that raises, goes to ``policy``:
+    the graph comes back, ``restore()`` puts the roles at their last checkpoint and returns its
+    step, the log drops its records of ``kinds`` (None: all) after that step, one ``recovery``
+    record (the failure's role, rank, node and cause, the step gone back to and the step that
+    failed) is written, and the steps after it are redone. ``before_step(n)`` runs before each
+    step (again for a redone one); ``bar`` is a tqdm bar to keep in step."""
+    n = done + 1
+    while n <= last:
+        if before_step is not None:
+            before_step(n)
+        try:
+            step(n)
+        except (WorkerDiedError, WorkerCallError) as e:
+            done = policy.recover(e, n, restore)
+            log.truncate_after(done, kinds)
+            failure = policy.failures[-1]
+            log.write({**failure, "kind": "recovery", "failure": failure["kind"], "step": done,
+                       "failed_step": n})
+            if bar is not None:
+                bar.reset(total=bar.total)
+                bar.update(done)
+            n = done + 1
+            continue
+        if bar is not None:
+            bar.update(1)
+        n += 1
