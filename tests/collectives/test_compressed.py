@@ -7,7 +7,7 @@ import torch
 
 from troupe import collectives, wire
 
-from tests.collectives.helpers import gloo_ranks
+from tests.collectives.helpers import GroupRank, gloo_ranks
 
 
 def simulate(inputs: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
@@ -73,7 +73,7 @@ def ranks(request, cluster):
 def test_matches_simulation_and_is_identical_on_every_rank(ranks, numel):
     w = ranks.world_size
     assert numel % (8 * w)  # not a multiple of 8W: padding is exercised
-    outs = ranks.call("run", "g", _repeat, numel, 6, 3)
+    outs = ranks.invoke(GroupRank.run, "g", _repeat, numel, 6, 3)
     for o in outs[1:]:
         assert torch.equal(o, outs[0])  # bit-identical across ranks
     expected = simulate([rank_input(r, numel) for r in range(w)], 6)
@@ -83,7 +83,7 @@ def test_matches_simulation_and_is_identical_on_every_rank(ranks, numel):
 
 def test_error_feedback_running_mean_converges(ranks):
     w, numel = ranks.world_size, 999
-    outs = ranks.call("run", "g", _repeat, numel, 200, -1, dp_input)[0]
+    outs = ranks.invoke(GroupRank.run, "g", _repeat, numel, 200, -1, dp_input)[0]
     true_mean = torch.stack([dp_input(r, numel) for r in range(w)]).mean(0)
 
     def rel_error(steps: int) -> float:

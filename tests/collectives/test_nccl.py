@@ -52,7 +52,7 @@ def _ops(g):
 
 
 def test_every_op_on_two_gpus(ranks):
-    results = ranks.call("run", "g", _ops)
+    results = ranks.invoke(GroupRank.run, "g", _ops)
     w = 2
     assert all(r.pop("on_cuda") for r in results)
     stack = lambda **kw: torch.stack([data(r, **kw) for r in range(w)])  # noqa: E731
@@ -87,7 +87,7 @@ def test_compressed_allreduce_on_nccl_equals_gloo_bit_for_bit(ranks, gloo, numel
     """The same inputs through both backends: the packed signs, scales and errors agree, so
     every output of six calls is the same bytes (troupe.kernels.onebit: the scale is a double
     sum on either device)."""
-    nccl = ranks.call("run", "g", _compressed_on_cuda, numel, 6)
-    reference = gloo.call("run", "g", _repeat, numel, 6, 3)
+    nccl = ranks.invoke(GroupRank.run, "g", _compressed_on_cuda, numel, 6)
+    reference = gloo.invoke(GroupRank.run, "g", _repeat, numel, 6, 3)
     for a, b in zip(nccl, reference):
         assert torch.equal(a, b)

@@ -23,7 +23,7 @@ def ranks(request, cluster):
 
 
 def run(ranks, fn, *args):
-    return ranks.call("run", "g", fn, *args)
+    return ranks.invoke(GroupRank.run, "g", fn, *args)
 
 
 def _all_reduce(g, op, dtype):
@@ -152,7 +152,7 @@ def test_all_to_all_gradient_matches_single_process(cluster):
     graph = (ActorGraph("a2a-grad").role("w", GroupRank, 2, num_cpus=1)
              .collective("g", ["w"], backend="gloo").build(timeout_s=60))
     try:
-        results = graph["w"].call("run", "g", _a2a_grad)
+        results = graph["w"].invoke(GroupRank.run, "g", _a2a_grad)
     finally:
         graph.shutdown()
     # single process: concatenate, route rows, differentiate the same loss
@@ -195,7 +195,7 @@ def test_a_group_opens_no_port_on_a_wildcard_address(cluster):
 
     graph = ActorGraph("ports").role("w", _Pid, 2, num_cpus=0.5).build(60)
     try:
-        pids = set(graph["w"].call("pid"))
+        pids = set(graph["w"].invoke(_Pid.pid))
 
         def listening():
             return {(c.pid, c.laddr.ip, c.laddr.port) for c in psutil.net_connections("inet")
@@ -204,7 +204,7 @@ def test_a_group_opens_no_port_on_a_wildcard_address(cluster):
         before = listening()
         connect_group(graph, "g", [("w", 0), ("w", 1)], "gloo", 60)
         added = listening() - before
-        assert graph["w"].call("allreduce_one") == [2.0, 2.0]
+        assert graph["w"].invoke(_Pid.allreduce_one) == [2.0, 2.0]
     finally:
         graph.shutdown()
     assert added and all(ip == "127.0.0.1" for _, ip, _ in added), added

@@ -145,7 +145,7 @@ def expert_ranks(request, cluster):
 @pytest.mark.parametrize("dropless,k", [(True, 1), (False, 1), (False, 2), (True, 2)])
 def test_expert_parallel_matches_single_process(expert_ranks, dropless, k):
     world, layout, ranks = expert_ranks
-    results = ranks.call("step", dropless, k, world)
+    results = ranks.invoke(ExpertRank.step, dropless, k, world)
     outs, xgrads, grads = _reference(dropless, k, world)
     if not dropless:
         assert sum(r[4] for r in results) > 0, "capacity limits must drop something"
@@ -162,7 +162,7 @@ def test_expert_gradients_equal_the_former_loop(expert_ranks, dropless, k):
     """On every expert-parallel layout, the expert weights' gradients (reduced over the
     expert-data-parallel group) equal those of the per-expert autograd loop to 1e-6."""
     world, _, ranks = expert_ranks
-    new, old = ranks.call("step", dropless, k, world), ranks.call("step", dropless, k, world, True)
+    new, old = ranks.invoke(ExpertRank.step, dropless, k, world), ranks.invoke(ExpertRank.step, dropless, k, world, True)
     for (y, xg, grads, _, _), (y_old, xg_old, grads_old, _, _) in zip(new, old):
         torch.testing.assert_close(y, y_old, atol=1e-6, rtol=0)
         torch.testing.assert_close(xg, xg_old, atol=1e-6, rtol=0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from troupe import collectives
+from troupe.actors import PerRank
 from troupe.optim import Adam, CommCounter, FlatParams, Lamb, OptimizerConfig, build_optimizer
 from troupe.optim.chunks import ChunkLayout
 from troupe.runtime import ActorGraph, get_context
@@ -100,7 +101,7 @@ def _mean_grad_reference(opt_factory, world: int, steps: int, lr: float = 1e-2):
 def test_onebit_adam_before_freeze_is_adam_without_bias_correction(ranks):
     steps = 6
     for bc in (False, True):
-        results = ranks.call("train", dict(name="onebit_adam", freeze_step=10 ** 6,
+        results = ranks.invoke(OptRank.train, dict(name="onebit_adam", freeze_step=10 ** 6,
                                            bias_correction=bc), steps)
         want = _mean_grad_reference(
             lambda f: Adam(f, betas=(0.9, 0.999), eps=1e-8, bias_correction=bc),  # noqa: B023
@@ -112,7 +113,7 @@ def test_onebit_adam_before_freeze_is_adam_without_bias_correction(ranks):
 
 def test_onebit_adam_freezes_variance_and_ranks_agree(ranks):
     freeze, steps = 3, 8
-    results = ranks.call("train", dict(name="onebit_adam", freeze_step=freeze), steps)
+    results = ranks.invoke(OptRank.train, dict(name="onebit_adam", freeze_step=freeze), steps)
     for history, *_ in results:
         assert not torch.equal(history[freeze - 2]["v"], history[freeze - 1]["v"])
         for t in range(freeze, steps):
@@ -126,7 +127,7 @@ def test_onebit_adam_freezes_variance_and_ranks_agree(ranks):
 def test_sharded_matches_single_process(ranks, name):
     W, steps = ranks.world_size, 5
     cfg = dict(name=name, weight_decay=0.01)
-    results = ranks.call("train", cfg, steps)
+    results = ranks.invoke(OptRank.train, cfg, steps)
     if name == "lamb":
         factory = lambda f: Lamb(f, weight_decay=0.01, eps=1e-8)  # noqa: E731
     else:
@@ -141,7 +142,7 @@ def test_sharded_matches_single_process(ranks, name):
 def test_zero_one_adam_syncs_ranks_and_updates_variance_on_schedule(ranks):
     cfg = dict(name="zero_one_adam", var_freeze_step=6, var_update_scaler=2,
                local_step_scaler=4, local_step_clipper=4)
-    history = [h for h, *_ in ranks.call("train", cfg, 16)]
+    history = [h for h, *_ in ranks.invoke(OptRank.train, cfg, 16)]
     # variance updates at t % interval == 0, interval 1,1,2,2,4...: steps 1, 2, 4, 6
     changed = [t + 1 for t in range(1, 16) if not torch.equal(history[0][t]["v"],
                                                                 history[0][t - 1]["v"])]
@@ -167,7 +168,7 @@ def test_zero_one_adam_clips_each_tensors_update(ranks):
 
     def step_rms(update_clip: float) -> list[list[float]]:
         """Per checked step, each tensor's RMS step / lr (on rank 0)."""
-        history = ranks.call("train", dict(cfg, update_clip=update_clip), steps, lr)[0][0]
+        history = ranks.invoke(OptRank.train, dict(cfg, update_clip=update_clip), steps, lr)[0][0]
         p = [start] + [h["p"] for h in history]
         return [[float((p[t][o:o + n] - p[t - 1][o:o + n]).square().mean().sqrt()) / lr
                  for o, n in segments] for t in (1, 2, 3, 4, 5, 6, 11, 13, 15, 16)]
@@ -181,7 +182,7 @@ def test_zero_one_adam_clips_each_tensors_update(ranks):
 
 def test_onebit_lamb_ranks_agree_and_train(ranks):
     cfg = dict(name="onebit_lamb", freeze_step=4, weight_decay=0.01)
-    results = ranks.call("train", cfg, 10)
+    results = ranks.invoke(OptRank.train, cfg, 10)
     for history, *_ in results[1:]:
         assert torch.equal(history[-1]["p"], results[0][0][-1]["p"])
         assert torch.equal(history[-1]["v"], history[3]["v"])  # frozen after step 4
@@ -196,8 +197,8 @@ def test_onebit_lamb_ranks_agree_and_train(ranks):
 def test_state_dict_resume_is_exact(ranks, name, shard_state, save_at):
     cfg = dict(name=name, freeze_step=3, var_freeze_step=3, var_update_scaler=1,
                local_step_scaler=2, local_step_clipper=4, shard_state=shard_state)
-    results = ranks.call("train", cfg, 9, 1e-2, save_at)
-    resumed = ranks.scatter("resume", [r[3] for r in results], cfg, save_at, 9)
+    results = ranks.invoke(OptRank.train, cfg, 9, 1e-2, save_at)
+    resumed = ranks.invoke(OptRank.resume, PerRank([r[3] for r in results]), cfg, save_at, 9)
     for (history, *_), p in zip(results, resumed):
         assert torch.equal(p, history[-1]["p"])
 
@@ -216,8 +217,8 @@ def test_sharded_state_trains_exactly_as_whole_state(ranks, name):
     those of the run with the whole state (warm-up, freeze, compressed steps; 0/1 Adam's
     variance steps, local steps and syncs)."""
     steps = 50
-    whole = ranks.call("train", ONEBIT[name], steps, 1e-2, None, 24)
-    sharded = ranks.call("train", dict(ONEBIT[name], shard_state=True), steps, 1e-2, None, 24)
+    whole = ranks.invoke(OptRank.train, ONEBIT[name], steps, 1e-2, None, 24)
+    sharded = ranks.invoke(OptRank.train, dict(ONEBIT[name], shard_state=True), steps, 1e-2, None, 24)
     start = FlatParams(_model(24).parameters(), align=ranks.world_size).data
     for (h_whole, *_), (h_sharded, *_) in zip(whole, sharded):
         for t in range(steps):
@@ -232,8 +233,8 @@ def test_sharded_state_keeps_a_wth_of_the_variance(ranks):
     W, width = ranks.world_size, 64
     for name in ("onebit_adam", "onebit_lamb"):
         cfg = dict(ONEBIT[name], freeze_step=2)
-        whole = ranks.call("state_sizes", cfg, 4, width)
-        sharded = ranks.call("state_sizes", dict(cfg, shard_state=True), 4, width)
+        whole = ranks.invoke(OptRank.state_sizes, cfg, 4, width)
+        sharded = ranks.invoke(OptRank.state_sizes, dict(cfg, shard_state=True), 4, width)
         for w, s in zip(whole, sharded):
             n = w["flat_numel"]
             for key in ("v", "v_fresh") if name == "onebit_lamb" else ("v",):
@@ -247,15 +248,15 @@ def test_sharded_state_keeps_a_wth_of_the_variance(ranks):
 
 def test_1bit_sends_fewer_bytes(ranks):
     steps = 12
-    adam = ranks.call("train", dict(name="adam"), steps, 1e-2, None, 512)[0][2]
-    onebit = ranks.call("train", dict(name="onebit_adam", freeze_step=2), steps, 1e-2, None,
+    adam = ranks.invoke(OptRank.train, dict(name="adam"), steps, 1e-2, None, 512)[0][2]
+    onebit = ranks.invoke(OptRank.train, dict(name="onebit_adam", freeze_step=2), steps, 1e-2, None,
                         512)[0][2]
     assert onebit < adam / 4
 
 
 def test_onebit_lamb_before_freeze_is_lamb(ranks):
     steps = 5
-    results = ranks.call("train", dict(name="onebit_lamb", freeze_step=10 ** 6, eps=1e-6,
+    results = ranks.invoke(OptRank.train, dict(name="onebit_lamb", freeze_step=10 ** 6, eps=1e-6,
                                        weight_decay=0.01), steps)
     want = _mean_grad_reference(lambda f: Lamb(f, eps=1e-6, weight_decay=0.01),
                                 ranks.world_size, steps)
@@ -272,8 +273,8 @@ def test_bf16_gradient_reduction_halves_the_bytes_and_stays_close(ranks, name):
     rounded mean can point the other way, and Adam moves such a weight by lr regardless)."""
     W, steps = ranks.world_size, 5
     base = dict(name=name, freeze_step=10 ** 6)
-    fp32 = ranks.call("train", base, steps)
-    bf16 = ranks.call("train", dict(base, reduce_dtype="bf16"), steps)
+    fp32 = ranks.invoke(OptRank.train, base, steps)
+    bf16 = ranks.invoke(OptRank.train, dict(base, reduce_dtype="bf16"), steps)
     flat = FlatParams(_model().parameters(), align=W)
     start, reduced = flat.data, CommCounter()
     if name == "adamw":  # the padded buffer, scattered

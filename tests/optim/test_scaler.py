@@ -4,7 +4,7 @@ off; clean steps grow it back; a pretraining run in fp16 tracks fp32."""
 import pytest
 import torch
 
-from tests.collectives.helpers import gloo_ranks
+from tests.collectives.helpers import GroupRank, gloo_ranks
 from troupe.optim import FlatParams, LossScaler
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.rank import Trainer
@@ -44,7 +44,7 @@ def ranks(cluster):
 
 
 def test_every_rank_skips_when_one_overflows(ranks):
-    assert ranks.call("run", "g", _one_rank_overflows) == [(False, 2.0)] * 3
+    assert ranks.invoke(GroupRank.run, "g", _one_rank_overflows) == [(False, 2.0)] * 3
 
 
 def test_fp16_pretraining_tracks_fp32_and_skips_overflowed_steps():

@@ -67,7 +67,7 @@ DRIVER = textwrap.dedent("""
     g = ActorGraph("scale").role("trainer", Summer, 2, num_cpus=1, num_gpus=1)
     g.collective("dp", ["trainer"], backend="gloo")
     graph = g.build(timeout_s=150)
-    out = graph["trainer"].call("allreduce", 3)
+    out = graph["trainer"].invoke(Summer.allreduce, 3)
     print(json.dumps({"t": time.time(), "nodes": alive(), "results": out}), flush=True)
     graph.shutdown()
     deadline = time.time() + 90

@@ -57,9 +57,9 @@ def test_interrupted_save_is_never_loaded(cluster, tmp_path, where):
     graph = ActorGraph("ckpt").role("saver", Saver, 2, num_cpus=0.5, max_restarts=1).build(60)
     try:
         savers = graph["saver"]
-        savers.call("set", 1.0)
+        savers.invoke(Saver.set, 1.0)
         first = checkpoint.save([savers], root, step=1)
-        savers.call("set", 2.0, crash_in_save=True)
+        savers.invoke(Saver.set, 2.0, crash_in_save=True)
         with pytest.raises(WorkerDiedError) as e:
             checkpoint.save([savers], root, step=2)
         assert e.value.rank == 1
@@ -68,15 +68,15 @@ def test_interrupted_save_is_never_loaded(cluster, tmp_path, where):
         with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
             checkpoint.restore([savers], incomplete)
         savers.wait_ready(60)  # rank 1 restarted with a fresh state
-        savers.call("set", 7.0)
+        savers.invoke(Saver.set, 7.0)
         assert checkpoint.restore([savers], checkpoint.latest(root)) == 1
-        assert savers.call("get") == [1.0, 1.0]
-        savers.call("set", 3.0)  # the same step saved again after the restart
+        assert savers.invoke(Saver.get) == [1.0, 1.0]
+        savers.invoke(Saver.set, 3.0)  # the same step saved again after the restart
         assert checkpoint.save([savers], root, step=2) == storage.join(root, "step-00000002")
         assert not (tmp_path / ".step-00000002.partial").exists()
-        savers.call("set", 0.0)
+        savers.invoke(Saver.set, 0.0)
         assert checkpoint.restore([savers], checkpoint.latest(root)) == 2
-        assert savers.call("get") == [3.0, 3.0]
+        assert savers.invoke(Saver.get) == [3.0, 3.0]
         for step in (3, 4):  # the newest two are kept
             checkpoint.save([savers], root, step=step)
         assert [storage.name(d) for d in ckpt.steps(root)] == ["step-00000003", "step-00000004"]

@@ -23,7 +23,7 @@ DRIVER = textwrap.dedent("""
 
     info = troupe.init(sys.argv[1])
     graph = ActorGraph("hello").role("greeter", Hello, 2, num_cpus=0.5).build(timeout_s=60)
-    print("auth:", info.auth_mode, "results:", graph["greeter"].call("hi"))
+    print("auth:", info.auth_mode, "results:", graph["greeter"].invoke(Hello.hi))
     graph.shutdown()
 """)
 

@@ -22,7 +22,7 @@ JOB = textwrap.dedent("""
     info = troupe.init()
     print("embedded:", info.embedded, "auth:", info.auth_mode)
     graph = ActorGraph("job").role("greeter", Hello, 2, num_cpus=0.5).build(timeout_s=60)
-    print("results:", graph["greeter"].call("hi"))
+    print("results:", graph["greeter"].invoke(Hello.hi))
     graph.shutdown()
 """)
 
