@@ -2,6 +2,7 @@
 recomputation, the data loader names bad lines."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -110,6 +111,25 @@ def test_ppo_step_on_own_samples():
     stats = policy.rl_step(exp, 1, None)
     assert stats.policy_loss == pytest.approx(-1.0, abs=1e-5)  # ratio 1: -mean(A)
     assert critic.critic_step(exp, 1).value_loss > 0
+
+
+def test_policy_loss_is_logged_without_the_kl_term_and_gspo_averages_sequences():
+    """GRPO's k3 KL in the loss is logged apart from the surrogate; GSPO's sequence-level loss
+    at ratio 1 is minus the mean of the sequences' advantages, not of the tokens'."""
+    for name in ("grpo", "gspo"):
+        cfg = RLHFConfig(**{**SMALL, "algorithm": name,
+                            "step3": {**SMALL["step3"], "kl_coef": 0.1}})
+        policy = Policy(cfg, None, 0)
+        policy.train.use_optimizer(cfg.step3.actor, 5)
+        g = policy.generate(RolloutRequest(["sort 321:", "sort 9:"], [0, 1], temperature=0.0))
+        logp = policy.logprobs(g.ids, g.valid, g.action)
+        ref = logp - 0.5 * g.action  # log r = 0.5 on every response token
+        adv = torch.tensor([[1.0], [3.0]]) * g.action  # 1 and 3 on the two responses' tokens
+        stats = policy.rl_step(Experience(g.ids, g.valid, g.action, adv, ref_logp=ref), 1, None)
+        n = g.action.sum(1)
+        want = float(-(n[0] * 1 + n[1] * 3) / n.sum()) if name == "grpo" else -(1 + 3) / 2
+        assert stats.policy_loss == pytest.approx(want, abs=1e-5), name
+        assert stats.kl == pytest.approx(math.exp(-0.5) - 1 + 0.5, abs=1e-5), name  # k3
 
 
 def test_lora_ema_and_ptx_in_ppo(tmp_path):
