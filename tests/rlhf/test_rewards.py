@@ -6,6 +6,7 @@ import os
 import textwrap
 import time
 
+import psutil
 import pytest
 
 from apps.rewards import sort_digits
@@ -14,7 +15,7 @@ from troupe.rlhf.data import SortTask, prompt_text, read_jsonl
 from troupe.rlhf.rewards import RewardFunction, RewardFunctionError
 
 MODULE = """
-import os, time
+import os, subprocess, sys, time
 
 def length(prompt, response, bonus=0, **fields):
     print("a print goes to stderr, not into the protocol")
@@ -33,6 +34,36 @@ def moody(prompt, response, **fields):
         return True
     if response == "exit":
         os._exit(3)
+    return 1.0
+
+
+def forks(prompt, response, **fields):
+    if os.fork() == 0:  # the copy returns too, later, with another score
+        time.sleep(0.3)
+        return 100.0
+    return float(len(response))
+
+
+def spawns(prompt, response, **fields):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(os.environ["SPAWNED"], "a") as f:
+        f.write(f"{child.pid}\\n")
+    if response == "hang":
+        time.sleep(120)
+    return 1.0
+
+
+def hog(prompt, response, **fields):
+    return float(len(bytearray(3 << 30)))
+
+
+def long_error(prompt, response, **fields):
+    raise ValueError("x" * (100 << 20))
+
+
+def stray(prompt, response, **fields):
+    if response == "stray":
+        os.write(3, b"this is not JSON\\n")  # the protocol's pipe (stdout is stderr here)
     return 1.0
 """
 
@@ -131,3 +162,55 @@ def test_parquet_rows_read_as_json_lines(tmp_path):
     got = read_jsonl(tmp_path / "rows.parquet")
     assert [(e.prompt, e.fields) for e in got] == [(r["prompt"], {"ground_truth": r["ground_truth"]})
                                                     for r in rows]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_function_that_forks_cannot_answer_for_another_sample(rewards_module):
+    with RewardFunction(f"{rewards_module}:forks", timeout_s=5.0, workers=2) as fn:
+        got = fn(["p"] * 6, ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"])
+        time.sleep(0.5)  # the copies have woken up by now
+        again = fn(["p"] * 2, ["gg", "h"])
+    assert got.values == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and got.failures == []
+    assert again.values == [2.0, 1.0] and again.failures == []
+
+
+def test_what_a_function_starts_dies_with_it_on_timeout_and_close(rewards_module, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv("SPAWNED", str(tmp_path / "spawned"))
+    with RewardFunction(f"{rewards_module}:spawns", timeout_s=1.0, workers=1) as fn:
+        got = fn(["p", "p"], ["hang", "ok"])
+        assert got.values == [0.0, 1.0] and "no result within 1 s" in got.failures[0][1]
+        hung, returned = [int(x) for x in (tmp_path / "spawned").read_text().split()]
+        time.sleep(0.2)
+        assert not _alive(hung)  # killed with the timed-out process's group
+        assert _alive(returned)  # the process that returned still lives: so does its child
+    time.sleep(0.2)
+    assert not _alive(returned)  # close killed the group
+
+
+def test_memory_is_limited(rewards_module):
+    with RewardFunction(f"{rewards_module}:hog", workers=1, memory_mb=1024) as fn:
+        got = fn(["p"], ["x"])
+    assert got.values == [0.0] and "raised MemoryError" in got.failures[0][1]
+
+
+def test_a_huge_error_text_comes_back_cut_and_in_time(rewards_module):
+    with RewardFunction(f"{rewards_module}:long_error", timeout_s=5.0, workers=1) as fn:
+        t0 = time.monotonic()
+        got = fn(["p"], ["x"])
+        took = time.monotonic() - t0
+    [(i, why)] = got.failures
+    assert i == 0 and "ValueError: xxx" in why and len(why) <= 1000 and took < 5
+
+
+def test_a_stray_line_on_the_reply_pipe_fails_its_sample_only(rewards_module):
+    with RewardFunction(f"{rewards_module}:stray", workers=1, failure_score=-1.0) as fn:
+        got = fn(["p"] * 3, ["ok", "stray", "ok"])
+    assert got.values == [1.0, -1.0, 1.0]
+    assert "protocol breach" in got.failures[0][1] and "not JSON" in got.failures[0][1]

@@ -84,15 +84,18 @@ class RewardConfig(StepConfig):
 
     The function is called as ``fn(prompt, response, **fields)`` (prompt: the task's text or
     the row's chat messages; fields: the data row's other fields, e.g. ground_truth) in
-    ``function_workers`` separate processes; a call that raises, runs past ``timeout_s`` or
+    ``function_workers`` separate processes, each limited to ``function_memory_mb`` of address
+    space (0: no limit) and killed with whatever it started when a call runs past
+    ``timeout_s``; a call that raises, runs past the limit, breaks the reply protocol or
     returns something other than a finite number counts as a failure, scores
-    ``failure_score``, and is logged; the run goes on."""
+    ``failure_score``, and is logged; the run goes on (troupe.rlhf.rewards)."""
 
     function: str | None = None
     function_coef: float = 1.0
     model_coef: float | None = Field(default=None, ge=0)
     timeout_s: float = Field(default=10.0, gt=0)
     function_workers: int = Field(default=2, ge=1)
+    function_memory_mb: int = Field(default=4096, ge=0)
     failure_score: float = 0.0
 
     @field_validator("function")

@@ -67,7 +67,8 @@ def reward_function(cfg: RLHFConfig) -> RewardFunction | None:
     r = cfg.reward
     if not r.function:
         return None
-    return RewardFunction(r.function, r.timeout_s, r.function_workers, r.failure_score)
+    return RewardFunction(r.function, r.timeout_s, r.function_workers, r.failure_score,
+                          memory_mb=r.function_memory_mb)
 
 
 def role_memory(graph: Graph) -> dict[str, float]:
