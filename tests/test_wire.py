@@ -173,3 +173,68 @@ def test_only_the_documented_types_decode():
         wire.decode(_frame([msgpack.ExtType(9, b"x")], b""))
     with pytest.raises(WireFormatError, match="dict key 1.5"):
         wire.decode(_frame({1.5: 2}, b""))
+
+
+def _raw_frame(header_tree_bytes: bytes) -> bytes:
+    """A frame whose header is ``[<these msgpack bytes>, 0]``, written byte by byte."""
+    header = b"\x92" + header_tree_bytes + b"\x00"
+    head = wire.MAGIC + wire._HEADER_LEN.pack(len(header)) + header
+    return head + bytes(wire._pad(len(head)))
+
+
+def _array32(n: int, item: bytes) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + item * n
+
+
+TEN_MB = 10 << 20
+
+
+@pytest.mark.parametrize("what, frame", [
+    ("10 M empty lists", lambda: _raw_frame(_array32(TEN_MB - 16, b"\x90"))),
+    ("10 M nils", lambda: _raw_frame(_array32(TEN_MB - 16, b"\xc0"))),
+    ("5 M one-entry dicts", lambda: _raw_frame(_array32(TEN_MB // 3, b"\x81\x00\xc0"))),
+    ("3 M large ints", lambda: _raw_frame(_array32(TEN_MB // 3, b"\xcd\x12\x34"))),
+    ("60 nested tuples of 1 M nils", lambda: _frame(_nested_tuples(60, [None] * (1 << 20)), b"")),
+    ("60 nested tuples of 150 k nils", lambda: _frame(_nested_tuples(60, [None] * 150_000), b"")),
+    ("a 10 MB tensor, immutable bytes", lambda: wire.encode(torch.ones(TEN_MB // 4))),
+])
+def test_decoding_a_10_mb_frame_peaks_under_40_mb(what, frame):
+    """Hostile headers (one byte that becomes a 56-byte object, ...) are refused before they
+    are built, and the tree is not copied: decoding peaks at a few times the frame."""
+    import tracemalloc
+    data = frame()
+    assert len(data) <= TEN_MB + (1 << 20), what
+    tracemalloc.start()
+    try:
+        wire.decode(data)
+    except WireFormatError as e:
+        assert "would decode into about" in str(e) or "deeper than" in str(e), what
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 40 << 20, f"{what}: {peak / 2**20:.0f} MiB"
+
+
+def _nested_tuples(depth: int, leaf):
+    import msgpack
+    tree = leaf
+    for _ in range(depth):
+        tree = msgpack.ExtType(wire._EXT_TUPLE, msgpack.packb([tree], use_bin_type=True))
+    return tree
+
+
+def test_a_file_loads_by_memory_map_without_a_copy(tmp_path):
+    import tracemalloc
+    state = {"w": torch.randn(15 << 18), "b": torch.arange(7)}  # 15 MiB
+    path = tmp_path / "model.trp"
+    with open(path, "wb") as f:
+        wire.dump(state, f)
+    tracemalloc.start()
+    with open(path, "rb") as f:
+        got = wire.load(f)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert peak < 1 << 20, f"{peak / 2**20:.1f} MiB"  # reading it would be 15 MiB (30 copied)
+    got["w"][0] = 1.0  # copy-on-write: the file is not changed
+    with open(path, "rb") as f:
+        assert wire.load(f)["w"][0] == state["w"][0]

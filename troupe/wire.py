@@ -12,18 +12,26 @@ in the tree and never overlapping. Tuples are an extension too, so they come bac
 Supported values: None, bool, int, float, str, bytes, list, tuple, dict (str or int keys) and
 torch tensors of the dtypes in ``DTYPES``. Decoding checks every length against the frame and
 the configured limits, accepts only those types (no other msgpack extension, such as
-timestamps), refuses tensor references that overlap or go back (so a frame cannot make decoding
-allocate more than its own size), and raises ``WireFormatError`` naming what is wrong, for any
-input.
+timestamps), refuses tensor references that overlap or go back, and raises ``WireFormatError``
+naming what is wrong, for any input.
+
+Memory: before the header is unpacked, ``_header_cost`` walks its bytes without building
+anything and adds up what the Python objects would take (a one-byte empty list is a 56-byte
+object and an 8-byte slot); a header that would take more than ``HEADER_BUDGET`` times its
+frame's size (plus 4 MiB) is refused. The tree is then rewritten in place, not copied, so a
+frame of n bytes decodes in a few times n at most.
 
 Copies: ``encode_parts`` returns the header and views of the tensors' own memory (no copy for
 contiguous CPU tensors), suitable for writing to a file part by part. ``decode`` of a writable
 buffer (bytearray, writable memoryview) returns tensors that view that buffer without copying;
-decoding immutable ``bytes`` copies each tensor once.
+decoding immutable ``bytes`` copies each tensor once. ``load`` memory-maps a file on disk.
 """
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
 import struct
 from typing import Any, BinaryIO
 
@@ -38,6 +46,7 @@ _EXT_TENSOR = 1
 _EXT_TUPLE = 2
 
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB per message
+HEADER_BUDGET = 2  # a header's objects may take this many times the frame's bytes (+ 4 MiB)
 DEFAULT_MAX_DEPTH = 64
 MAX_DIMS = 32
 MAX_DIM_SIZE = 1 << 48
@@ -167,6 +176,7 @@ class _Decoder:
         return self.walk(tree, depth)
 
     def walk(self, obj: Any, depth: int) -> Any:
+        """``obj`` with its extensions decoded; lists and dicts are rewritten in place."""
         if depth > self.max_depth:
             raise WireFormatError(f"nesting deeper than max_depth={self.max_depth}")
         if isinstance(obj, msgpack.ExtType):
@@ -179,12 +189,16 @@ class _Decoder:
                 return tuple(items)
             raise WireFormatError(f"unknown extension type {obj.code}")
         if isinstance(obj, list):
-            return [self.walk(v, depth + 1) for v in obj]
+            for i, v in enumerate(obj):
+                obj[i] = self.walk(v, depth + 1)
+            return obj
         if isinstance(obj, dict):
             bad = [k for k in obj if type(k) not in (str, int)]
             if bad:
                 raise WireFormatError(f"dict key {bad[0]!r} is not a str or int")
-            return {k: self.walk(v, depth + 1) for k, v in obj.items()}
+            for k, v in obj.items():
+                obj[k] = self.walk(v, depth + 1)
+            return obj
         if not isinstance(obj, _PLAIN):
             raise WireFormatError(f"a value of type {type(obj).__name__} is not part of the "
                                   "format")
@@ -236,6 +250,66 @@ class _Decoder:
             raise WireFormatError(f"tensor of shape {shape} and dtype {dtype_name}: {e}") from None
 
 
+# bytes of length that follow a msgpack type byte: str, bin, ext (and its type byte), array, map
+_LEN = {0xd9: 1, 0xda: 2, 0xdb: 4, 0xc4: 1, 0xc5: 2, 0xc6: 4, 0xc7: 1, 0xc8: 2, 0xc9: 4,
+        0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4}
+_FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4,
+          0xd3: 8}  # floats and ints: payload bytes
+_FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}
+_SLOT, _LIST, _DICT, _ENTRY, _STR, _NUMBER, _TENSOR = 8, 64, 64, 48, 56, 32, 512
+
+
+def _header_cost(raw: bytes, max_depth: int, budget: int, depth: int = 0) -> int:
+    """About how many bytes of Python objects unpacking the msgpack ``raw`` makes (CPython's
+    sizes, rounded up; a tensor counts 512 bytes), found without building them; stops counting
+    once past ``budget``. Malformed bytes are left to msgpack to report."""
+    pos, cost, left, n = 0, 0, [1], len(raw)
+    while left and cost <= budget and pos < n:
+        if left[-1] == 0:
+            left.pop()
+            continue
+        left[-1] -= 1
+        b, pos = raw[pos], pos + 1
+        cost += _SLOT
+        if b <= 0x7f or b >= 0xe0 or b in (0xc0, 0xc2, 0xc3):  # small int, nil, bool
+            continue
+        if b in _FIXED:
+            pos, cost = pos + _FIXED[b], cost + _NUMBER
+            continue
+        if 0x80 <= b <= 0x9f or b in (0xdc, 0xdd, 0xde, 0xdf):  # a container
+            if 0x80 <= b <= 0x9f:
+                count = b & 0x0f
+            else:
+                count = int.from_bytes(raw[pos:pos + _LEN[b]], "big")
+                pos += _LEN[b]
+            is_map = b <= 0x8f or b >= 0xde
+            if len(left) + depth > max_depth:
+                raise WireFormatError(f"nesting deeper than max_depth={max_depth}")
+            cost += (_DICT + _ENTRY * count) if is_map else (_LIST + _SLOT * count)
+            left.append(2 * count if is_map else count)
+            continue
+        if 0xa0 <= b <= 0xbf:
+            size = b & 0x1f
+        elif b in _FIXEXT or b in (0xc7, 0xc8, 0xc9):
+            if b in _FIXEXT:
+                size = _FIXEXT[b]
+            else:
+                size = int.from_bytes(raw[pos:pos + _LEN[b]], "big")
+                pos += _LEN[b]
+            code, pos = (raw[pos] if pos < n else -1), pos + 1
+            if code == _EXT_TUPLE:
+                cost += _LIST + _header_cost(raw[pos:pos + size], max_depth, budget - cost,
+                                             depth + len(left))
+            cost += _TENSOR if code == _EXT_TENSOR else 0
+        elif b in _LEN:
+            size = int.from_bytes(raw[pos:pos + _LEN[b]], "big")
+            pos += _LEN[b]
+        else:  # 0xc1, never used: msgpack will say so
+            return cost
+        pos, cost = pos + size, cost + _STR + size
+    return cost
+
+
 def decode(
     data: bytes | bytearray | memoryview,
     *,
@@ -255,8 +329,14 @@ def decode(
             f"truncated: header of {header_len} bytes but only {len(mv) - _PREFIX} follow"
         )
     body_start = head_end + _pad(head_end)
+    raw = bytes(mv[_PREFIX:head_end])
+    budget = HEADER_BUDGET * len(mv) + (4 << 20)
+    cost = _header_cost(raw, max_depth, budget)
+    if cost > budget:
+        raise WireFormatError(f"header of {len(raw)} bytes would decode into about {cost} bytes "
+                              f"of objects, more than {HEADER_BUDGET}x the {len(mv)}-byte frame")
     decoder = _Decoder(mv, body_start, max_depth, copy=mv.readonly)
-    header = decoder.unpack(bytes(mv[_PREFIX:head_end]), 0)
+    header = decoder.unpack(raw, 0)
     if not (isinstance(header, list) and len(header) == 2 and isinstance(header[1], int)):
         raise WireFormatError("header is not [tree, body length]")
     tree, body_len = header
@@ -269,7 +349,21 @@ def decode(
 
 
 def load(f: BinaryIO, **limits: int) -> Any:
-    """Read one frame from the rest of a binary file; tensors view the bytes read."""
+    """Read one frame from the rest of a binary file. A file on disk is memory-mapped
+    copy-on-write: the tensors view its pages, which are read as they are touched, and no copy
+    of the file is made; another stream (a remote store's) is read into one buffer, which the
+    tensors view."""
     max_bytes = limits.get("max_bytes", DEFAULT_MAX_BYTES)
+    try:
+        fileno = f.fileno()
+        start, size = f.tell(), os.fstat(fileno).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        fileno = None
+    if fileno is not None and size > start:
+        if size - start > max_bytes:
+            raise WireFormatError(f"message of {size - start} bytes exceeds "
+                                  f"max_bytes={max_bytes}")
+        mapped = mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)
+        return decode(memoryview(mapped)[start:], **limits)
     buf = bytearray(f.read(max_bytes + 1))
     return decode(buf, **limits)
