@@ -9,7 +9,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from troupe.config import ConfigError  # noqa: E402
 from troupe.models import GPT, GPTConfig, from_pretrained, save_pretrained  # noqa: E402
+from troupe.models.hf_config import check_pretrained  # noqa: E402
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=128)
@@ -213,3 +215,75 @@ def test_quantization_and_lkd_apply_to_every_architecture(hf_dir):
     with torch.no_grad():
         for got in (model(ids)[0], student(ids)[0]):
             assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_llama()).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+    ({"num_attention_heads": "4"}, "num_attention_heads='4' must be a positive integer"),
+    ({"num_attention_heads": 5, "head_dim": None}, "n_head=5 must divide d_model=32"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 scaling needs positive"),
+    ({"hidden_size": 1 << 30, "head_dim": None}, "hidden_size: Input should be less than or"),
+])
+def test_a_hostile_config_json_is_one_line_naming_the_key(llama_dir, config, match):
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    (llama_dir / "config.json").write_text(json.dumps({**cfg, **config}))
+    with pytest.raises(ValueError, match=match) as e:
+        from_pretrained(llama_dir)
+    assert "config.json" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=match):  # what the apps check before Ray starts
+        check_pretrained(str(llama_dir))
+
+
+def test_config_json_that_is_not_an_object_or_not_json(llama_dir):
+    for text, match in (("[1, 2]", "holds a list, not a JSON object"), ("{oops", "not valid JSON")):
+        (llama_dir / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            check_pretrained(str(llama_dir))
+
+
+def test_a_model_too_big_for_the_machine_is_refused_before_allocating(llama_dir):
+    import psutil
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    big = {"hidden_size": 16384, "intermediate_size": 65536, "num_hidden_layers": 512,
+           "num_attention_heads": 128, "num_key_value_heads": 128, "vocab_size": 1 << 17,
+           "head_dim": 128}
+    (llama_dir / "config.json").write_text(json.dumps({**cfg, **big}))
+    have = psutil.virtual_memory().total / 2**30
+    with pytest.raises(ValueError, match=rf"weights need \d+\.\d GiB in torch.float32, more "
+                                         rf"than the {have:.1f} GiB of cpu memory here"):
+        from_pretrained(llama_dir)
+
+
+@pytest.mark.parametrize("damage", ["header size", "not json", "not an object", "offsets",
+                                    "shape"])
+def test_a_damaged_safetensors_header_is_named(llama_dir, damage):
+    path = llama_dir / "model.safetensors"
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    name = next(k for k in header if k != "__metadata__")
+    if damage == "header size":
+        out = (1 << 60).to_bytes(8, "little") + data[8:]
+    elif damage == "not json":
+        out = data[:8] + b"\xff" * size + data[8 + size:]
+    else:
+        if damage == "not an object":
+            header = [1, 2]
+        elif damage == "offsets":
+            header[name]["data_offsets"] = [0, 1 << 50]
+        else:
+            header[name]["shape"] = [1 << 40, 1 << 20]  # 4 PiB, if it were believed
+        raw = json.dumps(header).encode()
+        out = len(raw).to_bytes(8, "little") + raw + data[8 + size:]
+    path.write_bytes(out)
+    with pytest.raises(ValueError, match="model.safetensors") as e:
+        from_pretrained(llama_dir)
+    assert "not a safetensors file" in str(e.value) or repr(name) in str(e.value)

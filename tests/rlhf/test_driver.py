@@ -215,6 +215,25 @@ def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
         assert not (tmp_path / algorithm / "step3" / "iter-00003" / "critic.trp").exists()
 
 
+@pytest.mark.parametrize("algorithm, source", [
+    ("rloo", "function"), ("reinforce_pp", "function"), ("gspo", "function"), ("dapo", "model")])
+def test_the_other_reward_source_runs_too(cluster, tmp_path, monkeypatch, algorithm, source):
+    """The combinations test_each_algorithm_end_to_end and the tests above leave out: every
+    online algorithm runs with a learned reward model and with a reward function alone."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+    reward = (dict(function="apps.rewards:sort_digits") if source == "function"
+              else dict(steps=10, batch_size=8))
+    cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, reward=reward,
+               step3=dict(iterations=1, prompts_per_iter=4, max_new_tokens=6, eval_every=1,
+                          checkpoint_every=0))
+    assert ("reward" in rlhf.roles(cfg)) == (source == "model")
+    summary = rlhf.run(cfg)
+    [step] = [r for r in rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
+              if r["kind"] == "step3"]
+    assert step["algorithm"] == algorithm and "gold" in summary["step3"]["after"]
+    assert ("reward_failures" in step) == (source == "function")
+
+
 def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_path,
                                                                    monkeypatch):
     (tmp_path / "flaky_rewards.py").write_text(FLAKY_REWARD)

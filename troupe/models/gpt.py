@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from troupe.config import Config
@@ -50,6 +50,29 @@ class GPTConfig(Config):
     out_bias: bool = True
     mlp_bias: bool = True
     tie_embeddings: bool = True
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _known_rope_scaling(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Llama 3's scaling (rope_type llama3) is the one troupe computes; its four numbers
+        must be there and make sense. "default" is no scaling."""
+        if not v:
+            return None
+        kind = v.get("rope_type", v.get("type"))
+        if kind == "default":
+            return None
+        if kind != "llama3":
+            raise ValueError(f"rope_type {kind!r} is not supported (llama3 is)")
+        need = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+        bad = [k for k in need if isinstance(v.get(k), bool)
+               or not isinstance(v.get(k), (int, float)) or v[k] <= 0]
+        if bad:
+            raise ValueError(f"llama3 scaling needs positive numbers {', '.join(need)}; "
+                             f"{bad[0]}={v.get(bad[0])!r}")
+        if v["high_freq_factor"] <= v["low_freq_factor"]:
+            raise ValueError("llama3 scaling needs high_freq_factor > low_freq_factor")
+        return v
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":

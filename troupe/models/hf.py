@@ -19,6 +19,7 @@ transposed.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -108,6 +109,26 @@ def _moe_weights(cfg: GPTConfig, kind: str, h: str, b: str) -> dict[str, tuple[l
     return out
 
 
+MAX_HEADER = 100 << 20  # bytes of a safetensors header
+
+
+def _check_entry(path: Path, name: str, info: Any, data_bytes: int) -> None:
+    """A safetensors header entry is {"dtype": str, "shape": [ints >= 0], "data_offsets":
+    [start, end]} within the file's data; ValueError naming the file and tensor otherwise."""
+    ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+          and isinstance(info.get("shape"), list) and len(info["shape"]) <= 8
+          and all(type(d) is int and d >= 0 for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(type(o) is int for o in info["data_offsets"]))
+    if not ok:
+        raise ValueError(f"{path}: tensor {name!r} has a malformed header entry "
+                         f"{str(info)[:120]}")
+    start, end = info["data_offsets"]
+    if not 0 <= start <= end <= data_bytes:
+        raise ValueError(f"{path}: tensor {name!r} claims bytes [{start}, {end}) of "
+                         f"{data_bytes} (damaged file)")
+
+
 class _SafetensorsFile:
     """One .safetensors file read with plain file reads, a tensor at a time: unlike a memory
     map, nothing of the file stays resident in the process once a tensor is copied where it
@@ -115,14 +136,22 @@ class _SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        total = path.stat().st_size
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= min(total - 8, MAX_HEADER):
+                raise ValueError(f"{path}: not a safetensors file (a header of {size} bytes in "
+                                 f"a file of {total})")
             try:
                 header = json.loads(f.read(size))
             except (ValueError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: not a safetensors file ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: not a safetensors file (its header is not an object)")
         self.base = 8 + size
         self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
+        for name, info in self.meta.items():
+            _check_entry(path, name, info, total - self.base)
 
     def keys(self):
         return self.meta.keys()
@@ -133,12 +162,12 @@ class _SafetensorsFile:
         if dtype is None:
             raise ValueError(f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, "
                              f"which troupe does not read")
-        out = torch.empty(info["shape"], dtype=dtype)  # host: read from the file
         start, end = info["data_offsets"]
-        nbytes = out.numel() * out.element_size()
-        if end - start != nbytes:
+        nbytes = math.prod(info["shape"]) * dtype.itemsize
+        if end - start != nbytes:  # checked before anything of that size is allocated
             raise ValueError(f"{self.path}: tensor {name!r} of shape {info['shape']} needs "
                              f"{nbytes} bytes, the header gives {end - start}")
+        out = torch.empty(info["shape"], dtype=dtype)  # host: read from the file
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.base + start)
             if nbytes and f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != nbytes:
@@ -212,6 +241,7 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     cfg = config_from_hf(hf, where)
     with torch.device("meta"):
         model = GPT(cfg)
+    check_fits(model, dtype, device, where)
     model = model.to(dtype).to_empty(device=device)  # allocated once, in the dtype asked for
     model.reset_buffers()
     tensors = _Tensors(directory)
@@ -234,6 +264,22 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{directory}: tensors troupe does not know what to do with: "
                          f"{tensors.unused()[:3]}")
     return model.eval()
+
+
+def check_fits(model: torch.nn.Module, dtype: torch.dtype, device: str | torch.device,
+               where: str) -> None:
+    """ValueError naming the figures when ``model`` (built on the meta device) would not fit in
+    ``device``'s memory in ``dtype``, before anything is allocated."""
+    device = torch.device(device)
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device.index or 0).total_memory
+    else:
+        import psutil
+        have = psutil.virtual_memory().total
+    if need > have:
+        raise ValueError(f"{where}: the model's weights need {need / 2**30:.1f} GiB in {dtype}, "
+                         f"more than the {have / 2**30:.1f} GiB of {device.type} memory here")
 
 
 def save_pretrained(model: GPT, directory: str | Path, tokenizer_from: str | Path | None = None,

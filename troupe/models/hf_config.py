@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from troupe.config import ConfigError
 from troupe.models.gpt import GPTConfig
 from troupe.models.moe import MoEConfig
@@ -18,8 +20,41 @@ LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 
 
+# config.json's name of each GPTConfig field, for errors (GPT-2's own names, else Llama's)
+_HF_NAMES = {"gpt2": {"vocab_size": "vocab_size", "seq_len": "n_positions", "n_layer": "n_layer",
+                      "n_head": "n_head", "d_model": "n_embd", "d_ff": "n_inner"},
+             "llama": {"vocab_size": "vocab_size", "seq_len": "max_position_embeddings",
+                       "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                       "d_model": "hidden_size", "d_ff": "intermediate_size",
+                       "n_kv_head": "num_key_value_heads", "rope_scaling": "rope_scaling",
+                       "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}}
+
+
 def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
-    """troupe's GPTConfig for a Hugging Face config.json (as a dict)."""
+    """troupe's GPTConfig for a Hugging Face config.json (as a dict), validated like a recipe:
+    ValueError naming the file and config.json's key for a missing, non-positive or
+    inconsistent value."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where}: holds a {type(hf).__name__}, not a JSON object")
+    names = _HF_NAMES["gpt2" if hf.get("model_type") == "gpt2" else "llama"]
+    for key in names.values():
+        value = hf.get(key)
+        if key not in ("rope_scaling", "rope_theta", "rms_norm_eps") and value is not None \
+                and (type(value) is not int or value < 1):
+            raise ValueError(f"{where}: {key}={value!r} must be a positive integer")
+    try:
+        return _config_from_hf(hf, where)
+    except KeyError as e:
+        raise ValueError(f"{where}: no {e.args[0]!r}, which this model_type needs") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        key = names.get(field, field) if field else "the model's shape"
+        raise ValueError(f"{where}: {key}: {err['msg'].removeprefix('Value error, ')}") \
+            from None
+
+
+def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
@@ -83,7 +118,10 @@ def config_json(directory: str | Path) -> tuple[dict[str, Any], str]:
     if not path.is_file():
         raise FileNotFoundError(f"{path.parent}: no config.json (not a Hugging Face model "
                                 "directory)")
-    return json.loads(path.read_text()), str(path)
+    try:
+        return json.loads(path.read_text()), str(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def check_pretrained(directory: str | None, key: str = "model.pretrained") -> None:

@@ -100,7 +100,7 @@ def sample(graph: Graph, cfg: RLHFConfig, data: Data, rng: random.Random,
         parts = graph["policy"].invoke(PolicyActor.generate, request)
         reward, more = rewards(graph, cfg, parts, reward_fn, fields)
         rollout = Rollout.concat(parts)
-        keep = alg.keep(reward, torch.tensor(rollout.groups))
+        keep = alg.keep(reward, torch.tensor(rollout.groups))  # host: ids
         for g in dict.fromkeys(rollout.groups):  # the groups, in order
             rows = [i for i, x in enumerate(rollout.groups) if x == g]
             (kept if keep[rows[0]] else dropped).append((rollout, rows, reward, fields))
@@ -170,6 +170,6 @@ def _groups(rollouts: list[Rollout]) -> list[torch.Tensor]:
     for ro in rollouts:
         B = len(ro.responses)
         out.append(torch.tensor(ro.groups) if ro.groups is not None  # host: ids
-                   else torch.arange(start, start + B))
+                   else torch.arange(start, start + B))  # host: ids
         start += B
     return out

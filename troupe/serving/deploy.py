@@ -24,7 +24,7 @@ from troupe.runtime.handle import Graph
 from troupe.serving.auth import KeyDigest, take_key
 from troupe.serving.model import locate
 from troupe.serving.protocol import ServeConfig
-from troupe.serving.replica import ServeRank, ServeReplica
+from troupe.serving.replica import ServeRank, ServeReplica, ServingTopology
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,10 @@ class ExpertParallelReplica(ServeReplica):
         gpus = self.cfg.num_gpus if self.cfg.device == "cuda" else 0.0
         g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, num_gpus=gpus,
                config=self.cfg.model_dump())
-        g.collective("ep", ["expert"])  # NCCL between GPU ranks, else gloo
+        topology = ServingTopology()
+        topology.declare(g)
         graph = g.build(timeout_s=300, call_timeout_s=300)
-        infos = graph["expert"].invoke(ServeRank.setup)
+        infos = graph["expert"].invoke(ServeRank.setup, topology)
         return ExpertParallelBatcher(graph), {
             "seq_len": infos[0].seq_len, "expert_parallel": P,
             "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}

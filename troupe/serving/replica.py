@@ -18,11 +18,11 @@ from typing import Any, AsyncIterator
 
 import torch
 
-from troupe import collectives
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
+from troupe.runtime.topology import Group, Topology
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
 from troupe.serving.model import (calibrate, load_served_model, load_source, placed,
@@ -350,11 +350,20 @@ class RankModel:
     quantized: dict[str, str]  # module name -> quantization mode
 
 
+@dataclass(frozen=True)
+class ServingTopology(Topology):
+    """An expert-parallel replica's one group: "ep" over its ranks (NCCL between GPU ranks,
+    else gloo)."""
+
+    ep: Group = Group("ep", ("expert",))
+
+
 class ServeRank:
     """Expert-parallel rank r of a served MoE model: every dense weight (quantized as the
     config says), experts r*n .. (r+1)*n - 1 of each MoE layer, and a continuous batcher over
     the sequences given to this rank. All ranks step together (lockstep), since each forward
-    pass exchanges tokens with the other ranks' experts through all_to_all over "ep"."""
+    pass exchanges tokens with the other ranks' experts through all_to_all over the topology's
+    "ep" group."""
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = validate(ServeConfig, config, "serve config")
@@ -362,11 +371,11 @@ class ServeRank:
         self.batcher: ContinuousBatcher | None = None
 
     @dispatch(Dispatch.ALL)
-    def setup(self) -> RankModel:
+    def setup(self, topology: ServingTopology) -> RankModel:
         tok = source_tokenizer(self.cfg.model)
         model = placed(load_source(self.cfg.model), self.cfg)
         outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
-        model = apply_expert_parallel(model, collectives.get_group("ep"))
+        model = apply_expert_parallel(model, topology.ep.communicator())
         modes = quantize_served(model, self.cfg, outliers)
         self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
                                          lockstep=True, tokenizer=tok.hf)

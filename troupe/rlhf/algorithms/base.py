@@ -118,7 +118,7 @@ class Algorithm:
         it samples dynamically: then the groups whose rewards are not all equal)."""
         if self.dynamic_sampling:
             return F.spread_groups(reward_B, group_B)
-        return torch.ones(len(reward_B), dtype=torch.bool)
+        return torch.ones(len(reward_B), dtype=torch.bool, device=reward_B.device)
 
     def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
         raise NotImplementedError(f"algorithm {self.name} does not make advantages")

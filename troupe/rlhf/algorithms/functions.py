@@ -70,7 +70,7 @@ def group_ids(B: int, n: int) -> torch.Tensor:
     """Ids for B rows that come as groups of n consecutive samples: 0, .., 0, 1, .., 1, ..."""
     if n < 1 or B % n:
         raise ValueError(f"{B} rows do not split into groups of n={n}")
-    return torch.arange(B) // n
+    return torch.arange(B) // n  # host: ids, as the driver keeps them
 
 
 def _by_group(score_B: torch.Tensor, group_B: torch.Tensor, per_group) -> torch.Tensor:
@@ -114,10 +114,12 @@ def rloo_advantages(score_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tenso
 def spread_groups(score_B: torch.Tensor, group_B: torch.Tensor) -> torch.Tensor:
     """(B,) bool: the rows whose group's scores are not all equal (DAPO's dynamic sampling
     keeps these: a group of equal rewards has zero advantage everywhere, no gradient)."""
-    _, inverse = torch.unique(group_B, return_inverse=True)
-    G = int(inverse.max()) + 1 if len(inverse) else 0
-    lo = torch.full((G,), float("inf")).scatter_reduce(0, inverse, score_B.float(), "amin")
-    hi = torch.full((G,), float("-inf")).scatter_reduce(0, inverse, score_B.float(), "amax")
+    _, inverse = torch.unique(group_B.to(score_B.device), return_inverse=True)
+    G, dev = (int(inverse.max()) + 1 if len(inverse) else 0), score_B.device
+    lo = torch.full((G,), float("inf"), device=dev).scatter_reduce(0, inverse, score_B.float(),
+                                                                   "amin")
+    hi = torch.full((G,), float("-inf"), device=dev).scatter_reduce(0, inverse, score_B.float(),
+                                                                    "amax")
     return (hi > lo)[inverse]
 
 

@@ -82,28 +82,37 @@ class ReinforcePP(Algorithm):
         return Advantages(F.whiten(returns, s.action))
 
 
-@register
-class GRPO(Algorithm):
-    name = "grpo"
+class GroupAlgorithm(Algorithm):
+    """An algorithm whose advantage is one number per sample, from the rewards of its group
+    (the samples of one prompt draw), given to each of the sample's tokens."""
+
     samples_per_prompt = 4
     min_samples_per_prompt = 2
+
+    def group_advantages(self, reward_B: torch.Tensor, group_B: torch.Tensor,
+                         cfg: "RLHFConfig") -> torch.Tensor:
+        raise NotImplementedError
+
+    def advantages(self, s: Scores, cfg: "RLHFConfig") -> Advantages:
+        adv_B = self.group_advantages(sequence_rewards(s, cfg), torch.cat(s.group), cfg)
+        return Advantages(per_token(adv_B, s))
+
+
+@register
+class GRPO(GroupAlgorithm):
+    name = "grpo"
     kl_in = "loss"
 
-    def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
-        adv_B = F.grpo_advantages(sequence_rewards(s, cfg), torch.cat(s.group),
-                                  cfg.step3.group_std)
-        return Advantages(per_token(adv_B, s))
+    def group_advantages(self, reward_B, group_B, cfg):
+        return F.grpo_advantages(reward_B, group_B, cfg.step3.group_std)
 
 
 @register
-class RLOO(Algorithm):
+class RLOO(GroupAlgorithm):
     name = "rloo"
-    samples_per_prompt = 4
-    min_samples_per_prompt = 2
 
-    def advantages(self, s: Scores, cfg: RLHFConfig) -> Advantages:
-        adv_B = F.rloo_advantages(sequence_rewards(s, cfg), torch.cat(s.group))
-        return Advantages(per_token(adv_B, s))
+    def group_advantages(self, reward_B, group_B, cfg):
+        return F.rloo_advantages(reward_B, group_B)
 
 
 @register
