@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from troupe.models import GPT, GPTConfig  # noqa: E402
+from machine import machine  # benchmarks/machine.py, beside this script
 
 
 def rss_bytes() -> int:
@@ -82,7 +82,7 @@ def main() -> None:
     for on in (0, 1):
         r = results[on]
         print(json.dumps({
-            "bench": "activation_memory", "machine": platform.node(), "device": a.device,
+            "bench": "activation_memory", "machine": machine(), "device": a.device,
             "threads": a.threads, "d_model": a.d_model, "layers": a.layers,
             "seq_len": a.seq_len, "batch": a.batch, "activation_checkpointing": bool(on),
             "params": r["params"], "peak_step_mb": round(r["peak_bytes"] / 2**20, 1),

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from troupe.kernels import small_gemm
+from machine import machine  # benchmarks/machine.py, beside this script
 
 BLOCK = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 SHAPES = BLOCK * 30 + [(49152, 576)]
@@ -55,7 +55,7 @@ def main() -> None:
             mkl = timed(lambda x, w, pw, n, k: F.linear(x, w), layers, inputs, a.repeats)
             ours = timed(lambda x, w, pw, n, k: small_gemm.linear(x, pw, n), layers, inputs,
                          a.repeats)
-            print(json.dumps({"bench": "decode_gemm", "machine": platform.node(),
+            print(json.dumps({"bench": "decode_gemm", "machine": machine(),
                               "threads": threads, "rows": rows, "layers": len(layers),
                               "weight_gb": round(nbytes / 1e9, 3),
                               "mkl_ms": round(mkl * 1e3, 2), "packed_ms": round(ours * 1e3, 2),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from troupe.rlhf.batch import prompts
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask
 from troupe.rlhf.lm import GPTLM, ByteTokens
+from machine import machine  # benchmarks/machine.py, beside this script
 
 RECIPE = Path(__file__).resolve().parent.parent / "apps" / "configs" / "rlhf-sort.yaml"
 
@@ -71,7 +71,7 @@ def main() -> None:
                 outs[name] = fn(lm, ids, valid, n)
                 runs.append(time.perf_counter() - t0)
             times[name] = statistics.median(runs)
-        print(json.dumps({"bench": "generation", "machine": platform.node(),
+        print(json.dumps({"bench": "generation", "machine": machine(),
                           "model": cfg.model.gpt.model_dump(exclude={"moe"}),
                           "batch": a.batch, "prompt_len": ids.shape[1], "new_tokens": n,
                           "threads": a.threads,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from process_memory import measure  # noqa: E402
+from machine import machine  # benchmarks/machine.py, beside this script
 
 
 def troupe_side(a, tmp: Path) -> dict:
@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-trl", action="store_true")
     a = p.parse_args()
-    base = {"bench": "grpo_vs_trl", "machine": platform.node(), "prompts": a.prompts,
+    base = {"bench": "grpo_vs_trl", "machine": machine(), "prompts": a.prompts,
             "group": a.group, "new_tokens": a.new_tokens, "threads": a.threads,
             "steps": a.steps, "dtype": "float32"}
     with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
@@ -25,6 +24,7 @@ import transformers
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import from_pretrained
 from troupe.models import smollm2
+from machine import machine  # benchmarks/machine.py, beside this script
 
 QUESTIONS = ["What is 2 + 3?", "Name a prime number.", "Sort 3 1 2.", "Say hello in French.",
              "What colour is the sky?", "Count to five.", "What is the capital of Italy?",
@@ -96,7 +96,7 @@ def main() -> None:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ours = from_pretrained(path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    base = {"bench": "hf_models", "machine": platform.node(), "model": str(path),
+    base = {"bench": "hf_models", "machine": machine(), "model": str(path),
             "threads": a.threads, "dtype": "float32"}
     ids = torch.randint(0, ours.cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(0))
     ours.train(), theirs.train()

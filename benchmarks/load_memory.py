@@ -10,7 +10,6 @@ imported), as a multiple of the model's fp32 weight bytes. One JSON line per loa
 from __future__ import annotations
 
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 import psutil, torch
+from machine import machine  # benchmarks/machine.py, beside this script
 kind, path = sys.argv[1], sys.argv[2]
 if kind == "troupe":
     from troupe.models import from_pretrained as load
@@ -41,7 +41,7 @@ def main() -> int:
         out = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], check=True,
                              capture_output=True, text=True).stdout.strip().splitlines()[-1]
         r = json.loads(out)
-        print(json.dumps({"bench": "load_memory", "machine": platform.node(), "model": str(path),
+        print(json.dumps({"bench": "load_memory", "machine": machine(), "model": str(path),
                           "loader": kind, "extra_gb": round(r["extra_bytes"] / 1e9, 3),
                           "weights_gb": round(r["weight_bytes"] / 1e9, 3),
                           "extra_vs_weights": round(r["extra_bytes"] / r["weight_bytes"], 3),

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 from troupe.kernels.moe import permute, unpermute
 from troupe.models.moe import MoE, MoEConfig, TopKGate
+from machine import machine  # benchmarks/machine.py, beside this script
 
 # --- what is measured ------------------------------------------------------------------------
 
@@ -297,7 +297,7 @@ def main() -> None:
     if a.child:
         print(json.dumps(measure(json.loads(a.child), a.iters, a.device)))
         return
-    common = {"device": a.device, "machine": platform.node(), "tokens": a.tokens,
+    common = {"device": a.device, "machine": machine(), "tokens": a.tokens,
               "width": a.width}
     if "dispatch" in a.what:
         bench_dispatch(argparse.Namespace(**{**vars(a), "experts": a.experts or [16, 32, 64]}),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 from allreduce import tcp_bytes_sent  # benchmarks/ is the script's directory
@@ -28,6 +27,7 @@ import troupe
 from troupe.pretrain import TrainerActor
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.driver import build_graph
+from machine import machine  # benchmarks/machine.py, beside this script
 
 
 def config(args, optimizer: dict, workers: int) -> PretrainConfig:
@@ -134,7 +134,7 @@ def main() -> None:
                 r["optimizer_state_bytes"] / whole["optimizer_state_bytes"], 4)
             r["bytes_per_step_after_freeze_vs_unsharded"] = round(
                 r["bytes_per_step_after_freeze"] / whole["bytes_per_step_after_freeze"], 2)
-        print(json.dumps({"bench": "optimizers", "machine": platform.node(),
+        print(json.dumps({"bench": "optimizers", "machine": machine(),
                           "workers": args.workers, "steps": S, "seed": args.seed,
                           "data_seed": args.data_seed, **r}), flush=True)
     if args.no_memory:

@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import math
-import platform
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from troupe.data import DataConfig, TokenDataset, load_tokenizer  # noqa: E402
 from troupe.models import from_pretrained  # noqa: E402
 from troupe.pretrain import PretrainConfig  # noqa: E402
 from troupe.pretrain.export import load_full_model  # noqa: E402
+from machine import machine  # benchmarks/machine.py, beside this script
 
 MODES = {"w8a8": {"*": "w8a8"},
          "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16"},
@@ -81,7 +81,7 @@ def main() -> None:
         p.error("give a checkpoint or --pretrained DIR")
     model, data, T, name = load(a)
     base = perplexity(model, data, a.batches, T)
-    head = {"bench": "perplexity", "machine": platform.node(), "model": name,
+    head = {"bench": "perplexity", "machine": machine(), "model": name,
             "tokens": a.batches * BATCH * T, "threads": torch.get_num_threads()}
     print(json.dumps({**head, "mode": "fp32", "ppl": round(base, 4)}), flush=True)
     ao = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear},

@@ -43,6 +43,7 @@ from troupe.kernels import small_gemm
 from troupe.kernels.quant import int8_linear, quantize_weight, row_layout
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.serving.model import weight_bytes
+from machine import machine  # benchmarks/machine.py, beside this script
 
 # W4/8A16: ZeroQuant's INT4 MLP and INT8 attention weights, and the output projection in INT8
 # (a tied one too: SmolLM2's is a fifth of its weights); W8A8 and torch.ao leave a tied output
@@ -146,7 +147,7 @@ def decode(a) -> None:
             best = max(best, n / (time.perf_counter() - t0))
         rates[mode] = best
         print(json.dumps({
-            "bench": "quant_decode", "machine": platform.node(), "device": _device(a),
+            "bench": "quant_decode", "machine": machine(), "device": _device(a),
             "threads": a.threads, "mode": mode, "batch": a.batch,
             "model": a.pretrained or "random GPT", "d_model": base.cfg.d_model,
             "n_layer": base.cfg.n_layer, "decode_tokens_per_s": round(best, 1),
@@ -182,7 +183,7 @@ def scoring(a) -> None:
             lp = torch.log_softmax(model(ids)[0].float(), -1)
             err[mode] = (lp - ref).abs().mean().item()
     print(json.dumps({
-        "bench": "quant_scoring", "machine": platform.node(), "threads": a.threads,
+        "bench": "quant_scoring", "machine": machine(), "threads": a.threads,
         "model": a.pretrained or "random GPT", "batch": a.score_batch, "seq_len": S,
         **{f"{k}_s": round(v, 4) for k, v in t.items()},
         "w8a8_speedup": round(t["fp32"] / t["w8a8"], 2),
@@ -235,7 +236,7 @@ def linears(a) -> None:
                              "torch_dynamic_rel_error": round(
                                  ((dyn(x) - exact).norm() / exact.norm()).item(), 5)}
             print(json.dumps({
-                "bench": "quant_linear", "machine": platform.node(), "device": _device(a),
+                "bench": "quant_linear", "machine": machine(), "device": _device(a),
                 "threads": a.threads, "tokens": M, "in": K, "out": N, "baseline": a.baseline,
                 "w8a8_layout": w8a8.qw.layout,
                 **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},
@@ -280,7 +281,7 @@ def weight_only(a) -> None:
                 "w8a16_vs_aten_int8pack": round(t["aten_int8pack"] / t["w8a16"], 2),
                 "w4a16_vs_aten_int4pack": round(t["aten_int4pack"] / t["w4a16"], 2)}
             print(json.dumps({
-                "bench": "quant_weight_only", "machine": platform.node(), "device": _device(a),
+                "bench": "quant_weight_only", "machine": machine(), "device": _device(a),
                 "threads": a.threads, "tokens": M, "in": K, "out": N,
                 "w8a16_layout": w8.qw.layout,
                 **{f"{k}_us": round(v * 1e6, 1) for k, v in t.items()},

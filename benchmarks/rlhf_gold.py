@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+from machine import machine  # benchmarks/machine.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = ["step3.prompts_per_iter=8"]  # 4 samples of 8 prompts: PPO's 32 sequences
@@ -66,7 +66,7 @@ def main() -> None:
                                 "sample_rounds") if all(k in r for r in steps)}
             before, after = s["step3"]["before"], s["step3"]["after"]
             margins.append(after["gold"] - before["gold"])
-            print(json.dumps({"bench": "rlhf_gold", "machine": platform.node(), "algorithm": alg,
+            print(json.dumps({"bench": "rlhf_gold", "machine": machine(), "algorithm": alg,
                               "seed": seed,
                               "reward_model_accuracy": round(s.get("reward_accuracy", -1), 4),
                               "sft_gold": round(before["gold"], 4),

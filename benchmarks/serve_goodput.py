@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import platform
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ from troupe.models import GPT, GPTConfig
 from troupe.serving import deploy as serve
 from troupe.serving.model import save_model
 from troupe.serving.protocol import ServeConfig
+from machine import machine  # benchmarks/machine.py, beside this script
 
 
 def client(port: int, stop: float, counts: dict, lock: threading.Lock, i: int) -> None:
@@ -88,7 +88,7 @@ def main() -> None:
         for n in a.clients:
             r = run(a.port, n, a.seconds)
             first = first or r["goodput_rps"]
-            print(json.dumps({"bench": "serve_goodput", "machine": platform.node(), **r,
+            print(json.dumps({"bench": "serve_goodput", "machine": machine(), **r,
                               "max_concurrent": cfg.limits.max_concurrent,
                               "goodput_vs_first": round(r["goodput_rps"] / first, 3)}),
                   flush=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from troupe.serving.protocol import ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import QUESTIONS, generate_theirs, prompts  # noqa: E402
+from machine import machine  # benchmarks/machine.py, beside this script
 
 
 def ask(url: str, question: str, n: int, out: list, i: int) -> None:
@@ -104,7 +104,7 @@ def main() -> None:
         ours = [r["choices"][0]["message"]["content"] for r in answers]
         same = sum(o.strip() == t.strip() for o, t in zip(ours, their_text))
         print(json.dumps({
-            "bench": "serve_vs_hf", "machine": platform.node(), "model": model_dir,
+            "bench": "serve_vs_hf", "machine": machine(), "model": model_dir,
             "threads": a.threads, "batch": a.batch, "max_new_tokens": a.new_tokens,
             "server_quantize": mode, "server_tokens_per_s": round(best, 1),
             "transformers_tokens_per_s": round(best_hf, 1),

@@ -48,3 +48,61 @@ def test_expert_parallel_replica_matches_the_whole_model(moe_app):
     with cf.ThreadPoolExecutor(5) as pool:
         together = list(pool.map(ask, range(5)))
     assert together == [alone(moe_app["model"], prompts[i], 10 + i) for i in range(5)]
+
+
+def _serve_gang(dashboard: str):
+    """(placement group id, [pid of each live rank]) of the one expert gang serving now."""
+    import ray
+    from ray.util.state import list_actors
+
+    live = [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+            if pg["name"].startswith("serve-") and pg["state"] == "CREATED"]
+    assert len(live) == 1, live
+    ranks = list_actors(address=f"http://{dashboard}", detail=True, timeout=60,
+                        filters=[("placement_group_id", "=", live[0]), ("state", "=", "ALIVE")])
+    return live[0], [a.pid for a in ranks]
+
+
+def test_a_dead_expert_rank_is_reported_and_replaced(moe_app, cluster):
+    """Kill one rank of the gang (the last test of this module: it replaces the replica).
+    /health answers 503 within 5 s (before: 200 forever, and every request 500), Serve
+    replaces the replica within 60 s, the new one answers what the whole model answers, and
+    the old gang's placement group and actors are gone."""
+    import os
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    import ray
+
+    old_pg, pids = _serve_gang(cluster.dashboard_url)
+    assert len(pids) == 2
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+
+    def health() -> int:
+        try:
+            with urllib.request.urlopen(moe_app["url"] + "/health", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:  # no replica answered in time: not ok either
+            return 0
+
+    while health() == 200:
+        assert time.monotonic() - killed < 5, "/health still ok 5 s after a rank died"
+        time.sleep(0.2)
+    while True:
+        try:
+            out = moe_app["client"].completions.create(model="moe", prompt="moe 3: ababab",
+                                                       max_tokens=13, temperature=0)
+            break
+        except Exception:  # 503 from the broken replica, or the proxy waiting for the new
+            assert time.monotonic() - killed < 60, "no service 60 s after a rank died"
+            time.sleep(0.5)
+    assert out.choices[0].text == alone(moe_app["model"], "moe 3: ababab", 13)
+    assert health() == 200
+    assert ray.util.placement_group_table()[old_pg]["state"] == "REMOVED"
+    new_pg, new_pids = _serve_gang(cluster.dashboard_url)
+    assert new_pg != old_pg and len(new_pids) == 2 and not set(new_pids) & set(pids)

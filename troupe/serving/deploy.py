@@ -5,8 +5,9 @@ sequences in lockstep, exchanging tokens through all_to_all."""
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import ipaddress
+import logging
 import threading
 import time
 import urllib.request
@@ -15,8 +16,11 @@ from dataclasses import asdict
 from collections import Counter
 from typing import Any
 
+import ray
+
 from troupe.actors import PerRank
 from troupe.devices import cluster_device
+from troupe.errors import WorkerDiedError
 from troupe.generation import Event, SamplingParams
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
@@ -34,10 +38,12 @@ APP = "troupe-openai"
 class ExpertParallelBatcher:
     """The ContinuousBatcher interface over a graph of ServeRank actors: new sequences go to
     the rank with the fewest, and every step runs on all ranks at once (one Ray call each,
-    carrying that rank's new sequences and cancellations)."""
+    carrying that rank's new sequences and cancellations). ``lost`` says why the gang is
+    broken, once a rank has died: the others cannot step without it."""
 
     def __init__(self, graph: Graph):
         self.graph, self.ranks = graph, graph["expert"]
+        self.lost: str | None = None
         self.where: dict[str, int] = {}  # sequence -> rank
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._cancels: list[str] = []
@@ -81,16 +87,53 @@ class ExpertParallelBatcher:
             r = self.where.pop(seq_id, None)
             if r is not None:
                 work[r][1].append(seq_id)
-        events = [e for rank_events in self.ranks.invoke(ServeRank.step, PerRank(work))
-                  for e in rank_events]
+        try:
+            stepped = self.ranks.invoke(ServeRank.step, PerRank(work))
+        except WorkerDiedError as e:
+            self.lost = f"expert-parallel rank {e.rank} died: {e.cause}"
+            raise
+        events = [e for rank_events in stepped for e in rank_events]
         for e in events:
             if e.finish_reason is not None:
                 self.where.pop(e.seq_id, None)
         return events
 
+    async def probe(self, timeout_s: float = 1.0) -> None:
+        """Ask every rank whether it lives (a rank busy stepping answers late; only a death
+        counts); a dead one sets ``lost``."""
+        if self.lost is not None:
+            return
+        refs = [actor.ready.remote() for actor in self.ranks.actors]
+        futures = [asyncio.wrap_future(ref.future()) for ref in refs]
+        done, pending = await asyncio.wait(futures, timeout=timeout_s)
+        for f in pending:
+            f.cancel()
+        for rank, f in enumerate(futures):
+            if f in done and isinstance(f.exception(), ray.exceptions.RayActorError):
+                self.lost = f"expert-parallel rank {rank} died: {f.exception()}".split("\n")[0]
+                return
+
+    def shutdown(self) -> None:
+        self.graph.shutdown()
+
 
 class ExpertParallelReplica(ServeReplica):
-    """A ServeReplica whose MoE model lives in ``expert_parallel`` ServeRank actors."""
+    """A ServeReplica whose MoE model lives in ``expert_parallel`` ServeRank actors. Should
+    one of them die, the replica is broken for good: ``/health`` answers 503 at once (it asks
+    the ranks), requests get 503, and Ray Serve's health check (every second) has it replaced,
+    a new replica with a new gang; the old gang's actors and placement group go with the old
+    replica (``__del__``)."""
+
+    def broken(self) -> str | None:
+        return self.batcher.lost
+
+    async def probe(self) -> None:
+        await self.batcher.probe()
+
+    def __del__(self):  # Serve calls it when it stops the replica
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.shutdown()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         P = self.cfg.expert_parallel
@@ -138,8 +181,11 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
                     "use the model (export %s=... to require one)", cfg.host, cfg.api_key_env)
     digest = asdict(key) if key else None
     cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
+    # a replica whose expert rank died is replaced within seconds
+    health = (dict(health_check_period_s=1.0, health_check_timeout_s=30.0,
+                   graceful_shutdown_timeout_s=5.0) if cls is ExpertParallelReplica else {})
     deployment = serve.deployment(cls, name=cls.__name__).options(
-        num_replicas=cfg.num_replicas,
+        num_replicas=cfg.num_replicas, **health,
         # above the replica's own limits (in flight, still sending), so that it answers 429
         # rather than Serve queueing
         max_ongoing_requests=cfg.limits.max_concurrent + cfg.limits.max_receiving + 16,

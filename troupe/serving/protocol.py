@@ -47,16 +47,22 @@ class ModelSource(Config):
 
 
 class Limits(Config):
-    """What one replica accepts: prompt and completion lengths in tokens, requests in flight
-    (beyond them: 429, answered before the body is read), the request body in bytes (413) and
-    the seconds it may take to arrive (408), requests whose bodies are still arriving (beyond
-    them: 429, so that slow senders cannot hold every slot), and the decode batch."""
+    """What one replica accepts (troupe.serving.admission says how each limit is enforced):
+    prompt and completion lengths in tokens; requests in flight (``max_concurrent``), and
+    beyond them up to ``max_queued`` waiting for a place for at most ``queue_timeout_s``
+    (then 429); the request body in bytes (413), the seconds it may take to arrive and the
+    rate it must keep after its first second (408); requests whose bodies are still
+    arriving past their headers (beyond them: 429, so that slow senders cannot hold every
+    place); and the decode batch."""
 
     max_prompt_tokens: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=256, ge=1)
     max_concurrent: int = Field(default=64, ge=1)
+    max_queued: int = Field(default=64, ge=0)
+    queue_timeout_s: float = Field(default=5.0, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)
+    min_body_rate: int = Field(default=1024, ge=1)  # bytes per second
     max_receiving: int = Field(default=256, ge=1)
     max_batch: int = Field(default=16, ge=1)
 

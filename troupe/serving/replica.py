@@ -13,6 +13,7 @@ import json
 import os
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -23,6 +24,7 @@ from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.parallel import apply_expert_parallel
 from troupe.runtime.topology import Group, Topology
+from troupe.serving.admission import Admission, Place
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
 from troupe.serving.model import (calibrate, load_served_model, load_source, placed,
@@ -43,6 +45,10 @@ from troupe.serving.protocol import (
 from troupe.serving.runner import AsyncBatcher, SequenceFailed
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# A prompt longer than this many characters per allowed token is refused before it is
+# rendered or tokenized: it cannot fit (no vocabulary averages that many characters a token
+# over a whole prompt), and rendering it would only spend the replica's time.
+CHARS_PER_TOKEN = 32
 
 
 class ServeReplica:
@@ -61,8 +67,9 @@ class ServeReplica:
         self.key = (KeyDigest(**key_digest) if key_digest is not None
                     else KeyDigest.of(key) if key else None)
         self.created = int(time.time())
-        self.in_flight = 0
-        self.receiving = 0  # requests whose bodies are still arriving
+        self.admission = Admission(self.cfg.limits)
+        # JSON, chat template and tokenizer run here, not on the event loop (admission's gate 2)
+        self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="prepare")
         self.metrics = ServerMetrics()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
@@ -79,12 +86,48 @@ class ServeReplica:
 
         waiting = getattr(self.batcher, "waiting", lambda: 0)()
         used, capacity = getattr(self.batcher, "kv_usage", lambda: (0, 0))()
-        return PlainTextResponse(self.metrics.render(self.in_flight, waiting, used, capacity),
+        return PlainTextResponse(self.metrics.render(self.admission.in_flight, waiting, used,
+                                                     capacity),
                                  media_type="text/plain; version=0.0.4")
 
     def info(self) -> dict[str, Any]:
-        return {"model": self.cfg.model.name, **self.details, "in_flight": self.in_flight,
+        return {"model": self.cfg.model.name, **self.details,
+                "in_flight": self.admission.in_flight, "queued": self.admission.queued,
                 "decode_steps": self.engine.steps}
+
+    # ---- health -------------------------------------------------------------------------------
+    def broken(self) -> str | None:
+        """Why this replica can serve no more (Serve replaces it), or None. A replica whose
+        model lives in other actors (ExpertParallelReplica) breaks when one of them dies."""
+        return None
+
+    async def probe(self) -> None:
+        """Look for what would break this replica (its own actors' deaths)."""
+
+    async def check_health(self) -> None:
+        """Ray Serve's periodic health check: raising makes Serve replace this replica."""
+        await self.probe()
+        reason = self.broken()
+        if reason is not None:
+            raise RuntimeError(reason)
+
+    def refuse_if_broken(self) -> None:
+        reason = self.broken()
+        if reason is not None:
+            raise self._out_of_service(reason)
+
+    @staticmethod
+    def _out_of_service(reason: str) -> RequestError:
+        return RequestError(503, f"this replica is out of service and being replaced "
+                            f"({reason}); retry shortly", type="server_error")
+
+    def _failure(self, e: SequenceFailed) -> RequestError:
+        """The error a failed generation answers: 503 when the replica broke, else 500."""
+        reason = self.broken()
+        if reason is not None:
+            return self._out_of_service(reason)
+        return RequestError(500, f"generation failed for this request: {e}",
+                            type="server_error")
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse
@@ -93,6 +136,11 @@ class ServeReplica:
             path = request.url.path.rstrip("/") or "/"
             if path == "/health":  # unauthenticated: for load balancers and Serve's probes
                 self._method(request, "GET")
+                await self.probe()
+                reason = self.broken()
+                if reason is not None:
+                    return JSONResponse({"status": "unhealthy", "reason": reason},
+                                        status_code=503)
                 return JSONResponse({"status": "ok", **self.info()})
             if path != "/metrics" or not self.cfg.metrics_open:
                 self._authorize(request.headers.get("authorization"))
@@ -109,7 +157,7 @@ class ServeReplica:
                                "/v1/chat/completions, /v1/models, /health and /metrics")
         except RequestError as e:
             headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401 else
-                       {"Retry-After": "1"} if e.status == 429 else None)
+                       {"Retry-After": "1"} if e.status in (429, 503) else None)
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     # ---- checks -----------------------------------------------------------------------------
@@ -126,41 +174,18 @@ class ServeReplica:
         if request.method != allowed:
             raise RequestError(405, f"{request.url.path} takes {allowed}, not {request.method}")
 
-    async def _receive(self, request) -> bytes:
-        """The body, within ``limits.body_timeout_s`` (408), while at most
-        ``limits.max_receiving`` requests are still sending theirs (429)."""
-        lim = self.cfg.limits
-        if self.receiving >= lim.max_receiving:
-            raise RequestError(429, f"{self.receiving} requests are still sending their bodies, "
-                               "the limit of this replica; retry later", type="rate_limit_error")
-        self.receiving += 1
-        try:
-            return await asyncio.wait_for(self._body(request), lim.body_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(408, f"the request body did not arrive within "
-                               f"{lim.body_timeout_s:g}s") from None
-        finally:
-            self.receiving -= 1
-
-    async def _body(self, request) -> bytes:
-        limit = self.cfg.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body of {declared} bytes exceeds the limit of "
-                               f"{limit} bytes")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise RequestError(413, f"request body exceeds the limit of {limit} bytes")
-        return bytes(body)
-
     def _prompt(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         lim = self.cfg.limits
         if req.model != self.cfg.model.name:
             raise RequestError(404, f"model {req.model!r} is not served here; GET /v1/models "
                                f"lists {self.cfg.model.name!r}", "model", "model_not_found")
         field = "messages" if chat else "prompt"
+        chars = (sum(len(m.content) + len(m.role) + 1 for m in req.messages) if chat
+                 else len(req.prompt))
+        if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
+            raise RequestError(400, f"{field}: {chars} characters; this server accepts at most "
+                               f"{lim.max_prompt_tokens} tokens (and at most {CHARS_PER_TOKEN} "
+                               "characters a token before tokenizing)", field)
         try:
             ids = self.tok.chat(req.conversation()) if chat else self.tok.encode(req.prompt)
         except Exception as e:  # the model's chat template refused the conversation
@@ -183,31 +208,27 @@ class ServeReplica:
         return ids, params
 
     # ---- completions ------------------------------------------------------------------------
-    def _refuse_if_full(self) -> None:
-        if self.in_flight >= self.cfg.limits.max_concurrent:
-            raise RequestError(429, f"{self.in_flight} requests in flight, the limit of this "
-                               "replica; retry later", type="rate_limit_error")
-
-    def _admit(self) -> "_Slot":
-        """A slot among ``limits.max_concurrent``, or 429. The check and the count happen with
-        no await between them: requests whose bodies arrived together cannot all pass the
-        check before any of them is counted (they did: 150 in flight against a limit of 32)."""
-        self._refuse_if_full()
-        return _Slot(self)
-
     async def _complete(self, request, chat: bool):
-        self._refuse_if_full()  # full already: refused before any reading or parsing
-        req = parse(ChatRequest if chat else CompletionRequest, await self._receive(request))
-        ids, params = self._prompt(req, chat)
-        slot = self._admit()  # a body still arriving holds no slot (max_receiving bounds those)
+        """Admission's three gates (troupe.serving.admission), then the answer."""
+        self.refuse_if_broken()
+        self.admission.refuse_if_full()  # full already: refused before any reading or parsing
+        body = await self.admission.body(request.receive)
+        req, ids, params = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, self._prepare, body, chat)
+        place = await self.admission.place()
         try:
-            return await self._answer(req, chat, ids, params, slot)
+            return await self._answer(req, chat, ids, params, place)
         finally:
-            slot.release()  # idempotent: a stream gives its own back when it ends
+            place.release()  # idempotent: a stream gives its own back when it ends
+
+    def _prepare(self, body: bytes, chat: bool):
+        req = parse(ChatRequest if chat else CompletionRequest, body)
+        return (req, *self._prompt(req, chat))
 
     async def _answer(self, req, chat: bool, ids: list[int], params: SamplingParams,
-                      slot: "_Slot"):
-        """Answer an admitted request (JSON, or a stream that holds ``slot`` until it ends)."""
+                      place: Place):
+        """Answer an admitted request (JSON, or a stream that holds ``place`` until it
+        ends)."""
         from starlette.responses import JSONResponse, StreamingResponse
 
         rid = completion_id(chat)
@@ -217,18 +238,17 @@ class ServeReplica:
         # choice i seeded with seed + i, so that it equals a single request with that seed
         samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
                                           else params.seed + i)) for i in range(req.n)]
-        if req.stream:  # the stream holds the slot until its last event (see _stream)
-            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, slot)
-            weakref.finalize(body, slot.release, True)  # a stream dropped before it started
-            slot.handed_over = True
+        if req.stream:  # the stream holds the place until its last event (see _stream)
+            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, place)
+            weakref.finalize(body, place.release, True)  # a stream dropped before it started
+            place.handed_over = True
             return StreamingResponse(body, media_type="text/event-stream")
         tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start)) for sid, p in samples]
         try:
             choices = await asyncio.gather(*tasks)
         except SequenceFailed as e:
             self.metrics.finished(route, "error")
-            raise RequestError(500, f"generation failed for this request: {e}",
-                               type="server_error") from None
+            raise self._failure(e) from None
         finally:
             for t in tasks:
                 t.cancel()  # the other choices' sequences, when one failed
@@ -270,10 +290,10 @@ class ServeReplica:
 
     async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
                       chat: bool, include_usage: bool, start: float,
-                      slot: "_Slot") -> AsyncIterator[str]:
+                      place: Place) -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
-        carries the usage. It holds the request's slot and gives it back at its end (one that
+        carries the usage. It holds the request's place and gives it back at its end (one that
         never starts, the client gone first, gives it back when it is dropped)."""
         name = self.cfg.model.name
         queue: asyncio.Queue = asyncio.Queue()
@@ -300,8 +320,7 @@ class ServeReplica:
                     continue
                 if isinstance(ev, SequenceFailed):
                     self.metrics.finished(CHAT if chat else COMPLETIONS, "error")
-                    yield _sse(RequestError(500, f"generation failed for this request: {ev}",
-                                            type="server_error").body())
+                    yield _sse(self._failure(ev).body())
                     break
                 generated += 1
                 lp = [self._logprob(ev)] if self._reported(ev) else None
@@ -317,24 +336,8 @@ class ServeReplica:
         finally:
             for t in tasks:
                 t.cancel()
-            slot.release(final=True)
+            place.release(final=True)
         yield "data: [DONE]\n\n"
-
-
-class _Slot:
-    """A request's place among ``limits.max_concurrent``, held from admission (before its body
-    is read) until its answer is done. ``release`` is idempotent; once a stream has taken the
-    slot over (``handed_over``), only the stream's own release (``final``) or the stream
-    being dropped gives it back."""
-
-    def __init__(self, replica: "ServeReplica"):
-        self._replica, self._held, self.handed_over = replica, True, False
-        replica.in_flight += 1
-
-    def release(self, final: bool = False) -> None:
-        if self._held and (final or not self.handed_over):
-            self._held = False
-            self._replica.in_flight -= 1
 
 
 def _sse(obj: dict[str, Any]) -> str:
