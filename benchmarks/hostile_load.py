@@ -17,7 +17,8 @@ real `tokenizers` tokenizer; one replica on the embedded Ray.
 - retry: goodput (completions/s) of 32 clients that never retry, then of 64 and 128 that
   resend every 429 at once, at max_concurrent 32 (default queue: max_queued 64), and the same
   with max_queued 0 (a 429 as soon as the places are taken); at max_concurrent 16 with no
-  queue, 16 clients against 32 and 64 (the condition of benchmarks/serve_goodput.py).
+  queue, 16 clients that never retry against 32 and 64 that do (the condition of the former
+  serve_goodput benchmark, which compared 32 retrying clients with 64).
 - burst: 150 clients at once against max_concurrent 32; the most in flight /health saw.
 - expert: a MoE model served over 2 expert actors; one rank's process killed: seconds until
   /health is not ok, and until a completion answers 200 again.
@@ -181,13 +182,17 @@ def slow(model: Path, seconds: float) -> None:
         normal = {"model": "m", "max_tokens": 8, "temperature": 0,
                   "messages": [{"role": "user", "content": "a normal request"}]}
         t0 = time.monotonic()
-        got = [s for batch in range(10)
-               for s in in_threads(lambda i: request(normal, key=KEY, timeout=60)[0], 4)]
+        answers = [a for batch in range(10)
+                   for a in in_threads(lambda i: request(normal, key=KEY, timeout=60), 4)]
         took = time.monotonic() - t0
+        got = [status for status, _ in answers]
+        errors = sorted({body[:160].decode(errors="replace") for status, body in answers
+                         if status != 200})
         t.join()
         emit(scenario="slow", slow_clients=300, slow_with_key=with_key,
              normal_ok=got.count(200), normal_total=len(got),
-             normal_statuses=sorted(set(got)), normal_seconds=round(took, 1),
+             normal_statuses=sorted(set(got)), normal_errors=errors,
+             normal_seconds=round(took, 1),
              slow_answers={k: v for k, v in counts.items()})
     serve.shutdown()
 
@@ -319,7 +324,7 @@ def decode() -> None:
     import tracemalloc
 
     from troupe import wire
-    from troupe.errors import WireFormatError
+    from troupe.wire import WireFormatError
 
     n = (10 << 20) - 16
     # a frame whose header is [<a msgpack array of 10 M empty lists>, 0], as a hostile sender

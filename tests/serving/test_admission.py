@@ -179,3 +179,25 @@ def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized(replica):
         error = json.loads(answer.body)["error"]
         assert answer.status_code == 400 and "100" in error["message"], error
         assert "characters" in error["message"] and error["param"] in ("messages", "prompt")
+
+
+def test_a_prompt_over_the_limit_is_refused_after_tokenizing_a_prefix(replica):
+    """1000 characters against 40 tokens (under the character bound): the replica tokenizes
+    160 characters (4 a token), finds them over the limit and refuses without tokenizing the
+    rest; a prompt within the limit is tokenized whole, once."""
+    seen, encode = [], replica.tok.encode
+
+    def counting(text):
+        seen.append(len(text))
+        return encode(text)
+
+    replica.tok.encode = counting
+    answer = asyncio.run(replica(_request("POST", "/v1/completions", json.dumps(
+        {"model": "m", "prompt": "x" * 1000}).encode())))
+    error = json.loads(answer.body)["error"]
+    assert answer.status_code == 400 and "more than 159 tokens" in error["message"], error
+    assert seen == [160]
+    seen.clear()
+    answer = asyncio.run(replica(_request("POST", "/v1/completions", json.dumps(
+        {"model": "m", "prompt": "x" * 20, "max_tokens": 2}).encode())))
+    assert answer.status_code == 200 and seen == [20]

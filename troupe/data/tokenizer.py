@@ -5,6 +5,7 @@ troupe's models, HFTokens for a Hugging Face model directory (``load_tokenizer``
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -127,6 +128,12 @@ def _byte_chars() -> list[str]:
     return chars
 
 
+# transformers switches special-token parsing by setting a flag on the shared Rust tokenizer
+# before each encode: two threads encoding at once (the server prepares requests on a thread
+# pool) could have a user's content parsed with control tokens on. Encodes take this lock.
+_SPECIALS = threading.Lock()
+
+
 class HFTokens:
     """The tokenizer of a Hugging Face model directory (tokenizer.json and its config), with
     the model's chat template. ``use_chat``: a task's prompts go in as a user turn through
@@ -151,7 +158,8 @@ class HFTokens:
         self.path, self.use_chat = path, use_chat and bool(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
+        with _SPECIALS:
+            return self.hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
@@ -179,10 +187,11 @@ class HFTokens:
                 return self._chat_whole(messages)
             parts += [(before, False), (m["content"], True)]
         ids: list[int] = []
-        for piece, is_content in [*parts, (rest, False)]:
-            if piece:
-                ids += self.hf.encode(piece, add_special_tokens=False,
-                                      split_special_tokens=is_content)
+        with _SPECIALS:
+            for piece, is_content in [*parts, (rest, False)]:
+                if piece:
+                    ids += self.hf.encode(piece, add_special_tokens=False,
+                                          split_special_tokens=is_content)
         return ids
 
     def _chat_whole(self, messages: list[dict[str, str]]) -> list[int]:
@@ -193,7 +202,9 @@ class HFTokens:
             if found is not None:
                 raise ValueError(f"message {i}: its content holds the control token {found!r}, "
                                  "which this model's chat template cannot keep as text")
-        ids = self.hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        with _SPECIALS:
+            ids = self.hf.apply_chat_template(messages, tokenize=True,
+                                              add_generation_prompt=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:

@@ -5,7 +5,7 @@ A request passes three gates:
 
 1. **Its body.** A body that comes with its headers (every ordinary request) is read at once
    and needs nothing. A longer one takes one of ``limits.max_receiving`` places (beyond them:
-   429) and must keep arriving: after a grace second, at ``limits.min_body_rate`` bytes per
+   429) and must keep arriving: after 3 seconds of grace, at ``limits.min_body_rate`` bytes per
    second at least, and whole within ``limits.body_timeout_s`` (else 408). A client that
    trickles its body a byte at a time is dropped within seconds rather than holding a place,
    and never delays a request that sent its body whole.
@@ -30,7 +30,7 @@ from collections import deque
 
 from troupe.serving.protocol import Limits, RequestError
 
-GRACE_S = 1.0  # a body's first second is not held to limits.min_body_rate
+GRACE_S = 3.0  # a body's first seconds are not held to limits.min_body_rate
 
 
 class Admission:

@@ -186,9 +186,10 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
                    graceful_shutdown_timeout_s=5.0) if cls is ExpertParallelReplica else {})
     deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas, **health,
-        # above the replica's own limits (in flight, still sending), so that it answers 429
+        # above the replica's own limits (in flight, queued, still sending), so that it answers 429
         # rather than Serve queueing
-        max_ongoing_requests=cfg.limits.max_concurrent + cfg.limits.max_receiving + 16,
+        max_ongoing_requests=(cfg.limits.max_concurrent + cfg.limits.max_queued
+                              + cfg.limits.max_receiving + 16),
         ray_actor_options=options)
     serve.run(deployment.bind(cfg.model_dump(), digest), name=name, route_prefix="/",
               blocking=False)

@@ -51,7 +51,7 @@ class Limits(Config):
     prompt and completion lengths in tokens; requests in flight (``max_concurrent``), and
     beyond them up to ``max_queued`` waiting for a place for at most ``queue_timeout_s``
     (then 429); the request body in bytes (413), the seconds it may take to arrive and the
-    rate it must keep after its first second (408); requests whose bodies are still
+    rate it must keep after its first 3 seconds (408); requests whose bodies are still
     arriving past their headers (beyond them: 429, so that slow senders cannot hold every
     place); and the decode batch."""
 

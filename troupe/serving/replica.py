@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +69,11 @@ class ServeReplica:
                     else KeyDigest.of(key) if key else None)
         self.created = int(time.time())
         self.admission = Admission(self.cfg.limits)
-        # JSON, chat template and tokenizer run here, not on the event loop (admission's gate 2)
-        self._prepare_pool = ThreadPoolExecutor(2, thread_name_prefix="prepare")
+        # JSON, chat template and tokenizer run here, not on the event loop (admission's gate
+        # 2): one thread at a lower CPU priority, so that huge prompts take what the decode
+        # loop, the event loop and the proxy leave, and queue behind each other
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare",
+                                                initializer=_lower_priority)
         self.metrics = ServerMetrics()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
@@ -186,6 +190,13 @@ class ServeReplica:
             raise RequestError(400, f"{field}: {chars} characters; this server accepts at most "
                                f"{lim.max_prompt_tokens} tokens (and at most {CHARS_PER_TOKEN} "
                                "characters a token before tokenizing)", field)
+        texts = [m.content for m in req.messages] if chat else [req.prompt]
+        for i, text in enumerate(texts):
+            over = self._over_limit(text, lim.max_prompt_tokens)
+            if over is not None:
+                where = f"messages.{i}.content" if chat else field
+                raise RequestError(400, f"{where}: more than {over} tokens; this server "
+                                   f"accepts at most {lim.max_prompt_tokens}", where)
         try:
             ids = self.tok.chat(req.conversation()) if chat else self.tok.encode(req.prompt)
         except Exception as e:  # the model's chat template refused the conversation
@@ -206,6 +217,19 @@ class ServeReplica:
                                f"({params.max_tokens}) exceed the model's context of {context} "
                                "tokens", "max_tokens")
         return ids, params
+
+    def _over_limit(self, text: str, limit: int) -> int | None:
+        """For a text longer than 4 characters a token at the limit: the tokens of growing
+        prefixes (4 x limit characters, then doubling), so that a text over the limit is
+        refused after tokenizing about as much as a prompt at the limit takes, not all of it.
+        A prefix's token count once it passes the limit, else None."""
+        size = 4 * limit
+        while size < len(text):
+            n = len(self.tok.encode(text[:size]))
+            if n > limit + 1:  # a cut splits at most one token in two
+                return n - 1
+            size *= 2
+        return None
 
     # ---- completions ------------------------------------------------------------------------
     async def _complete(self, request, chat: bool):
@@ -338,6 +362,15 @@ class ServeReplica:
                 t.cancel()
             place.release(final=True)
         yield "data: [DONE]\n\n"
+
+
+def _lower_priority(niceness: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads apart; elsewhere this
+    does nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 def _sse(obj: dict[str, Any]) -> str:
