@@ -5,10 +5,11 @@ A request passes three gates:
 
 1. **Its body.** A body that comes with its headers (every ordinary request) is read at once
    and needs nothing. A longer one takes one of ``limits.max_receiving`` places (beyond them:
-   429) and must keep arriving: after 3 seconds of grace, at ``limits.min_body_rate`` bytes per
-   second at least, and whole within ``limits.body_timeout_s`` (else 408). A client that
-   trickles its body a byte at a time is dropped within seconds rather than holding a place,
-   and never delays a request that sent its body whole.
+   429) and must keep arriving: 3 seconds after its first part, at ``limits.min_body_rate``
+   bytes per second at least, and whole within ``limits.body_timeout_s`` (else 408). A client
+   that trickles its body a byte at a time is dropped within seconds rather than holding a
+   place, and never delays a request that sent its body whole. One that sends its headers
+   and nothing more holds no place either, and is dropped after ``body_timeout_s``.
 2. **Its preparation** (JSON, chat template, tokenizer) runs on a small thread pool, not on
    the event loop (ServeReplica does this), so that one huge request delays no stream.
 3. **A place in flight.** At most ``limits.max_concurrent`` requests are generating. One that
@@ -59,10 +60,10 @@ class Admission:
     async def body(self, receive) -> bytes:
         """The request body from the ASGI ``receive`` callable, under gate 1's rules."""
         lim, start = self.limits, time.monotonic()
-        body, held = bytearray(), False
+        body, held, paced = bytearray(), False, None  # paced: (first message's time, bytes)
         try:
             while True:
-                message = await self._next(receive, start, len(body))
+                message = await self._next(receive, start, len(body), paced)
                 if message["type"] == "http.disconnect":
                     raise RequestError(400, "the client closed the connection before its body "
                                        "arrived")
@@ -73,6 +74,7 @@ class Admission:
                 if not message.get("more_body", False):
                     return bytes(body)
                 if not held:  # the body did not come whole with its headers: it takes a place
+                    paced = (time.monotonic(), len(body))
                     if self.receiving >= lim.max_receiving:
                         raise RequestError(429, f"{self.receiving} requests are still sending "
                                            "their bodies, the limit of this replica; retry "
@@ -83,18 +85,21 @@ class Admission:
             if held:
                 self.receiving -= 1
 
-    async def _next(self, receive, start: float, received: int) -> dict:
+    async def _next(self, receive, start: float, received: int,
+                    paced: tuple[float, int] | None) -> dict:
         """The next ASGI message, or 408 once the body falls behind its deadline: the whole
-        body within body_timeout_s, and ``received`` bytes at most GRACE_S + received /
-        min_body_rate seconds after the start."""
+        body within body_timeout_s of the start and, from its first part on (``paced``: when
+        it came and its bytes), the bytes after it at min_body_rate after GRACE_S. The first
+        part is not paced: it waits on the proxy as much as on the client, and under load it
+        took over a second to reach the replica."""
         lim = self.limits
-        now = time.monotonic()
-        by_rate = start + GRACE_S + received / lim.min_body_rate
-        deadline = min(start + lim.body_timeout_s, by_rate)
+        deadline = whole = start + lim.body_timeout_s
+        if paced is not None:
+            deadline = min(whole, paced[0] + GRACE_S + (received - paced[1]) / lim.min_body_rate)
         try:
-            return await asyncio.wait_for(receive(), max(deadline - now, 0.0))
+            return await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
-            if deadline == by_rate and by_rate < start + lim.body_timeout_s:
+            if deadline < whole:
                 raise RequestError(408, f"the request body arrived at under "
                                    f"{lim.min_body_rate} bytes/s ({received} bytes in "
                                    f"{time.monotonic() - start:.1f}s)") from None

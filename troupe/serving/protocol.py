@@ -51,9 +51,9 @@ class Limits(Config):
     prompt and completion lengths in tokens; requests in flight (``max_concurrent``), and
     beyond them up to ``max_queued`` waiting for a place for at most ``queue_timeout_s``
     (then 429); the request body in bytes (413), the seconds it may take to arrive and the
-    rate it must keep after its first 3 seconds (408); requests whose bodies are still
-    arriving past their headers (beyond them: 429, so that slow senders cannot hold every
-    place); and the decode batch."""
+    rate it must keep from 3 seconds after its first part (408); requests whose bodies are
+    still arriving past their headers (beyond them: 429, so that slow senders cannot hold
+    every place); and the decode batch."""
 
     max_prompt_tokens: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=256, ge=1)

@@ -1,0 +1,83 @@
+"""Packed storage for weights of one and two levels' worth of bits, and the torch reference of
+their product (XTC's binary and BitNet b1.58's ternary weights; troupe.compression.lowbit
+makes them).
+
+Ternary weights {-1, 0, +1} go five to a byte (3^5 = 243 <= 256: 1.6 bits a weight, as
+llama.cpp's TQ1_0 stores them). The five trits t_0..t_4 (each + 1, so in {0, 1, 2}) are read
+as a base-3 number v = sum_i d_i 3^(4-i) < 243 and stored as ceil(v * 256 / 243): then trit i
+comes back as ``((byte * 3^i) mod 256) * 3 >> 8``, a multiply, a wrap and a shift, with no
+division, which is what a SIMD kernel wants. Binary weights {-1, +1} go eight to a byte, as
+troupe.kernels.bitpack packs the 1-bit optimizers' signs (bit set: +1, most significant first).
+
+Rows are packed along the input dimension; a row of n weights takes ceil(n / 5) (ternary) or
+ceil(n / 8) (binary) bytes, the padding decoding to 0 (ternary) or +1 (binary), ignored."""
+
+from __future__ import annotations
+
+import torch
+
+from troupe.kernels import bitpack
+
+TRITS_PER_BYTE, BITS_PER_BYTE = 5, 8
+_POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)  # 3^(4-i)
+_SHIFT3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)  # 3^i
+
+
+def pack_trits(q: torch.Tensor) -> torch.Tensor:
+    """(..., n) int8 in {-1, 0, 1} -> (..., ceil(n / 5)) uint8."""
+    if q.numel() and (q.min() < -1 or q.max() > 1):
+        raise ValueError("pack_trits takes values in {-1, 0, 1}")
+    n = q.shape[-1]
+    pad = -n % TRITS_PER_BYTE
+    d = torch.nn.functional.pad(q.to(torch.int32) + 1, (0, pad), value=1)  # padding: trit 0
+    d = d.reshape(*q.shape[:-1], -1, TRITS_PER_BYTE)
+    v = (d * _POW3.to(d.device)).sum(-1)
+    return ((v * 256 + 242) // 243).to(torch.uint8)  # ceil(v * 256 / 243)
+
+
+def unpack_trits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., m) uint8 -> (..., n) int8 in {-1, 0, 1}, n <= 5 m."""
+    b = packed.to(torch.int32)[..., None] * _SHIFT3.to(packed.device)  # byte * 3^i
+    d = ((b & 0xFF) * 3) >> 8
+    return (d - 1).to(torch.int8).reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def pack_sign_rows(q: torch.Tensor) -> torch.Tensor:
+    """(O, n) int8 in {-1, 1} -> (O, ceil(n / 8)) uint8: each row through troupe.kernels.bitpack
+    (most significant bit first, set bit +1), padded to whole bytes."""
+    if q.numel() and not torch.all((q == 1) | (q == -1)):
+        raise ValueError("pack_sign_rows takes values in {-1, 1}")
+    O, n = q.shape
+    rows = torch.nn.functional.pad(q.float(), (0, -n % BITS_PER_BYTE), value=1.0)
+    return bitpack.pack_signs(rows).to(q.device).reshape(O, -1)
+
+
+def unpack_sign_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """(O, m) uint8 -> (O, n) int8 in {-1, 1}, n <= 8 m."""
+    O, m = packed.shape
+    signs = bitpack.unpack_signs(packed.reshape(-1), O * m * BITS_PER_BYTE)
+    return signs.reshape(O, -1)[:, :n].to(torch.int8)
+
+
+def unpack(packed: torch.Tensor, n: int, kind: str) -> torch.Tensor:
+    """The int8 weights of a packed matrix: ``kind`` "ternary" or "binary"."""
+    if kind == "ternary":
+        return unpack_trits(packed, n)
+    if kind == "binary":
+        return unpack_sign_rows(packed, n)
+    raise ValueError(f"kind must be 'ternary' or 'binary', got {kind!r}")
+
+
+def lowbit_linear_reference(x_TI: torch.Tensor, packed_OM: torch.Tensor, scales_O: torch.Tensor,
+                            kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for W = unpack(packed) * scales[:, None], with the activations
+    quantized token-wise to INT8 (absmax, as W8A8 does) and the product in integers: the
+    result a native kernel must equal exactly. fp32 out."""
+    from troupe.kernels.quant import quantize_tokens
+
+    n = x_TI.shape[-1]
+    w = unpack(packed_OM, n, kind).to(torch.int32)
+    xq, xs = quantize_tokens(x_TI.float())
+    acc = xq.to(torch.int32) @ w.t()  # exact: |acc| <= 127 * n
+    y = acc.float() * xs[:, None] * scales_O.float()[None, :]
+    return y if bias is None else y + bias.float()
