@@ -87,11 +87,14 @@ class QuantizedLinear(nn.Module):
         and the LoRC factors too (they are not parameters)."""
         super()._apply(fn, recurse)
         rows = row_layout(self.qw)  # packed for the CPU kernel only while on the CPU
-        self.qw = vnni_layout(dataclasses.replace(rows, q=fn(rows.q), scales=fn(rows.scales)))
+        # a cast (``.to(torch.float64)``) moves them but leaves them fp32: the integer
+        # product's scales, the LoRC factors and the outlier columns are fp32 by design
+        self.qw = vnni_layout(dataclasses.replace(rows, q=fn(rows.q),
+                                                  scales=fn(rows.scales).float()))
         if self.lorc_down is not None:
-            self.lorc_down, self.lorc_up = fn(self.lorc_down), fn(self.lorc_up)
+            self.lorc_down, self.lorc_up = fn(self.lorc_down).float(), fn(self.lorc_up).float()
         if self.outliers is not None:
-            self.outliers, self.outlier_w = fn(self.outliers), fn(self.outlier_w)
+            self.outliers, self.outlier_w = fn(self.outliers), fn(self.outlier_w).float()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
