@@ -19,8 +19,8 @@ import torch
 from troupe.kernels import bitpack
 
 TRITS_PER_BYTE, BITS_PER_BYTE = 5, 8
-_POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)  # 3^(4-i)
-_SHIFT3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)  # 3^i
+_POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)  # 3^(4-i)  # host: moved where used
+_SHIFT3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)  # 3^i  # host: moved where used
 
 
 def pack_trits(q: torch.Tensor) -> torch.Tensor:

@@ -181,8 +181,9 @@ def weight_only_linear(x_TI: torch.Tensor, qw: QuantizedWeight,
               and x_TI.device.type == qw.q.device.type == "cpu" and qw.q.is_contiguous()
               and qw.scales.dtype == torch.float32 and qw.scales.is_contiguous())
     lib = _quant_lib() if native else None
-    if lib is None:
-        return F.linear(x_TI, dequantize_weight(qw), bias)
+    if lib is None:  # in the activations' type (a bf16 model's tokens stay bf16)
+        return F.linear(x_TI, dequantize_weight(qw).to(x_TI.dtype),
+                        None if bias is None else bias.to(x_TI.dtype))
     x = x_TI.float().contiguous()
     y = torch.empty(T, O, dtype=torch.float32, device=x.device)
     b = None if bias is None else bias.detach().float().contiguous()
@@ -246,7 +247,8 @@ def int8_gemm(xq_TI: torch.Tensor, wq_OI: torch.Tensor) -> torch.Tensor:
         # while every partial sum is an integer the type holds: |sum| <= I * 128^2 < 2^24 in
         # fp32, < 2^53 in fp64.
         dtype = torch.float32 if I * 128 * 128 < 1 << 24 else torch.float64
-        return (xq_TI.to(dtype) @ wq_OI.to(dtype).t()).to(torch.int32)
+        with torch.autocast("cpu", enabled=False):  # bf16 autocast would round the product
+            return (xq_TI.to(dtype) @ wq_OI.to(dtype).t()).to(torch.int32)
     # w.t() is a view: the GEMM reads the row-major (O, I) weight as a column-major (I, O)
     # matrix; copying it to row-major on every call cost 4-9x the GEMM itself (RESULTS.md)
     if T > 16:
