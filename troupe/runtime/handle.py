@@ -129,8 +129,7 @@ class RoleGroup:
                 except GetTimeoutError:
                     raise self._timeout("ready", [rank], timeout_s) from None
                 except RayActorError as e:
-                    node = self.node_ids[rank] if rank < len(self.node_ids) else None
-                    raise WorkerDiedError(self.name, rank, node, _death_cause(e)) from None
+                    raise self.died(rank, e) from None
 
     def gather(self, refs: list[ray.ObjectRef], ranks: list[int], method: str,
                timeout_s: float | None) -> list[Any]:
@@ -171,7 +170,12 @@ class RoleGroup:
             text = _ANSI.sub("", str(e))
             raise WorkerCallError(self.name, rank, node, method, text, cause) from None
         except RayActorError as e:
-            raise WorkerDiedError(self.name, rank, node, _death_cause(e)) from None
+            raise self.died(rank, e) from None
+
+    def died(self, rank: int, e: RayActorError) -> WorkerDiedError:
+        """The typed error for rank ``rank``'s death that Ray reported as ``e``."""
+        node = self.node_ids[rank] if rank < len(self.node_ids) else None
+        return WorkerDiedError(self.name, rank, node, _death_cause(e))
 
     def _timeout(self, method: str, ranks: list[int], timeout_s: float) -> CallTimeoutError:
         refs = {r: self.actors[r].stacks.remote() for r in ranks}

@@ -90,7 +90,7 @@ class ExpertParallelBatcher:
         try:
             stepped = self.ranks.invoke(ServeRank.step, PerRank(work))
         except WorkerDiedError as e:
-            self.lost = f"expert-parallel rank {e.rank} died: {e.cause}"
+            self._lose(e)
             raise
         events = [e for rank_events in stepped for e in rank_events]
         for e in events:
@@ -110,8 +110,11 @@ class ExpertParallelBatcher:
             f.cancel()
         for rank, f in enumerate(futures):
             if f in done and isinstance(f.exception(), ray.exceptions.RayActorError):
-                self.lost = f"expert-parallel rank {rank} died: {f.exception()}".split("\n")[0]
+                self._lose(self.ranks.died(rank, f.exception()))
                 return
+
+    def _lose(self, e: WorkerDiedError) -> None:
+        self.lost = f"expert-parallel rank {e.rank} died: {e.cause}".split("\n")[0]
 
     def shutdown(self) -> None:
         self.graph.shutdown()
