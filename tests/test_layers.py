@@ -15,7 +15,8 @@ import pytest
 import troupe
 
 ROOT = Path(troupe.__file__).parent
-LEAVES = {"troupe.context", "troupe.devices", "troupe.errors", "troupe.wire", "troupe.config"}
+LEAVES = {"troupe.context", "troupe.devices", "troupe.errors", "troupe.wire", "troupe.config",
+          "troupe.cache"}
 LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression": 3, "data": 3,
           "checkpoint": 3, "parallel": 4, "generation": 4, "actors": 5, "runtime": 6,
           "pretrain": 7, "rlhf": 7, "serving": 7, "cli": 8, "__main__": 8}

@@ -45,6 +45,7 @@ def test_the_size_overrides_keep_what_a_line_sets():
 
 @pytest.mark.slow
 @pytest.mark.own_cluster
+@pytest.mark.timeout(1800)  # a section is several runs (each line has its own 900 s limit)
 @pytest.mark.parametrize("name", list(SECTIONS),
                          ids=[re.sub(r"[^A-Za-z0-9]+", "-", n).strip("-") for n in SECTIONS])
 def test_section_runs_as_written(name, tmp_path, smollm2):

@@ -192,7 +192,8 @@ def test_smollm2_w8a8_perplexity_within_one_percent(smollm2):
 
     def perplexity(m):
         with torch.no_grad():
-            losses = [m(x, y)[1].item() for x, y in data.val_batches(4, 8, 256)]
+            # 4096 held-out tokens: the ratio is 0.66% on them, 0.65% on twice as many
+            losses = [m(x, y)[1].item() for x, y in data.val_batches(2, 8, 256)]
         return math.exp(sum(losses) / len(losses))
 
     base = perplexity(model)

@@ -23,6 +23,21 @@ def test_stdlib_corpus_is_deterministic_and_split(stdlib_data):
     assert not np.array_equal(other.val[:1000], stdlib_data.val[:1000])
 
 
+def test_stdlib_corpus_is_parsed_once_then_read_and_a_damaged_copy_is_parsed_again(
+        tmp_path, monkeypatch):
+    from troupe.data import corpus
+    calls = []
+    monkeypatch.setenv("TROUPE_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "_parse_stdlib",
+                        lambda root, n: calls.append(n) or [f"doc {len(calls)}", "two"])
+    assert corpus.stdlib_documents() == ["doc 1", "two"] == corpus.stdlib_documents()
+    assert calls == [40]
+    assert corpus.stdlib_documents(min_chars=10) == ["doc 2", "two"]  # another key
+    for cached in (tmp_path / "corpus").iterdir():
+        cached.write_text('["doc 1", ')
+    assert corpus.stdlib_documents() == ["doc 3", "two"] and len(calls) == 3
+
+
 def test_rank_batches_are_slices_of_the_global_batch(stdlib_data):
     x, y = stdlib_data.train_batch(7, 8, 16)
     parts = [stdlib_data.train_batch(7, 8, 16, r, 4) for r in range(4)]

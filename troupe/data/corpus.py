@@ -4,18 +4,49 @@ user's own .txt / .jsonl files."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
+import os
+import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from troupe.cache import cache_dir
 from troupe.errors import DataError
 
 
 def stdlib_documents(min_chars: int = 40) -> list[str]:
     """One document per standard-library module: its docstrings (module, classes, functions)
-    in source order. Deterministic for a given Python version."""
+    in source order. Deterministic for a given Python installation, so it is parsed once (a
+    few seconds) and then read from troupe's cache (troupe.cache): every process of a run
+    builds its dataset from it."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(f"{_CORPUS_VERSION}|{root}|{sys.version}|{min_chars}".encode())
+    cached = cache_dir("corpus") / f"stdlib-{key.hexdigest()[:16]}.json"
+    try:
+        docs = json.loads(cached.read_text(encoding="utf-8"))
+        if isinstance(docs, list) and docs and all(isinstance(d, str) for d in docs):
+            return docs
+    except (OSError, ValueError):
+        pass  # not built yet, or damaged: parse again
+    docs = _parse_stdlib(root, min_chars)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cached.parent, delete=False,
+                                         encoding="utf-8") as f:
+            json.dump(docs, f)
+        os.replace(f.name, cached)  # atomic: a concurrent reader never sees half a file
+    except OSError:
+        pass  # a read-only home: parse every time
+    return docs
+
+
+_CORPUS_VERSION = 1  # bump when _parse_stdlib changes what it returns
+
+
+def _parse_stdlib(root: Path, min_chars: int) -> list[str]:
     skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
     docs = []
     for path in sorted(root.rglob("*.py")):

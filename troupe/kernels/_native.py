@@ -16,13 +16,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from troupe.cache import cache_dir
+
 _CSRC = Path(__file__).parent / "csrc"
 log = logging.getLogger(__name__)
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TROUPE_CACHE") or Path.home() / ".cache" / "troupe"
-    return Path(root) / "kernels"
+    return cache_dir("kernels")
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +61,11 @@ def load_extension(name: str):
         flags = ["-O3", "-march=native", "-fopenmp"]
         files = {f"{name}.cpp": (_CSRC / f"{name}.cpp").read_bytes(),
                  **{h.name: h.read_bytes() for h in sorted(_CSRC.glob("*.h"))}}
-        digest = hashlib.sha256(b"".join(files.values()) + " ".join(flags).encode())
+        # the build is specific to the torch it compiled against (its headers' paths are in
+        # the build file): two environments sharing the cache must not rebuild each other's
+        torch_dir = Path(cpp_extension.__file__).parents[1]
+        digest = hashlib.sha256(b"".join(files.values()) + " ".join(flags).encode()
+                                + str(torch_dir).encode())
         digest = digest.hexdigest()[:12]
         build = _cache_dir() / f"{name}-{digest}"
         build.mkdir(parents=True, exist_ok=True)

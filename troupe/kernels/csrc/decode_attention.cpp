@@ -8,7 +8,10 @@
 // vector extensions (64-byte vectors) compile to AVX-512 where the CPU has it and to pairs of
 // AVX2 ops where not. exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative
 // error below 2e-7, as good as the fp32 division that follows it).
-#include <torch/extension.h>
+// the headers this file uses, not <torch/extension.h>: half the compile time
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
@@ -178,24 +181,24 @@ bool supports(int64_t head_dim) { return head_dim % 16 == 0 && head_fn(head_dim 
 
 // q (B, H, 1, D), k and v (B, Hkv, S, D), each with unit stride along D (any other strides);
 // valid (B, S) bool or absent (all valid); ``supports(D)``. Returns (B, H, 1, D) float32.
-torch::Tensor decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                     c10::optional<torch::Tensor> valid, double scale) {
+at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v,
+                     c10::optional<at::Tensor> valid, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1,
               "decode_attention: q must be (B, H, 1, D) and k, v (B, Hkv, S, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "decode_attention: float32 tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat, "decode_attention: float32 tensors only");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && H % Hkv == 0,
               "decode_attention: k and v must be (", B, ", Hkv, S, ", D, ") with H = ", H,
               " a multiple of Hkv");
   TORCH_CHECK(supports(D) && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "decode_attention: head size ", D, " unsupported, or not contiguous along it");
-  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == torch::kBool &&
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool &&
                                      valid->is_contiguous() && valid->numel() == B * S),
               "decode_attention: valid must be a contiguous (B, S) bool tensor");
   const int64_t G = H / Hkv;
   const HeadFn head = head_fn(D / 16);
-  auto out = torch::empty({B, H, 1, D}, q.options());
+  auto out = at::empty({B, H, 1, D}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const bool *mp = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
   float *op = out.data_ptr<float>();

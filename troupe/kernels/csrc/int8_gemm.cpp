@@ -17,7 +17,10 @@
 // stay fp32. Each token is quantized without them (zeros there, so its scale ignores them),
 // and the epilogue adds x[:, channels] @ W[:, channels]^T from an fp32 (k, N) copy of those
 // weight columns: one call instead of the clone, zeroing, gather and fp32 GEMM beside it.
-#include <torch/extension.h>
+// the headers this file uses, not <torch/extension.h>: half the compile time
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cfloat>
@@ -136,12 +139,12 @@ void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t 
 // zeros); colsum (n_out) int32, scales and bias (n_out) fp32 (bias may be absent), with
 // 16 (NB - 1) < n_out <= 16 NB; outlier channels (k) int64 and their fp32 weight rows
 // (k, n_out), both or neither. Returns y (M, n_out) fp32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
-                     torch::Tensor scales, c10::optional<torch::Tensor> bias, int64_t n_out,
-                     c10::optional<torch::Tensor> channels,
-                     c10::optional<torch::Tensor> channel_rows) {
+at::Tensor linear(at::Tensor x, at::Tensor wp, at::Tensor colsum,
+                     at::Tensor scales, c10::optional<at::Tensor> bias, int64_t n_out,
+                     c10::optional<at::Tensor> channels,
+                     c10::optional<at::Tensor> channel_rows) {
 #if TROUPE_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_gemm.linear: x must be a contiguous (M, K) float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0);
   TORCH_CHECK(K % 4 == 0 && wp.size(1) * 4 == K, "int8_gemm.linear: x has K = ", K,
@@ -156,8 +159,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
   const int64_t k = channels.has_value() ? channels->numel() : 0;
   const int64_t *ch = k ? channels->data_ptr<int64_t>() : nullptr;
   if (k) {
-    TORCH_CHECK(channels->scalar_type() == torch::kLong && channels->is_contiguous() &&
-                channel_rows->scalar_type() == torch::kFloat && channel_rows->is_contiguous() &&
+    TORCH_CHECK(channels->scalar_type() == at::kLong && channels->is_contiguous() &&
+                channel_rows->scalar_type() == at::kFloat && channel_rows->is_contiguous() &&
                 channel_rows->dim() == 2 && channel_rows->size(0) == k &&
                 channel_rows->size(1) == n_out,
                 "int8_gemm.linear: outlier channels (k) int64 and rows (k, ", n_out, ") float32");
@@ -165,10 +168,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, torch::Tensor colsum,
       TORCH_CHECK(ch[c] >= 0 && ch[c] < K, "int8_gemm.linear: outlier channel ", ch[c],
                   " outside 0..", K - 1);
   }
-  auto u = torch::empty({M, K}, x.options().dtype(torch::kUInt8));
-  auto sx = torch::empty({M}, x.options());
-  auto xo = torch::empty({M, k}, x.options());
-  auto y = torch::empty({M, n_out}, x.options());
+  auto u = at::empty({M, K}, x.options().dtype(at::kByte));
+  auto sx = at::empty({M}, x.options());
+  auto xo = at::empty({M, k}, x.options());
+  auto y = at::empty({M, n_out}, x.options());
   const float *xp = x.data_ptr<float>();
   uint8_t *up = u.data_ptr<uint8_t>();
   float *sp = sx.data_ptr<float>(), *xop = xo.data_ptr<float>();

@@ -4,7 +4,10 @@
 // Two blocks of 16 outputs and up to 8 rows per pass keep 16 accumulators in registers; the
 // blocks are split over torch's intra-op threads (at::parallel_for). GCC's vector extensions
 // (64-byte vectors) compile to AVX-512 where the CPU has it and to pairs of AVX2 ops where not.
-#include <torch/extension.h>
+// the headers this file uses, not <torch/extension.h>: half the compile time
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 
@@ -38,9 +41,9 @@ static void blocks(const float *x, int64_t K, const float *wp, int64_t N, float 
   }
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
+at::Tensor linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), N = NB * 16;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
   const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float *yp = y.data_ptr<float>();

@@ -20,7 +20,10 @@
 //         and a shift. The +8 (values 1..15) is taken back out per group with the token's
 //         sums: sum_k a_k (u_k - 8) = sum_k a_k u_k - 8 sum_k a_k.
 // Scales are packed (NB, K/gs, 16): the 16 outputs of a block for one group in one vector.
-#include <torch/extension.h>
+// the headers this file uses, not <torch/extension.h>: half the compile time
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cfloat>
@@ -179,10 +182,10 @@ void gemm(const Args &p, int64_t M, int64_t NB) {
 // x (M, K) fp32; wp the packed weight (INT8: (NB, K/4, 2, 16, 2) int8; INT4: (NB, K/4, 16, 2)
 // uint8), output channels past n_out zero; ws (NB, K/gs, 16) fp32 scales; bias (n_out) or
 // none; gs a multiple of 4 dividing K, at most 512. Returns y (M, n_out) fp32.
-torch::Tensor linear(torch::Tensor x, torch::Tensor wp, int64_t bits, torch::Tensor ws,
-                     int64_t gs, c10::optional<torch::Tensor> bias, int64_t n_out) {
+at::Tensor linear(at::Tensor x, at::Tensor wp, int64_t bits, at::Tensor ws,
+                     int64_t gs, c10::optional<at::Tensor> bias, int64_t n_out) {
 #if TROUPE_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "wq_gemm.linear: x must be a contiguous (M, K) float32 tensor");
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0);
   TORCH_CHECK(bits == 8 || bits == 4, "wq_gemm.linear: bits must be 8 or 4, got ", bits);
@@ -190,18 +193,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, int64_t bits, torch::Ten
               ", the packed weight ", wp.size(1) * 4);
   TORCH_CHECK(gs > 0 && gs % 4 == 0 && gs <= 512 && K % gs == 0, "wq_gemm.linear: group size ",
               gs, " must be a multiple of 4 up to 512 dividing K = ", K);
-  TORCH_CHECK(ws.is_contiguous() && ws.scalar_type() == torch::kFloat &&
+  TORCH_CHECK(ws.is_contiguous() && ws.scalar_type() == at::kFloat &&
               ws.numel() == NB * (K / gs) * 16, "wq_gemm.linear: scales must be (", NB, ", ",
               K / gs, ", 16) float32");
   TORCH_CHECK(n_out <= NB * 16 && n_out > (NB - 1) * 16, "wq_gemm.linear: n_out ", n_out,
               " does not fit ", NB, " blocks of 16");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n_out && bias->is_contiguous() &&
-                                    bias->scalar_type() == torch::kFloat),
+                                    bias->scalar_type() == at::kFloat),
               "wq_gemm.linear: bias needs ", n_out, " float32 values");
-  auto a = torch::empty({M, K}, x.options().dtype(torch::kShort));
-  auto sx = torch::empty({M}, x.options());
-  auto corr = torch::empty({M, K / gs}, x.options().dtype(torch::kInt));
-  auto y = torch::empty({M, n_out}, x.options());
+  auto a = at::empty({M, K}, x.options().dtype(at::kShort));
+  auto sx = at::empty({M}, x.options());
+  auto corr = at::empty({M, K / gs}, x.options().dtype(at::kInt));
+  auto y = at::empty({M, n_out}, x.options());
   Args p{a.data_ptr<int16_t>(), sx.data_ptr<float>(), corr.data_ptr<int32_t>(), K, gs,
          static_cast<const uint8_t *>(wp.data_ptr()), ws.data_ptr<float>(),
          bias.has_value() ? bias->data_ptr<float>() : nullptr, n_out, y.data_ptr<float>()};
