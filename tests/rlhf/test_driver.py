@@ -154,16 +154,16 @@ def _assert_same_weights(out, reference):
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), name
 
 
-def test_killed_critic_without_restarts_fails_by_name(cluster, tmp_path):
+def test_killed_critic_without_restarts_fails_by_name(trained, tmp_path):
+    base = Path(trained[0].out_dir)  # steps 1 and 2 as the module's run did them
     cfg = _cfg(tmp_path, "norestart", max_restarts=0)
-    rlhf.run(cfg, ("sft", "reward"))
     graph = rlhf.build_graph(cfg)
     out = tmp_path / "norestart"
     try:
         with pytest.raises(RunFailedError, match="critic") as err:
             rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg),
-                         rlhf.MetricsLog(out / "m.jsonl"), out, out / "sft" / "policy.trp",
-                         out / "reward" / "reward.trp",
+                         rlhf.MetricsLog(out / "m.jsonl"), out, base / "sft" / "policy.trp",
+                         base / "reward" / "reward.trp",
                          on_iteration=_once(2, _kill_rank1("critic")))
     finally:
         graph.shutdown()

@@ -9,10 +9,12 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -53,24 +55,25 @@ def load(name: str) -> ctypes.CDLL | None:
 def load_extension(name: str):
     """The torch extension built from csrc/<name>.cpp and the headers beside it (-O3
     -march=native, OpenMP for at::parallel_for's threads), or None when it cannot be built
-    here."""
+    here. A build is keyed by the sources, the flags, torch's version and Python's ABI, so
+    every environment with the same torch on this machine (a second virtual environment, the
+    workers' processes) imports the same build without compiling or even checking it."""
     if os.environ.get("TROUPE_NATIVE", "1") == "0":
         return None
     try:
+        import torch
         from torch.utils import cpp_extension
         flags = ["-O3", "-march=native", "-fopenmp"]
         files = {f"{name}.cpp": (_CSRC / f"{name}.cpp").read_bytes(),
                  **{h.name: h.read_bytes() for h in sorted(_CSRC.glob("*.h"))}}
-        # the build is specific to the torch it compiled against (its headers' paths are in
-        # the build file): two environments sharing the cache must not rebuild each other's
-        torch_dir = Path(cpp_extension.__file__).parents[1]
+        abi = f"{torch.__version__}|{sysconfig.get_config_var('EXT_SUFFIX')}"
         digest = hashlib.sha256(b"".join(files.values()) + " ".join(flags).encode()
-                                + str(torch_dir).encode())
-        digest = digest.hexdigest()[:12]
-        build = _cache_dir() / f"{name}-{digest}"
+                                + abi.encode()).hexdigest()[:12]
+        build, module = _cache_dir() / f"{name}-{digest}", f"troupe_{name}_{digest}"
+        if (build / "built").is_file():
+            return _import(module, build / f"{module}.so")
         build.mkdir(parents=True, exist_ok=True)
-        # compiled from copies in the build directory: the same paths from every checkout, so
-        # a second checkout of the same sources finds the build instead of redoing it
+        # compiled from copies in the build directory: the same paths from every checkout
         for file_name, data in files.items():
             copy = build / file_name
             if not copy.is_file() or copy.read_bytes() != data:
@@ -80,14 +83,25 @@ def load_extension(name: str):
         # the kernel when its holder dies: whoever holds it knows any torch lock is stale.
         with open(build / "troupe.lock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
+            if (build / "built").is_file():  # another process built it while this one waited
+                return _import(module, build / f"{module}.so")
             if (build / "lock").exists():
                 log.warning("native kernel %s: removing the lock of a build that was "
                             "interrupted (%s)", name, build / "lock")
                 (build / "lock").unlink()
-            return cpp_extension.load(name=f"troupe_{name}_{digest}",
-                                      sources=[str(build / f"{name}.cpp")],
-                                      extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                      build_directory=str(build), verbose=False)
+            loaded = cpp_extension.load(name=module, sources=[str(build / f"{name}.cpp")],
+                                        extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                        build_directory=str(build), verbose=False)
+            (build / "built").touch()  # the library is whole: it has just been imported
+            return loaded
     except Exception as e:  # no compiler, no headers: callers keep their torch path
         log.warning("native kernel %s unavailable (%s): using the torch path", name, e)
         return None
+
+
+def _import(module: str, path: Path):
+    """The extension module in ``path``, imported as ``module``."""
+    spec = importlib.util.spec_from_file_location(module, path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
