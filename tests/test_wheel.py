@@ -1,6 +1,7 @@
 """troupe installed from its wheel into a fresh virtual environment, used from a directory
 outside the checkout: the `troupe` command is there and the bundled recipes come with it."""
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(args, cwd, timeout=1200):
-    out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    # a PYTHONPATH naming a checkout (its troupe.egg-info) would make pip take troupe as
+    # installed already and skip the wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=timeout)
     assert out.returncode == 0, f"{args} exited {out.returncode}:\n{out.stdout[-3000:]}" \
                                 f"\n{out.stderr[-3000:]}"
     return out.stdout
