@@ -1,6 +1,8 @@
-"""Where troupe keeps what it builds once per machine and reuses: compiled kernels, the parsed
-standard-library corpus, converted checkpoints. ``TROUPE_CACHE`` moves it (default
-``~/.cache/troupe``); everything under it can be deleted and is rebuilt on next use."""
+"""Where troupe keeps what it builds once per machine and reuses: the compiled kernels and the
+parsed standard-library corpus. ``TROUPE_CACHE`` moves it (default ``~/.cache/troupe``);
+everything under it can be deleted and is rebuilt on next use. (The SmolLM2 directory that
+troupe.models.smollm2 builds has its own fixed default, ``~/.cache/troupe/smollm2-...``: the
+recipes name that path.)"""
 
 from __future__ import annotations
 

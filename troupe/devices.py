@@ -5,12 +5,14 @@ One code path serves both: a role builds its model on ``worker_device(cfg.device
 each batch it is handed there (``move``); what it returns goes back to host memory (the
 driver may have no GPU, and troupe.wire writes host bytes). Ray gives an actor that asked for
 GPUs its own ``CUDA_VISIBLE_DEVICES``, so "cuda" in a worker is the first GPU Ray assigned it;
-colocated roles asking for fractions of one GPU share it.
+colocated roles asking for fractions of one GPU share it. ``cpu_info`` says what the CPU
+offers (the native kernels check its flags before compiling for instructions it lacks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import torch
@@ -19,6 +21,24 @@ from troupe import context as _context
 
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_info() -> tuple[str | None, frozenset[str] | None]:
+    """The CPU's model name and feature flags as Linux's /proc/cpuinfo lists them; None for
+    what it does not say (and for both off Linux)."""
+    model = flags = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and flags is None:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
 
 
 def cluster_device(setting: Device, cluster_gpus: float, needed_gpus: float,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from troupe.devices import cpu_info
 from troupe.kernels import _native
 
 QMAX = {8: 127, 4: 7}
@@ -98,23 +99,11 @@ def _wq_extension():
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags as Linux lists them, or None where /proc/cpuinfo is not."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
-@functools.lru_cache(maxsize=None)
 def vnni_available() -> bool:
     """Whether the native kernels run here (a CPU with AVX-512 VNNI and a compiler). Where
     the CPU's flags say it lacks the instructions, nothing is compiled to find that out."""
-    if _cpu_flags() is not None and not {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags():
+    flags = cpu_info()[1]
+    if flags is not None and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return False
     ext, wq = _int8_extension(), _wq_extension()
     return ext is not None and ext.available() and wq is not None and wq.available()

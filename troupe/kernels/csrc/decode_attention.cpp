@@ -182,7 +182,7 @@ bool supports(int64_t head_dim) { return head_dim % 16 == 0 && head_fn(head_dim 
 // q (B, H, 1, D), k and v (B, Hkv, S, D), each with unit stride along D (any other strides);
 // valid (B, S) bool or absent (all valid); ``supports(D)``. Returns (B, H, 1, D) float32.
 at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v,
-                     c10::optional<at::Tensor> valid, double scale) {
+                  c10::optional<at::Tensor> valid, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1,
               "decode_attention: q must be (B, H, 1, D) and k, v (B, Hkv, S, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);

@@ -140,9 +140,9 @@ void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t 
 // 16 (NB - 1) < n_out <= 16 NB; outlier channels (k) int64 and their fp32 weight rows
 // (k, n_out), both or neither. Returns y (M, n_out) fp32.
 at::Tensor linear(at::Tensor x, at::Tensor wp, at::Tensor colsum,
-                     at::Tensor scales, c10::optional<at::Tensor> bias, int64_t n_out,
-                     c10::optional<at::Tensor> channels,
-                     c10::optional<at::Tensor> channel_rows) {
+                  at::Tensor scales, c10::optional<at::Tensor> bias, int64_t n_out,
+                  c10::optional<at::Tensor> channels,
+                  c10::optional<at::Tensor> channel_rows) {
 #if TROUPE_VNNI
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_gemm.linear: x must be a contiguous (M, K) float32 tensor");

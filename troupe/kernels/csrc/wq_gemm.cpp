@@ -183,7 +183,7 @@ void gemm(const Args &p, int64_t M, int64_t NB) {
 // uint8), output channels past n_out zero; ws (NB, K/gs, 16) fp32 scales; bias (n_out) or
 // none; gs a multiple of 4 dividing K, at most 512. Returns y (M, n_out) fp32.
 at::Tensor linear(at::Tensor x, at::Tensor wp, int64_t bits, at::Tensor ws,
-                     int64_t gs, c10::optional<at::Tensor> bias, int64_t n_out) {
+                  int64_t gs, c10::optional<at::Tensor> bias, int64_t n_out) {
 #if TROUPE_VNNI
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "wq_gemm.linear: x must be a contiguous (M, K) float32 tensor");
