@@ -25,8 +25,9 @@ class Communicator(Protocol):
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Reduce ``x`` (dim 0 divisible by world_size) and return this rank's chunk of dim 0."""
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` stacked along a new dim 0: shape (world_size, *x.shape)."""
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``x`` stacked along a new dim 0: shape (world_size, *x.shape); into
+        ``out`` (contiguous, of that shape and x's dtype) when given, with no second copy."""
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``x`` in place with rank ``src``'s; returns ``x``."""
@@ -102,3 +103,14 @@ def resolve_splits(comm: "Communicator", x: torch.Tensor, output_splits: Sequenc
     if output_splits is None:
         output_splits = comm.exchange_splits(input_splits)
     return check_splits(x, output_splits, comm.world_size, "output_splits"), input_splits
+
+
+def gather_output(x: torch.Tensor, out: torch.Tensor | None, world_size: int) -> torch.Tensor:
+    """The (world_size, *x.shape) buffer an all_gather of ``x`` writes: ``out`` checked, or new."""
+    shape = (world_size, *x.shape)
+    if out is None:
+        return x.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"all_gather out: {tuple(out.shape)} {out.dtype}, needs a contiguous "
+                         f"{shape} {x.dtype}")
+    return out

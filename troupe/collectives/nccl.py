@@ -14,6 +14,7 @@ from troupe.collectives.base import (
     ReduceOp,
     check_op,
     even_splits,
+    gather_output,
     reduce_in_place,
     resolve_splits,
 )
@@ -91,9 +92,9 @@ class NcclCommunicator:
             out.div_(self.world_size)
         return out
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous()
-        out = x.new_empty((self.world_size, *x.shape))
+        out = gather_output(x, out, self.world_size)
         self.comm.allGather(self._ptr(x), self._ptr(out), x.numel(), _dtype(x), self._stream(x))
         return out
 

@@ -17,6 +17,7 @@ from troupe.collectives.base import (
     ReduceOp,
     check_op,
     even_splits,
+    gather_output,
     reduce_in_place,
     resolve_splits,
 )
@@ -101,9 +102,9 @@ class TorchCommunicator:
             out.div_(self.world_size)
         return out
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x = x.contiguous()
-        out = x.new_empty((self.world_size, *x.shape))
+        out = gather_output(x, out, self.world_size)
         self._run("all_gather", lambda: self.pg.allgather([list(out.unbind(0))], [x]))
         return out
 

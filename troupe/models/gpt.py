@@ -266,17 +266,19 @@ class GPT(nn.Module):
         # (training only): a block's input per layer is kept, not its internals.
         self.checkpoint_activations = False
 
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, only: set[str] | None = None) -> None:
         """N(0, 0.02) weights (output projections scaled by 1/sqrt(2 * n_layer)), zero biases,
         unit LayerNorms; every tensor from its own generator, so the expert-parallel split
-        does not change any value."""
+        does not change any value, nor does initialising a few at a time: ``only`` names the
+        parameters to set (the rest are left as they are), for a model built on the meta
+        device and materialised block by block (troupe.parallel.zero3)."""
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, Experts):
+            if isinstance(module, Experts) and (only is None or f"{name}.w1" in only):
                 module.init_weights(seed, name, std, out_std)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if getattr(p, "expert", False):
+                if getattr(p, "expert", False) or (only is not None and name not in only):
                     continue
                 if name.endswith("bias"):
                     p.zero_()

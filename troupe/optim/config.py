@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
+import torch
 from pydantic import Field
 
 from troupe.collectives import Communicator
@@ -13,7 +14,14 @@ from troupe.devices import precision_dtype
 from troupe.optim.base import CommCounter, Optimizer
 from troupe.optim.flat import FlatParams, segment_ids
 from troupe.optim.onebit import OneBitAdam, OneBitLamb, ZeroOneAdam
-from troupe.optim.sharded import Adam, AdamRule, Lamb, LambRule, ShardRule
+from troupe.optim.sharded import (
+    Adam,
+    AdamRule,
+    Lamb,
+    LambRule,
+    PartitionedOptimizer,
+    ShardRule,
+)
 
 OPTIMIZERS = ("adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb")
 
@@ -121,3 +129,22 @@ def build_shard_rule(cfg: OptimizerConfig, numels: list[int], padded: int, lo: i
                         cfg.betas, cfg.eps, cfg.weight_decay, cfg.min_coeff, cfg.max_coeff)
     return AdamRule(hi - lo, cfg.betas, cfg.eps, cfg.weight_decay, cfg.name == "adamw",
                     cfg.bias_correction, device="cpu")  # the owners are host-memory actors
+
+
+def build_partitioned_optimizer(cfg: OptimizerConfig, data: torch.Tensor, grad: torch.Tensor,
+                                segments: torch.Tensor, num_segments: int,
+                                group: Communicator | None,
+                                comm: CommCounter) -> PartitionedOptimizer:
+    """ZeRO-3's optimizer over one bucket of a partitioned model: this rank's master weights
+    ``data`` and gradient shard ``grad``; ``segments`` gives each element's tensor (LAMB's
+    norms, summed over ``group``)."""
+    if not cfg.sharded:
+        raise ValueError(f"zero_stage 3 partitions the state of adam, adamw or lamb; "
+                         f"optimizer.name={cfg.name!r} keeps its own (use zero_stage 1)")
+    if cfg.name == "lamb":
+        rule: ShardRule = LambRule(segments, num_segments, group, comm, cfg.betas, cfg.eps,
+                                   cfg.weight_decay, cfg.min_coeff, cfg.max_coeff)
+    else:
+        rule = AdamRule(data.numel(), cfg.betas, cfg.eps, cfg.weight_decay, cfg.name == "adamw",
+                        cfg.bias_correction, device=data.device)
+    return PartitionedOptimizer(rule, data, grad)

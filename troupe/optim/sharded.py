@@ -158,3 +158,21 @@ class Lamb(ShardedOptimizer):
         super().__init__(flat, group, grad_scale)
         self.rule = LambRule(flat.segment_ids(self.lo, self.hi), len(flat.params) + 1, group,
                              self.comm, betas, eps, weight_decay, min_coeff, max_coeff)
+
+
+class PartitionedOptimizer(Optimizer):
+    """ZeRO-3's optimizer (troupe.parallel.zero3): ``rule`` over this rank's master weights
+    ``data``, whose gradient shard ``grad`` arrives reduced already (the partitioned model
+    reduce-scatters each block's gradient as the backward produces it); nothing is gathered
+    after the step, the model gathers what it needs when it runs."""
+
+    def __init__(self, rule: ShardRule, data: torch.Tensor, grad: torch.Tensor):
+        super().__init__(None, None)
+        self.rule, self.data, self.grad = rule, data, grad
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.rule.state_tensors()
+
+    def step(self, lr: float) -> None:
+        self.t += 1
+        self.rule.update(self.data, self.grad, lr, self.t)

@@ -1,0 +1,492 @@
+"""ZeRO-3: a model's parameters partitioned over its data-parallel ranks, block by block, so
+that no rank holds the whole model, its whole gradient or its whole optimizer state.
+
+The model is cut into units: each block of ``model.blocks``, and the root (everything else:
+embeddings, final norm, output head, a value head). A unit's parameters that reduce over one
+group (the dense ones over data-parallel, experts over expert-data-parallel) form a
+``Partition``: one flat fp32 buffer padded to a multiple of the group's size W, of which rank r
+keeps elements [r*n/W, (r+1)*n/W) as its master weights. The parameters stay ordinary
+nn.Parameters, views into the partition's full buffer, whose storage is empty (zero bytes)
+while the unit is not gathered.
+
+- Forward: before a block runs, its buffer is all-gathered (the gathers of the next
+  ``prefetch`` blocks are issued at the same time, on a communication thread, so they arrive
+  while this one computes); after it runs, the storage is freed, in training too: the backward
+  gathers it again.
+- Backward: when the gradient of a block's output arrives (before the block's own backward)
+  the block is gathered again, the next one down prefetched, and a full-size gradient buffer
+  allocated for it alone; the block above, whose backward is then complete, has its gradient
+  reduce-scattered (the group's mean, in ``reduce_dtype``) and added into this rank's gradient
+  shard, and both its buffers are freed. So at most a few units' gradients exist at full size,
+  and gradient accumulation over micro-batches adds into the shards (1/W of the gradient).
+- The root is gathered at its first use and kept until the end of the backward (a tied
+  embedding is used at both ends of the model) or until ``release``.
+
+Every rank issues the same collectives in the same order, whatever its data: gathers in the
+order the blocks run, reduce-scatters from the last block down to the root at the end of the
+backward. An expert that received no tokens on a rank contributes a zero gradient there and
+its rank still joins the reduce-scatter, so no rank waits on a collective another skipped.
+
+The optimizer (troupe.optim.PartitionedOptimizer) steps each bucket's master shard with its
+gradient shard; nothing needs gathering after the step. ``gathered()`` holds the whole model
+for a stretch of calls (generation: one gather per rollout, not one per token)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from troupe.collectives import Communicator
+from troupe.optim import CommCounter, padded_size, segment_ids
+
+
+class Partition:
+    """The parameters ``params`` of one unit that reduce over ``group``, flat and split 1/W.
+    ``shard``: this rank's [lo, hi) of the padded buffer, a view into its bucket's master
+    tensor; ``full``: the whole buffer, storage empty unless gathered."""
+
+    def __init__(self, params: list[nn.Parameter], group: Communicator | None,
+                 device: torch.device):
+        self.params, self.group = params, group
+        self.W = group.world_size if group is not None else 1
+        self.rank = group.rank if group is not None else 0
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.padded = padded_size(self.numels, self.W)
+        self.size = self.padded // self.W
+        self.lo = self.rank * self.size
+        self.full = torch.zeros(self.padded, device=device)
+        self.grad_full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None        # set by the bucket (adopt)
+        self.grad_shard: torch.Tensor | None = None
+        offset = 0
+        for p, n in zip(params, self.numels):
+            self.full[offset:offset + n].copy_(p.data.reshape(-1))
+            p.data = self.full[offset:offset + n].view(p.shape)
+            offset += n
+        self.gathered = True
+
+    def adopt(self, shard: torch.Tensor, grad_shard: torch.Tensor) -> None:
+        """Keep this rank's part of the full buffer in ``shard`` (the bucket's), then free it."""
+        shard.copy_(self.full[self.lo:self.lo + self.size])
+        self.shard, self.grad_shard = shard, grad_shard
+        self.free()
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def allocate(self) -> None:
+        """Storage for the full buffer (its values come from ``gather``)."""
+        nbytes = self.padded * self.full.element_size()
+        if self.full.untyped_storage().nbytes() != nbytes:
+            self.full.untyped_storage().resize_(nbytes)
+
+    def gather(self, comm: CommCounter) -> None:
+        """Fill the (allocated) full buffer from every rank's shard."""
+        out = self.full.view(self.W, self.size)
+        if self.group is None or self.W == 1:
+            out[0].copy_(self.shard)
+        else:
+            self.group.all_gather(self.shard, out=out)
+            comm.all_gather(self.size * 4, self.W)
+        self.gathered = True
+
+    def attach_grads(self) -> None:
+        """A zeroed full-size gradient buffer, each parameter's ``grad`` a view into it."""
+        if self.grad_full is not None:
+            return
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("a gradient arrived after its unit's gradients were reduced: "
+                               "run each forward's backward before the next forward")
+        self.grad_full = torch.zeros(self.padded, device=self.full.device)
+        offset = 0
+        for p, n in zip(self.params, self.numels):
+            p.grad = self.grad_full[offset:offset + n].view(p.shape)
+            offset += n
+
+    def detach_grads(self) -> torch.Tensor | None:
+        """The full gradient buffer, the parameters no longer pointing into it."""
+        g, self.grad_full = self.grad_full, None
+        for p in self.params:
+            p.grad = None
+        return g
+
+    def reduce(self, grad: torch.Tensor, scale: float, dtype: torch.dtype,
+               comm: CommCounter) -> None:
+        """Add this rank's part of the group's mean of ``grad`` (times ``scale``) into the
+        gradient shard; the arithmetic of ZeRO-1's reduce-scatter (troupe.optim.sharded)."""
+        if self.group is None or self.W == 1:
+            part = grad
+        else:
+            wire = grad.to(dtype)
+            part = self.group.reduce_scatter(wire, op="mean").float()
+            comm.reduce_scatter(wire.numel() * wire.element_size(), self.W)
+        if scale != 1.0:
+            part = part * scale
+        self.grad_shard.add_(part)
+
+
+class PartitionedBucket:
+    """Every unit's partition over one group, this rank's shards concatenated in unit order:
+    the master weights ``data`` and the gradient shard ``grad`` the optimizer steps.
+    ``grad_scale`` multiplies the group's mean (for experts, the expert-data-parallel size
+    over the whole world, as in ZeRO-1). ``slice``: which expert-parallel slice this rank's
+    experts are (0 for dense), so that a checkpoint can be matched across layouts."""
+
+    def __init__(self, name: str, group: Communicator | None, grad_scale: float,
+                 partitions: list[Partition], device: torch.device, slice_index: int = 0):
+        self.name, self.group, self.grad_scale = name, group, grad_scale
+        self.partitions, self.device, self.slice = partitions, device, slice_index
+        self.W = group.world_size if group is not None else 1
+        self.rank = group.rank if group is not None else 0
+        total = sum(p.size for p in partitions)
+        self.data = torch.zeros(total, device=device)
+        self.grad = torch.zeros(total, device=device)
+        self.offsets: list[int] = []
+        offset = 0
+        for part in partitions:
+            self.offsets.append(offset)
+            offset += part.size
+
+    def adopt(self, index: int) -> None:
+        part, offset = self.partitions[index], self.offsets[index]
+        part.adopt(self.data[offset:offset + part.size], self.grad[offset:offset + part.size])
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.partitions for p in part.params]
+
+    def segments(self) -> tuple[torch.Tensor, int]:
+        """For each element of ``data``: the index of its tensor among ``params`` (their count
+        for padding), and that count plus one (LAMB's per-tensor norms)."""
+        ids, first = [], 0
+        count = sum(len(part.params) for part in self.partitions)
+        for part in self.partitions:
+            local = segment_ids(part.numels, part.padded, part.lo, part.lo + part.size)
+            ids.append(torch.where(local == len(part.numels), count, local + first))
+            first += len(part.numels)
+        return torch.cat(ids).to(self.device), count + 1
+
+    def layout(self) -> list[list[int]]:
+        """[numel, padded] of each partition: with the group's size, where every element of
+        ``data`` sits in the model (troupe.parallel.zero3.reshard reads it)."""
+        return [[p.numel, p.padded] for p in self.partitions]
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+
+@dataclass
+class Unit:
+    """A block, or the root, with one partition per bucket it has parameters in."""
+
+    index: int                               # position among the blocks; -1: the root
+    modules: list[nn.Module]
+    partitions: list[tuple[PartitionedBucket, int]]  # (bucket, index of the partition in it)
+    pending: Future | None = None            # a gather under way
+    grads: bool = False                      # a gradient buffer is attached
+
+    def parts(self) -> Iterator[Partition]:
+        for bucket, i in self.partitions:
+            yield bucket.partitions[i]
+
+    @property
+    def gathered(self) -> bool:
+        return all(p.gathered for p in self.parts())
+
+    def nbytes(self) -> int:
+        return sum(p.padded * 4 for p in self.parts())
+
+
+class Zero3:
+    """``model`` partitioned over ``dp`` (expert parameters over ``edp``): see the module
+    docstring. ``init(names)``, for a model built on the meta device, initialises the named
+    parameters once they have storage (e.g. ``GPT.init_weights(seed, only=names)``): each
+    unit is materialised, initialised and partitioned in turn, so the whole model never
+    exists on one rank. ``expert_scale``: the experts' grad_scale; ``expert_slice``: this
+    rank's expert-parallel index. ``prefetch``: units gathered ahead of the one computing."""
+
+    def __init__(self, model: nn.Module, dp: Communicator | None,
+                 edp: Communicator | None = None, *, prefetch: int = 1,
+                 reduce_dtype: torch.dtype = torch.float32,
+                 init: Callable[[set[str]], None] | None = None,
+                 device: torch.device | str = "cpu", expert_scale: float = 1.0,
+                 expert_slice: int = 0):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.model, self.prefetch, self.reduce_dtype = model, prefetch, reduce_dtype
+        self.device = torch.device(device)
+        self.comm = CommCounter()
+        blocks = list(model.blocks)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        root_modules = [m for name, m in model.named_children() if name != "blocks"]
+        groups = [list(b.parameters()) for b in blocks]
+        root = [p for p in model.parameters() if id(p) not in in_blocks]
+        unit_params = [root] + groups
+        dense_parts: list[Partition] = []
+        expert_parts: list[Partition] = []
+        where: list[list[tuple[str, int]]] = []
+        for params in unit_params:
+            params = [p for p in params if p.requires_grad]
+            self._materialize(model, params, names, init)
+            dense = [p for p in params if not getattr(p, "expert", False)]
+            expert = [p for p in params if getattr(p, "expert", False)]
+            mine = []
+            for kind, ps, group, parts in (("dense", dense, dp, dense_parts),
+                                           ("expert", expert, edp, expert_parts)):
+                if ps:
+                    mine.append((kind, len(parts)))
+                    parts.append(Partition(ps, group, self.device))
+            where.append(mine)
+        self.buckets = {"dense": PartitionedBucket("dense", dp, 1.0, dense_parts, self.device)}
+        if expert_parts:
+            self.buckets["expert"] = PartitionedBucket("expert", edp, expert_scale,
+                                                       expert_parts, self.device, expert_slice)
+        for bucket in self.buckets.values():
+            for i in range(len(bucket.partitions)):
+                bucket.adopt(i)
+        units = [Unit(i - 1, root_modules if i == 0 else [blocks[i - 1]],
+                      [(self.buckets[k], j) for k, j in mine]) for i, mine in enumerate(where)]
+        self.root, self.units = units[0], units[1:]
+        self._materialize_buffers(model)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zero3")
+        self._lock = threading.Lock()
+        self._hold = 0                    # gathered(): nothing is freed while > 0
+        self._backward: int | None = None   # the graph task whose end callback is queued
+        self._pending: list[Unit] = []    # units with gradients not yet reduced
+        self._handles = []
+        for unit in self.units:
+            block = unit.modules[0]
+            self._handles.append(block.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(block.register_forward_hook(self._post_forward(unit)))
+        for m in root_modules:
+            self._handles.append(m.register_forward_pre_hook(self._root_pre_forward))
+
+    # ---------------------------------------------------------------- construction
+
+    @staticmethod
+    def _materialize(model: nn.Module, params: list[nn.Parameter], names: dict[int, str],
+                     init: Callable[[set[str]], None] | None) -> None:
+        meta = [p for p in params if p.is_meta]
+        if not meta:
+            return
+        if init is None:
+            raise ValueError("the model is on the meta device: Zero3 needs init(names) to "
+                             "initialise each unit's parameters")
+        for p in meta:  # the same Parameter objects (and attributes), now with storage
+            real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                requires_grad=p.requires_grad)
+            real.__dict__.update(p.__dict__)
+            torch.utils.swap_tensors(p, real)
+        init({names[id(p)] for p in meta})
+
+    def _materialize_buffers(self, model: nn.Module) -> None:
+        """Buffers left on the meta device (rotary frequencies) get storage on the device and
+        their values from the model's ``reset_buffers``."""
+        meta = False
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=self.device)
+                    meta = True
+        if meta and hasattr(model, "reset_buffers"):
+            model.reset_buffers()
+
+    # ---------------------------------------------------------------- gathering
+
+    def _gather_async(self, unit: Unit) -> None:
+        if unit.gathered or unit.pending is not None:
+            return
+        for part in unit.parts():
+            part.allocate()
+        parts = list(unit.parts())
+        unit.pending = self._pool.submit(self._run_gather, parts)
+
+    def _run_gather(self, parts: list[Partition]) -> None:
+        for part in parts:
+            part.gather(self.comm)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.pending is not None:
+            pending, unit.pending = unit.pending, None
+            pending.result()
+
+    def gather(self, unit: Unit) -> None:
+        """Make ``unit``'s parameters whole (waiting for its prefetch, if one is under way)."""
+        self._gather_async(unit)
+        self._wait(unit)
+
+    def _free(self, unit: Unit) -> None:
+        if self._hold or unit.grads:
+            return
+        self._wait(unit)
+        for part in unit.parts():
+            part.free()
+
+    def _prefetch(self, after: int, step: int) -> None:
+        """Issue the gathers of the ``prefetch`` blocks after block ``after`` (step -1:
+        before it, for the backward)."""
+        for k in range(1, self.prefetch + 1):
+            i = after + k * step
+            if 0 <= i < len(self.units):
+                self._gather_async(self.units[i])
+
+    def _pre_forward(self, unit: Unit):
+        def hook(module, args):
+            self.gather(unit)
+            if _in_backward():  # recomputed for activation checkpointing
+                return
+            self._prefetch(unit.index, 1)
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if torch.is_grad_enabled() and x is not None and x.requires_grad:
+                # the gradient of the block's input is complete once its backward is done
+                x.register_hook(self._post_backward(unit))
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if _in_backward():  # recomputed for activation checkpointing: the backward's
+                return          # own hooks gather and free
+            if torch.is_grad_enabled():
+                outs = [t for t in _tensors(output) if t.requires_grad]
+                if outs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        outs, self._pre_backward(unit), mode="any")
+            self._free(unit)
+        return hook
+
+    def _root_pre_forward(self, module, args) -> None:
+        self.gather(self.root)
+        if torch.is_grad_enabled() and not self.root.grads and not _in_backward():
+            self._attach(self.root)
+
+    # ---------------------------------------------------------------- backward
+
+    def _attach(self, unit: Unit) -> None:
+        for part in unit.parts():
+            part.attach_grads()
+        unit.grads = True
+        self._pending.append(unit)
+
+    def _pre_backward(self, unit: Unit):
+        def hook(grad) -> None:
+            task = torch._C._current_graph_task_id()
+            if self._backward != task:
+                self._backward = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self.gather(unit)
+            self._prefetch(unit.index, -1)
+            if not unit.grads:
+                self._attach(unit)
+        return hook
+
+    def _post_backward(self, unit: Unit):
+        def hook(grad) -> None:
+            if unit.grads:
+                self._reduce([unit])
+        return hook
+
+    def _reduce(self, units: list[Unit]) -> None:
+        """Reduce-scatter the gradients of ``units`` (highest index first, the root last: the
+        order every rank follows) and free their buffers."""
+        for unit in sorted(units, key=lambda u: -u.index if u.index >= 0 else 1 << 30):
+            self._pending.remove(unit)
+            work = []
+            for bucket, i in unit.partitions:
+                part = bucket.partitions[i]
+                work.append((part, part.detach_grads(), bucket.grad_scale))
+            unit.grads = False
+            self._pool.submit(self._run_reduce, work)
+            if unit is not self.root:
+                self._free(unit)
+
+    def _run_reduce(self, work) -> None:
+        for part, grad, scale in work:
+            part.reduce(grad, scale, self.reduce_dtype, self.comm)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _end_backward(self) -> None:
+        self._backward = None
+        self._reduce(list(self._pending))
+        self._free(self.root)
+        self.synchronize()
+
+    # ---------------------------------------------------------------- public
+
+    def synchronize(self) -> None:
+        """Wait until every collective issued so far has finished (before the optimizer
+        step, or before other collectives on the same groups)."""
+        self._pool.submit(lambda: None).result()
+
+    def release(self) -> None:
+        """Free every gathered unit (after evaluation; the root stays gathered between
+        forwards without gradients until this)."""
+        self.synchronize()
+        for unit in [self.root, *self.units]:
+            unit.pending = None
+            if not unit.grads:
+                for part in unit.parts():
+                    part.free()
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """The whole model gathered for what the block encloses (generation: one gather per
+        rollout, not per token); freed at the end. Not for training inside."""
+        self._hold += 1
+        try:
+            for unit in [self.root, *self.units]:
+                self._gather_async(unit)
+            for unit in [self.root, *self.units]:
+                self._wait(unit)
+            yield self.model
+        finally:
+            self._hold -= 1
+            if not self._hold:
+                self.release()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole (a copy), as ``model.state_dict()`` names them (every rank
+        takes part; export and tests)."""
+        with self.gathered():
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.zero_grad()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: master weights and gradient shards; and the
+        transient peak of the gathered units: the largest unit's full weights times
+        (prefetch + 1) and its full gradient, plus the root with its gradient."""
+        largest = max((u.nbytes() for u in self.units), default=0)
+        return {"param_bytes": sum(b.data.numel() * 4 for b in self.buckets.values()),
+                "grad_bytes": sum(b.grad.numel() * 4 for b in self.buckets.values()),
+                "gathered_bytes": largest * (self.prefetch + 2) + 2 * self.root.nbytes()}
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._pool.shutdown(wait=True)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
