@@ -182,6 +182,99 @@ class PartitionedBucket:
     def zero_grad(self) -> None:
         self.grad.zero_()
 
+    def state_dict(self, optimizer) -> dict:
+        """This rank's master weights and optimizer state (live tensors, for a checkpoint that
+        writes them at once), with what a load needs to place every element on another
+        number of ranks."""
+        return {"world": self.W, "rank": self.rank, "slice": self.slice,
+                "layout": self.layout(), "params": self.data,
+                "optimizer": optimizer.state_dict(copy=False)}
+
+    def load_state_dict(self, optimizer, read: Callable[[int], dict], old_world: int,
+                        where: str) -> None:
+        """Load from a checkpoint written by ``old_world`` ranks of this bucket's group (any
+        number: the shards are cut again); ``read(k)`` gives the bucket's state saved by
+        group rank k (of this rank's expert slice). Only the ranks whose shards overlap
+        this rank's are read."""
+        mine = optimizer.state_tensors()
+        sources = sorted({k for part in self.partitions
+                          for k in _overlapping(part, old_world)})
+        covered = 0
+        t = bytes_sent = None
+        for k in sources:
+            state = read(k)
+            self._check_saved(state, k, old_world, where)
+            opt = state["optimizer"]
+            if set(opt["tensors"]) != set(mine):
+                raise ValueError(f"{where}: bucket {self.name!r} optimizer state has "
+                                 f"{sorted(opt['tensors'])}, expected {sorted(mine)}")
+            t, bytes_sent = opt["t"], opt["bytes_sent"]
+            old_offset = 0
+            for part, offset in zip(self.partitions, self.offsets):
+                old_size = padded_size(part.numels, old_world) // old_world
+                a = max(k * old_size, part.lo)
+                b = min((k + 1) * old_size, part.lo + part.size, part.numel)
+                if a < b:
+                    src = slice(old_offset + a - k * old_size, old_offset + b - k * old_size)
+                    dst = slice(offset + a - part.lo, offset + b - part.lo)
+                    self.data[dst].copy_(state["params"][src])
+                    for name, tensor in mine.items():
+                        tensor[dst].copy_(opt["tensors"][name][src])
+                    covered += b - a
+                old_offset += old_size
+        need = sum(max(0, min(p.lo + p.size, p.numel) - p.lo) for p in self.partitions)
+        if covered != need:
+            raise ValueError(f"{where}: bucket {self.name!r}: the saved shards cover {covered} "
+                             f"of this rank's {need} parameters")
+        optimizer.load_state_dict({"t": t, "bytes_sent": bytes_sent,
+                                   "tensors": mine, "extra": {}})
+
+    def _check_saved(self, state: dict, k: int, old_world: int, where: str) -> None:
+        layout = [[n, padded_size(p.numels, old_world)] for n, p in
+                  zip([p.numel for p in self.partitions], self.partitions)]
+        if not isinstance(state, dict) or "layout" not in state:
+            raise ValueError(f"{where}: bucket {self.name!r} of rank {k} was not written with "
+                             "zero_stage 3")
+        if (state["world"], state["rank"], state["slice"]) != (old_world, k, self.slice):
+            raise ValueError(f"{where}: bucket {self.name!r}: expected rank {k} of "
+                             f"{old_world} (slice {self.slice}), the file holds rank "
+                             f"{state['rank']} of {state['world']} (slice {state['slice']})")
+        if state["layout"] != layout:
+            raise ValueError(f"{where}: bucket {self.name!r}: saved partitions "
+                             f"{state['layout']} (numel, padded) do not match this model's "
+                             f"{layout}: another model or expert layout")
+
+
+def unit_parameters(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The trained parameters of each unit, in the order partitions flatten them: the root
+    (everything outside ``model.blocks``) first, then block by block."""
+    blocks = list(model.blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = [[p for p in model.parameters() if id(p) not in in_blocks]]
+    units += [list(b.parameters()) for b in blocks]
+    return [[p for p in u if p.requires_grad] for u in units]
+
+
+def assemble(shards: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
+    """The partitions of a bucket saved by its W ranks (``shards[k]``: rank k's master
+    weights), as one flat tensor per partition of ``numels`` (each partition's tensor sizes),
+    padding dropped: what ``Zero3`` flattened, whole again (export)."""
+    W, out, offset = len(shards), [], 0
+    for sizes in numels:
+        size = padded_size(sizes, W) // W
+        out.append(torch.cat([s[offset:offset + size] for s in shards])[:sum(sizes)])
+        offset += size
+    return out
+
+
+def _overlapping(part: Partition, old_world: int) -> range:
+    """The ranks of ``old_world`` whose shards of ``part`` hold elements of this rank's."""
+    old_size = padded_size(part.numels, old_world) // old_world
+    hi = min(part.lo + part.size, part.numel)
+    if hi <= part.lo:
+        return range(0)
+    return range(part.lo // old_size, (hi - 1) // old_size + 1)
+
 
 @dataclass
 class Unit:
@@ -225,17 +318,13 @@ class Zero3:
         self.device = torch.device(device)
         self.comm = CommCounter()
         blocks = list(model.blocks)
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
         names = {id(p): n for n, p in model.named_parameters()}
         root_modules = [m for name, m in model.named_children() if name != "blocks"]
-        groups = [list(b.parameters()) for b in blocks]
-        root = [p for p in model.parameters() if id(p) not in in_blocks]
-        unit_params = [root] + groups
+        unit_params = unit_parameters(model)
         dense_parts: list[Partition] = []
         expert_parts: list[Partition] = []
         where: list[list[tuple[str, int]]] = []
         for params in unit_params:
-            params = [p for p in params if p.requires_grad]
             self._materialize(model, params, names, init)
             dense = [p for p in params if not getattr(p, "expert", False)]
             expert = [p for p in params if getattr(p, "expert", False)]

@@ -82,7 +82,11 @@ class PretrainConfig(AppConfig):
     rank is skipped on all); "fp32" (default) everything in fp32. seed: of the weights and
     the data order. out_dir: metrics, plots, checkpoints and the exported model.
     max_restarts: the failure policy: how many times a lost or failed worker is restarted and
-    the run resumed from its last checkpoint before it stops with a report (failure.json)."""
+    the run resumed from its last checkpoint before it stops with a report (failure.json).
+    memory_per_worker: GiB a trainer may plan to hold (parameters, gradients, optimizer state
+    and, with optimizer.zero_stage 3, the gathered blocks; troupe.parallel.memory); a plan over
+    it is refused before anything is allocated. Default: the GPU's memory on cuda, no limit on
+    cpu."""
 
     MOVED: ClassVar[dict[str, str]] = {
         f"train.{old}": new for old, new in [
@@ -103,10 +107,15 @@ class PretrainConfig(AppConfig):
     seed: int = 0
     out_dir: str = "runs/pretrain"
     max_restarts: int = Field(default=0, ge=0)
+    memory_per_worker: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _fits(self) -> "PretrainConfig":
         W = self.workers
+        if self.train.offload and self.optimizer.zero_stage == 3:
+            raise ValueError("train.offload moves ZeRO-1's master weights and optimizer state "
+                             "to shard owners; zero_stage=3 keeps 1/W of them on each trainer "
+                             "already: use one or the other")
         if self.train.batch_size % W:
             raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
                              f"workers={W}")

@@ -15,6 +15,8 @@ from troupe.config import ConfigError, validate
 from troupe.models import GPT, expert_parameters
 from troupe.models.record import ModelRecord
 from troupe.optim import padded_size
+from troupe.parallel import expert_layout
+from troupe.parallel.zero3 import assemble, unit_parameters
 from troupe.pretrain.config import PretrainConfig
 
 
@@ -37,6 +39,9 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     moe = arch.moe
     P = moe.ep_size if moe else 1
     full = GPT(arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
+    if manifest.get("zero_stage") == 3:
+        _fill_partitioned(full, states, W, P, str(directory))
+        return full.eval()
     dense, experts = expert_parameters(full)
     sharded = cfg.optimizer.sharded  # ZeRO-1 shards; the 1-bit optimizers keep whole copies
     _fill(dense, _bucket(states, "dense", range(W), sharded), W if sharded else 1,
@@ -48,6 +53,35 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
         _fill(part, _bucket(states, "expert", range(e, W, P), sharded),
               W // P if sharded else 1, f"{directory}: experts of slice {e}")
     return full.eval()
+
+
+def _fill_partitioned(full: GPT, states: list[dict], W: int, P: int, where: str) -> None:
+    """``full``'s parameters from a zero_stage 3 checkpoint of W ranks: each bucket's
+    partitions assembled from its group's shards (troupe.parallel.zero3), the experts slice
+    by slice (slice e on the ranks of its expert-data-parallel group)."""
+    units = unit_parameters(full)
+    dense = [[p.data for p in u if not getattr(p, "expert", False)] for u in units]
+    buckets = [("dense", range(W), dense)]
+    for e, ranks in enumerate(expert_layout(W, P).edp_groups if any(
+            getattr(p, "expert", False) for u in units for p in u) else []):
+        part = [[p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in u
+                 if getattr(p, "expert", False)] for u in units]
+        buckets.append(("expert", ranks, part))
+    for name, ranks, tensors in buckets:
+        tensors = [t for t in tensors if t]
+        shards = [states[r]["buckets"][name]["params"] for r in ranks]
+        numels = [[t.numel() for t in ts] for ts in tensors]
+        need = sum(padded_size(n, len(ranks)) // len(ranks) for n in numels)
+        if any(s.numel() != need or s.dtype != torch.float32 for s in shards):
+            raise ckpt.CheckpointError(
+                f"{where}: bucket {name!r} shards of {[s.numel() for s in shards]} values, the "
+                f"config's model needs {need} torch.float32 per rank: the manifest's config "
+                "does not describe these weights")
+        for ts, flat in zip(tensors, assemble(shards, numels)):
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
 
 def checkpoint_model(manifest: dict, directory: str | Path,

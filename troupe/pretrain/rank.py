@@ -1,5 +1,5 @@
 """One data-parallel rank of GPT pretraining, in plain torch: the model (with this rank's slice
-of the experts), ZeRO-1 or 1-bit optimizers over flat buckets, deterministic batches with the
+of the experts), ZeRO-1 or 1-bit optimizers over flat buckets or a ZeRO-3 partitioned model, deterministic batches with the
 curriculum and random-LTD schedules, evaluation, and its share of a sharded checkpoint; and the
 ParameterShard owner of offloaded training."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from troupe.collectives import Communicator
 from troupe.data import TokenDataset, load_tokenizer
-from troupe.devices import rng_state, set_rng_state, worker_device
+from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.optim import (
     CommCounter,
@@ -24,10 +25,12 @@ from troupe.optim import (
     ParameterShard,
     ShardedOptimizer,
     build_optimizer,
+    build_partitioned_optimizer,
     build_shard_rule,
     padded_size,
 )
-from troupe.parallel import apply_expert_parallel
+from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, expert_layout
+from troupe.parallel.memory import MemoryPlan, check_budget, device_budget_gib, plan
 from troupe.pretrain.config import PretrainConfig
 from troupe.runtime.metrics import peak_memory_mb
 
@@ -91,6 +94,64 @@ class Bucket:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+class PartitionedState:
+    """A bucket of a zero_stage 3 model (troupe.parallel.zero3) with its optimizer: what the
+    trainer steps, zeroes and saves, as it does a ZeRO-1 Bucket."""
+
+    def __init__(self, part: PartitionedBucket, cfg: OptimizerConfig, comm: CommCounter):
+        self.name, self.part = part.name, part
+        segments, count = part.segments()
+        self.optimizer = build_partitioned_optimizer(cfg, part.data, part.grad, segments,
+                                                     count, part.group, comm)
+
+    @property
+    def flat(self) -> PartitionedBucket:
+        """What the loss scaler unscales and the step zeroes: the gradient shard."""
+        return self.part
+
+    def state_dict(self) -> dict:
+        return self.part.state_dict(self.optimizer)
+
+
+def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int,
+                 world: int) -> MemoryPlan:
+    """This rank's memory plan (troupe.parallel.memory), from the model's shapes alone;
+    MemoryBudgetError when it exceeds the budget (memory_per_worker, or the GPU's)."""
+    with torch.device("meta"):
+        shapes = GPT(arch)
+    ep_size = arch.moe.ep_size if arch.moe else 1
+    mine = plan(shapes, cfg.optimizer, world, ep_size, cfg.train.offload)
+    other = plan(shapes, cfg.optimizer, world, ep_size, cfg.train.offload,
+                 zero_stage=4 - cfg.optimizer.zero_stage)
+    check_budget(mine, device_budget_gib(device, cfg.memory_per_worker),
+                 f"rank {rank} of {world}", other)
+    return mine
+
+
+def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device,
+                      dp: Communicator | None, ep: Communicator | None,
+                      edp: Communicator | None, expert_scale: float) -> tuple[GPT, Zero3]:
+    """The model of ``cfg`` partitioned over ``dp`` (experts over ``edp``), zero_stage 3.
+    troupe's GPT is built on the meta device and each block initialised as it is
+    partitioned, so no rank ever holds it whole; a pretrained checkpoint is loaded whole
+    and then cut."""
+    init = None
+    if cfg.model.pretrained is not None:
+        model = from_pretrained(cfg.model.pretrained).train()
+    else:
+        with torch.device("meta"):
+            model = GPT(arch, seed=cfg.seed)
+
+        def init(names: set[str]) -> None:
+            model.init_weights(cfg.seed, only=names)
+    model = apply_expert_parallel(model, ep)
+    zero3 = Zero3(model, dp, edp, prefetch=cfg.optimizer.zero_prefetch,
+                  reduce_dtype=precision_dtype(cfg.optimizer.reduce_dtype), init=init,
+                  device=device, expert_scale=expert_scale,
+                  expert_slice=ep.rank if ep is not None else 0)
+    return model, zero3
+
+
 class Trainer:
     """Rank ``rank`` of ``world``. Groups: ``dp`` over all ranks; with MoE, ``ep`` (this rank's
     expert-parallel group) and ``edp`` (the ranks holding the same experts); None where a group
@@ -107,15 +168,26 @@ class Trainer:
         self.window = cfg.model.window(self.arch)
         pretrained = cfg.model.pretrained
         self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
-        self.model = apply_expert_parallel(build_model(cfg, self.arch).to(self.device), ep)
+        edp_size = edp.world_size if edp is not None else 1
+        check_memory(cfg, self.arch, self.device, rank, world)
+        self.zero3: Zero3 | None = None
+        self.buckets: list[Bucket | PartitionedState]
+        if cfg.optimizer.zero_stage == 3:
+            self.model, self.zero3 = partitioned_model(cfg, self.arch, self.device, dp, ep,
+                                                       edp, edp_size / world)
+            self.buckets = [PartitionedState(b, cfg.optimizer, self.zero3.comm)
+                            for b in self.zero3.buckets.values()]
+        else:
+            self.model = apply_expert_parallel(build_model(cfg, self.arch).to(self.device), ep)
+            dense, expert = expert_parameters(self.model)
+            self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
+            if offload is not None:
+                self.buckets[0].optimizer.push_params()
+            if expert:
+                self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer,
+                                           edp_size / world))
         self.model.checkpoint_activations = cfg.train.activation_checkpointing
-        dense, expert = expert_parameters(self.model)
-        self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
-        if offload is not None:
-            self.buckets[0].optimizer.push_params()
-        if expert:
-            edp_size = edp.world_size if edp is not None else 1
-            self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer, edp_size / world))
+        self.ep_size = ep.world_size if ep is not None else 1
         self.dp, self.step = dp, 0
         self.scaler = LossScaler() if cfg.precision == "fp16" else None
 
@@ -161,28 +233,53 @@ class Trainer:
             losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
                       for x, y in self.data.val_batches(c.train.eval_batches, c.train.batch_size,
                                                         self.window, self.rank, self.world)]
+        if self.zero3 is not None:
+            self.zero3.release()
         return sum(losses) / len(losses)
 
     def memory(self) -> dict:
-        """Bytes of parameters and of optimizer state held by this rank."""
-        return {"param_bytes": sum(b.flat.padded * 4 for b in self.buckets),
-                "optimizer_bytes": sum(b.optimizer.state_bytes() for b in self.buckets)}
+        """Bytes this rank holds between steps: parameters, gradients and optimizer state
+        (with zero_stage 3 its shards, and apart from them the transient peak of the blocks
+        gathered while the model runs)."""
+        optimizer = sum(b.optimizer.state_bytes() for b in self.buckets)
+        if self.zero3 is not None:
+            return {**self.zero3.memory(), "optimizer_bytes": optimizer}
+        params = sum(b.flat.padded * 4 for b in self.buckets)
+        return {"param_bytes": params, "grad_bytes": params, "optimizer_bytes": optimizer,
+                "gathered_bytes": 0}
 
     def state_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "world": self.world,
+                "zero_stage": self.cfg.optimizer.zero_stage,
                 **rng_state(self.device),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "buckets": {b.name: b.state_dict() for b in self.buckets}}
 
-    def load_state_dict(self, state: dict, where: str) -> None:
-        if state.get("world") != self.world or state.get("rank") != self.rank:
-            raise ValueError(f"{where}: written by rank {state.get('rank')} of "
-                             f"{state.get('world')}, loading into rank {self.rank} of {self.world}")
-        names = sorted(b.name for b in self.buckets)
-        if sorted(state["buckets"]) != names:
-            raise ValueError(f"{where}: buckets {sorted(state['buckets'])}, model has {names}")
+    def load_partitioned(self, read: Callable[[int], dict], old_world: int, where: str) -> None:
+        """Load a zero_stage 3 checkpoint written by ``old_world`` ranks (any number: each
+        bucket's shards are cut again for this world); ``read(r)`` gives old rank r's state.
+        The random streams are old rank ``rank % old_world``'s (the same rank's when the
+        world is the same)."""
+        own = read(self.rank % old_world)
+        if own.get("zero_stage") != 3:
+            raise ValueError(f"{where}: not written with zero_stage 3 (this run partitions its "
+                             "parameters: resume from a stage-3 checkpoint or start over)")
+        if old_world % self.ep_size:
+            raise ValueError(f"{where}: written by {old_world} ranks, which do not split into "
+                             f"expert-parallel groups of {self.ep_size}")
+        layout = expert_layout(old_world, self.ep_size)
         for b in self.buckets:
-            b.load_state_dict(state["buckets"][b.name], where)
+            if b.name == "dense":
+                trainer, group_world = (lambda k: k), old_world
+            else:
+                s = b.part.slice
+                trainer, group_world = (lambda k, s=s: layout.edp_groups[s][k]), \
+                    old_world // self.ep_size
+            b.part.load_state_dict(b.optimizer, lambda k, b=b, t=trainer:
+                                   read(t(k))["buckets"][b.name], group_world, where)
+        self._load_common(own, where)
+
+    def _load_common(self, state: dict, where: str) -> None:
         set_rng_state(state, self.device)
         if self.scaler is not None:
             if state.get("loss_scaler") is None:
@@ -190,6 +287,20 @@ class Trainer:
                                  "precision it was written with")
             self.scaler.load_state_dict(state["loss_scaler"])
         self.step = int(state["step"])
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        """Load this rank's own state, saved by the same rank of the same world."""
+        if state.get("world") != self.world or state.get("rank") != self.rank:
+            raise ValueError(f"{where}: written by rank {state.get('rank')} of "
+                             f"{state.get('world')}, loading into rank {self.rank} of {self.world}")
+        names = sorted(b.name for b in self.buckets)
+        if sorted(state["buckets"]) != names:
+            raise ValueError(f"{where}: buckets {sorted(state['buckets'])}, model has {names}")
+        if self.zero3 is not None:
+            return self.load_partitioned(lambda r: state, self.world, where)
+        for b in self.buckets:
+            b.load_state_dict(state["buckets"][b.name], where)
+        self._load_common(state, where)
 
 
 def build_model(cfg: PretrainConfig, arch: GPTConfig) -> GPT:

@@ -30,6 +30,8 @@ class RankInfo:
     pid: int
     param_bytes: int
     optimizer_bytes: int
+    grad_bytes: int = 0
+    gathered_bytes: int = 0  # zero_stage 3: the transient peak of the gathered blocks
 
 
 def _config(config: dict | PretrainConfig) -> PretrainConfig:
@@ -76,6 +78,10 @@ class TrainerActor:
     def load(self, directory: str) -> int:
         """Restore this rank from a checkpoint; returns its step."""
         manifest = ckpt.read_manifest(directory)
+        if self.cfg.optimizer.zero_stage == 3:  # any number of ranks wrote it: cut again
+            read = _OneFile(lambda r: ckpt.read_rank(directory, r, manifest))
+            self._w.load_partitioned(read, manifest["roles"]["trainer"], str(directory))
+            return self._w.step
         path = ckpt.rank_file(directory, self._w.rank)
         self._w.load_state_dict(ckpt.read_rank(directory, self._w.rank, manifest), str(path))
         return self._w.step
@@ -85,6 +91,20 @@ class TrainerActor:
         if self.worker is None:
             raise RuntimeError("TrainerActor.setup() must be called before training")
         return self.worker
+
+
+class _OneFile:
+    """``read(rank)`` keeping the last file read (a rank's buckets come from the same files
+    in turn), never more than one in memory."""
+
+    def __init__(self, read):
+        self.read, self.rank, self.state = read, None, None
+
+    def __call__(self, rank: int) -> dict:
+        if rank != self.rank:
+            self.state = None
+            self.rank, self.state = rank, self.read(rank)
+        return self.state
 
 
 class ShardOwnerActor:

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Collection, Union
 
 from troupe import checkpoint as ckpt
 from troupe.checkpoint import storage
@@ -75,12 +75,13 @@ def _rename_into_place(staging: Path, directory: Path) -> None:
 
 
 def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None = None,
-            expect: dict[str, Any] | None = None) -> int:
+            expect: dict[str, Any] | None = None, reshard: Collection[str] = ()) -> int:
     """Load a checkpoint into ``parts`` (see Part; all ranks at once, since loading may
     exchange tensors between roles); returns the step. ``model``: the model the graph holds;
     a checkpoint that records another one (or a damaged record) is refused. ``expect``:
     manifest entries that must hold these values (e.g. the optimizer that wrote the state),
-    else CheckpointError naming the entry."""
+    else CheckpointError naming the entry. ``reshard``: roles whose ranks cut the saved
+    shards again for their own number (ZeRO-3), so the checkpoint may hold another number."""
     manifest = ckpt.read_manifest(directory)
     if model is not None:
         check_model(manifest, directory, model)
@@ -92,6 +93,8 @@ def restore(parts: list[Part], directory: StorePath, model: ModelRecord | None =
     saved = manifest.get("roles", {})
     for part in parts:
         role = part if isinstance(part, RoleGroup) else part[0]
+        if role.name in reshard and saved.get(role.name):
+            continue
         if saved.get(role.name) != role.world_size:
             raise ValueError(f"checkpoint {directory} holds {saved.get(role.name, 0)} ranks of "
                              f"role {role.name!r}; the graph has {role.world_size}")
@@ -136,7 +139,8 @@ def _check_files(parts: list[Part], directory: StorePath, manifest: dict) -> Non
 
 
 def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None = None,
-                   expect: dict[str, Any] | None = None) -> tuple[StorePath, int] | None:
+                   expect: dict[str, Any] | None = None,
+                   reshard: Collection[str] = ()) -> tuple[StorePath, int] | None:
     """Load the newest complete checkpoint under ``root`` that loads; a damaged one is
     skipped with a warning naming it and the next older one tried. Returns the directory
     loaded and its step, or None when there is none; raises the newest one's CheckpointError
@@ -144,7 +148,7 @@ def restore_latest(parts: list[Part], root: StorePath, model: ModelRecord | None
     first: ckpt.CheckpointError | None = None
     for directory in reversed(ckpt.steps(root)):
         try:
-            return directory, restore(parts, directory, model, expect)
+            return directory, restore(parts, directory, model, expect, reshard)
         except ckpt.CheckpointError as e:
             log.warning("%s; going back to the previous complete checkpoint", e)
             first = first or e
