@@ -36,10 +36,34 @@ class Config(BaseModel):
 log = logging.getLogger(__name__)
 
 
+ZERO = """How a training app lays its trained models over their data-parallel ranks:
+zero_stage: 1 partitions the optimizer state (every rank keeps the whole model and its
+gradient); 3 partitions parameters and gradients too, block by block (troupe.parallel.zero3:
+about 16/W bytes a parameter on each of W ranks, plus the blocks being gathered), with adam,
+adamw or lamb. zero_prefetch: with stage 3, how many blocks are gathered ahead of the one
+computing (each costs one block's weights of memory). memory_per_worker: GiB a rank may plan
+to hold (parameters, gradients, optimizer state and, with stage 3, the gathered blocks:
+troupe.parallel.memory); a plan over it is refused before anything is allocated. Default: the
+GPU's memory on cuda, no limit on cpu."""
+
+
+def check_zero_stage(stage: int, optimizers: dict[str, Any]) -> None:
+    """ValueError naming the first of ``optimizers`` (section -> OptimizerConfig) that stage
+    3 cannot partition (the 1-bit family keeps whole parameters on every rank)."""
+    if stage != 3:
+        return
+    for where, opt in optimizers.items():
+        if opt.name not in ("adam", "adamw", "lamb"):
+            raise ValueError(f"zero_stage=3 partitions adam, adamw and lamb; {where}.name="
+                             f"{opt.name!r} keeps whole parameters on every rank (use "
+                             "zero_stage=1)")
+
+
 class AppConfig(Config):
     """Base of the applications' recipes. Every app spells a shared setting the same way, at
     the top level: ``device``, ``precision``, ``seed``, ``out_dir``, ``workers``,
-    ``num_gpus``, ``max_restarts`` (where the app has it). ``MOVED`` maps a key's older place
+    ``num_gpus``, ``max_restarts``, ``zero_stage``, ``zero_prefetch``, ``memory_per_worker``
+    (where the app has it; the last three: ``ZERO``). ``MOVED`` maps a key's older place
     (dotted) to its name now: a recipe, override or stored config that still uses the old
     place is read as the new key, with one warning naming it; giving both is an error."""
 

@@ -98,7 +98,7 @@ def _ppo(graph, cfg, out, hook=None, resume=False):
     """PPO from step 1's and 2's weights into ``out``, with every role built afresh first (as
     in a new graph); returns the run's result and its records, one per (kind, step): the last,
     which for a redone iteration is the redo, without the timings."""
-    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers))
+    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage))
     base, log = Path(cfg.out_dir), rlhf.MetricsLog(out / "metrics.jsonl")
     try:
         res = rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg), log, out,

@@ -7,10 +7,10 @@ A role class declares it on the method, and the driver calls the method by refer
         def generate(self, request: RolloutRequest) -> Rollout: ...
 
         @dispatch(Dispatch.RANK0)
-        def save(self, path: str) -> str: ...
+        def tokenizer_name(self) -> str: ...
 
     rollouts = graph["policy"].invoke(PolicyActor.generate, request)  # one Rollout per rank
-    graph["policy"].invoke(PolicyActor.save, "out/policy.trp")       # rank 0's result
+    graph["policy"].invoke(PolicyActor.tokenizer_name)               # rank 0's result
 
 ALL (the default for an undeclared method): every rank gets the same arguments; the results
 come back as a list in rank order. SHARD: the first argument is split into one slice per rank

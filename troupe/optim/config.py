@@ -6,7 +6,7 @@ import math
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from troupe.collectives import Communicator
 from troupe.config import Config
@@ -39,12 +39,7 @@ class OptimizerConfig(Config):
     compressed allreduce only (1/W of it) and all-gather the updated parameters: half of
     ZeRO-1 Adam's bytes instead of a thirty-second (see troupe.optim.onebit); the same results bit
     for bit. update_clip: 0/1 Adam scales each tensor's update down to this RMS (Adafactor's
-    update clipping; 0: off, as in DeepSpeed), see troupe.optim.onebit.ZeroOneAdam.
-    zero_stage: 1 partitions the optimizer state over the data-parallel ranks (every rank
-    keeps the whole model and gradient); 3 partitions the parameters and gradients too, block
-    by block (troupe.parallel.zero3: about 16/W bytes a parameter on each of W ranks, plus the
-    blocks being gathered); adam, adamw and lamb. zero_prefetch: with stage 3, how many blocks
-    are gathered ahead of the one computing (each costs one block's weights of memory)."""
+    update clipping; 0: off, as in DeepSpeed), see troupe.optim.onebit.ZeroOneAdam."""
 
     name: Literal["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"] = "adamw"
     lr: float = Field(default=1e-3, gt=0)
@@ -73,16 +68,6 @@ class OptimizerConfig(Config):
     factor_max: float = Field(default=4.0, gt=0)
     factor_min: float = Field(default=0.5, gt=0)
     factor_threshold: float = Field(default=0.1, ge=0)
-    # ZeRO stage and, for stage 3, the blocks gathered ahead
-    zero_stage: Literal[1, 3] = 1
-    zero_prefetch: int = Field(default=1, ge=0, le=8)
-
-    @model_validator(mode="after")
-    def _stage_fits(self) -> "OptimizerConfig":
-        if self.zero_stage == 3 and not self.sharded:
-            raise ValueError(f"zero_stage=3 partitions adam, adamw and lamb; name={self.name!r}"
-                             " keeps whole parameters on every rank (use zero_stage=1)")
-        return self
 
     def lr_at(self, step: int, total_steps: int) -> float:
         """Learning rate of 1-based ``step`` of ``total_steps``."""

@@ -47,14 +47,16 @@ class MemoryPlan:
         return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
 
 
-def plan(model: nn.Module, cfg: OptimizerConfig, world: int, ep_size: int = 1,
-         offload: bool = False, zero_stage: int | None = None) -> MemoryPlan:
+def plan(model: nn.Module, cfg: OptimizerConfig, world: int, zero_stage: int = 1,
+         prefetch: int = 1, ep_size: int = 1, offload: bool = False,
+         blocks: nn.ModuleList | None = None) -> MemoryPlan:
     """The plan of one of ``world`` data-parallel ranks training ``model`` (built whole,
-    e.g. on the meta device: only shapes are read) with ``cfg``; experts are split over
-    ``ep_size`` ranks and their state over world / ep_size. ``zero_stage`` overrides the
-    config's (to say what the other stage would take)."""
-    stage = cfg.zero_stage if zero_stage is None else zero_stage
-    units = unit_parameters(model)
+    e.g. on the meta device: only shapes are read) with ``cfg`` at ``zero_stage`` (3:
+    ``prefetch`` blocks gathered ahead); experts are split over ``ep_size`` ranks and their
+    state over world / ep_size. ``blocks``: the model's decoder blocks (default
+    ``model.blocks``), the units of stage 3."""
+    stage = zero_stage
+    units = unit_parameters(model, blocks)
     edp = world // ep_size
     dense = [[p.numel() for p in u if not getattr(p, "expert", False)] for u in units]
     expert = [[p.numel() // ep_size for p in u if getattr(p, "expert", False)] for u in units]
@@ -65,7 +67,7 @@ def plan(model: nn.Module, cfg: OptimizerConfig, world: int, ep_size: int = 1,
         full = [4 * (padded_size(d, world) if d else 0) + 4 * (padded_size(e, edp) if e else 0)
                 for d, e in zip(dense, expert)]
         largest = max(full[1:], default=0)
-        gathered = largest * (cfg.zero_prefetch + 2) + 2 * full[0]
+        gathered = largest * (prefetch + 2) + 2 * full[0]
         return MemoryPlan(3, 4 * n, 4 * n, 8 * n, gathered)
     P_dense, P_expert = sum(map(sum, dense)), sum(map(sum, expert))
     local = P_dense + P_expert

@@ -79,6 +79,14 @@ class Partition:
         self.free()
 
     def free(self) -> None:
+        if not self.full.untyped_storage().resizable():
+            # a numpy view was taken (a checkpoint writer): that storage stays with it, the
+            # parameters move to a buffer of their own
+            self.full = torch.empty(self.padded, device=self.full.device)
+            offset = 0
+            for p, n in zip(self.params, self.numels):
+                p.data = self.full[offset:offset + n].view(p.shape)
+                offset += n
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -245,14 +253,13 @@ class PartitionedBucket:
                              f"{layout}: another model or expert layout")
 
 
-def unit_parameters(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The trained parameters of each unit, in the order partitions flatten them: the root
-    (everything outside ``model.blocks``) first, then block by block."""
-    blocks = list(model.blocks)
+def unit_parameters(model: nn.Module, blocks=None) -> list[list[nn.Parameter]]:
+    """The parameters of each unit, in the order partitions flatten them: the root
+    (everything outside ``blocks``, by default ``model.blocks``) first, then block by block."""
+    blocks = list(model.blocks if blocks is None else blocks)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     units = [[p for p in model.parameters() if id(p) not in in_blocks]]
-    units += [list(b.parameters()) for b in blocks]
-    return [[p for p in u if p.requires_grad] for u in units]
+    return units + [list(b.parameters()) for b in blocks]
 
 
 def assemble(shards: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
@@ -307,7 +314,8 @@ class Zero3:
     rank's expert-parallel index. ``prefetch``: units gathered ahead of the one computing."""
 
     def __init__(self, model: nn.Module, dp: Communicator | None,
-                 edp: Communicator | None = None, *, prefetch: int = 1,
+                 edp: Communicator | None = None, *, blocks: nn.ModuleList | None = None,
+                 prefetch: int = 1,
                  reduce_dtype: torch.dtype = torch.float32,
                  init: Callable[[set[str]], None] | None = None,
                  device: torch.device | str = "cpu", expert_scale: float = 1.0,
@@ -317,10 +325,13 @@ class Zero3:
         self.model, self.prefetch, self.reduce_dtype = model, prefetch, reduce_dtype
         self.device = torch.device(device)
         self.comm = CommCounter()
-        blocks = list(model.blocks)
+        blocks = list(model.blocks if blocks is None else blocks)
         names = {id(p): n for n, p in model.named_parameters()}
-        root_modules = [m for name, m in model.named_children() if name != "blocks"]
-        unit_params = unit_parameters(model)
+        unit_params = unit_parameters(model, blocks)
+        in_blocks = {id(m) for b in blocks for m in b.modules()}
+        # every module outside the blocks that owns parameters gathers the root when called
+        root_modules = [m for m in model.modules() if id(m) not in in_blocks
+                        and any(True for _ in m.parameters(recurse=False))]
         dense_parts: list[Partition] = []
         expert_parts: list[Partition] = []
         where: list[list[tuple[str, int]]] = []
@@ -346,8 +357,7 @@ class Zero3:
                       [(self.buckets[k], j) for k, j in mine]) for i, mine in enumerate(where)]
         self.root, self.units = units[0], units[1:]
         self._materialize_buffers(model)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zero3")
-        self._lock = threading.Lock()
+        self._pool = _comm_thread()
         self._hold = 0                    # gathered(): nothing is freed while > 0
         self._backward: int | None = None   # the graph task whose end callback is queued
         self._pending: list[Unit] = []    # units with gradients not yet reduced
@@ -456,7 +466,8 @@ class Zero3:
 
     def _root_pre_forward(self, module, args) -> None:
         self.gather(self.root)
-        if torch.is_grad_enabled() and not self.root.grads and not _in_backward():
+        if (torch.is_grad_enabled() and not self.root.grads and not _in_backward()
+                and any(p.requires_grad for part in self.root.parts() for p in part.params)):
             self._attach(self.root)
 
     # ---------------------------------------------------------------- backward
@@ -544,6 +555,17 @@ class Zero3:
             if not self._hold:
                 self.release()
 
+    @contextlib.contextmanager
+    def writable(self):
+        """The whole model gathered for what the block encloses to write into (loading a
+        checkpoint into it: every rank loads the same one); at the end each rank keeps its
+        part of what was written as its master weights."""
+        with self.gathered():
+            yield self.model
+            for bucket in self.buckets.values():
+                for part in bucket.partitions:
+                    part.shard.copy_(part.full[part.lo:part.lo + part.size])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole (a copy), as ``model.state_dict()`` names them (every rank
         takes part; export and tests)."""
@@ -564,9 +586,25 @@ class Zero3:
                 "gathered_bytes": largest * (self.prefetch + 2) + 2 * self.root.nbytes()}
 
     def close(self) -> None:
+        """Remove the hooks (the model stays partitioned: its weights are the shards')."""
+        self.synchronize()
         for h in self._handles:
             h.remove()
-        self._pool.shutdown(wait=True)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _comm_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every partitioned model's collectives in this process, in
+    the order they were issued: two models on one group (a critic and the reward model in
+    the same worker) can never interleave their operations differently on two ranks."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="zero3")
+        return _POOL
 
 
 def _in_backward() -> bool:

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from troupe.config import AppConfig, Config
+from troupe.config import AppConfig, Config, check_zero_stage
 from troupe.data import ByteTokenizer, CurriculumConfig, DataConfig, RandomLTDConfig
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
@@ -83,10 +83,8 @@ class PretrainConfig(AppConfig):
     the data order. out_dir: metrics, plots, checkpoints and the exported model.
     max_restarts: the failure policy: how many times a lost or failed worker is restarted and
     the run resumed from its last checkpoint before it stops with a report (failure.json).
-    memory_per_worker: GiB a trainer may plan to hold (parameters, gradients, optimizer state
-    and, with optimizer.zero_stage 3, the gathered blocks; troupe.parallel.memory); a plan over
-    it is refused before anything is allocated. Default: the GPU's memory on cuda, no limit on
-    cpu."""
+    zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the same in every
+    app)."""
 
     MOVED: ClassVar[dict[str, str]] = {
         f"train.{old}": new for old, new in [
@@ -107,12 +105,15 @@ class PretrainConfig(AppConfig):
     seed: int = 0
     out_dir: str = "runs/pretrain"
     max_restarts: int = Field(default=0, ge=0)
+    zero_stage: Literal[1, 3] = 1
+    zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _fits(self) -> "PretrainConfig":
         W = self.workers
-        if self.train.offload and self.optimizer.zero_stage == 3:
+        check_zero_stage(self.zero_stage, {"optimizer": self.optimizer})
+        if self.train.offload and self.zero_stage == 3:
             raise ValueError("train.offload moves ZeRO-1's master weights and optimizer state "
                              "to shard owners; zero_stage=3 keeps 1/W of them on each trainer "
                              "already: use one or the other")

@@ -179,9 +179,9 @@ def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
     damaged one skipped with a warning); returns its step, 0 for a fresh start."""
     if resume is None:
         return 0
-    expect = {"optimizer": cfg.optimizer.name, "zero_stage": cfg.optimizer.zero_stage}
+    expect = {"optimizer": cfg.optimizer.name, "zero_stage": cfg.zero_stage}
     # stage 3 cuts the saved shards again for this run's number of trainers
-    reshard = (TRAINER,) if cfg.optimizer.zero_stage == 3 else ()
+    reshard = (TRAINER,) if cfg.zero_stage == 3 else ()
     if resume == "auto":
         found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg),
                                           cfg.model.record(), expect, reshard)
@@ -215,7 +215,7 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
         out.append({"kind": "eval", "step": step, "val_loss": val})
     if (T.checkpoint_every and step % T.checkpoint_every == 0) or step in (last, T.steps):
         checkpoint.save(_checkpointed(graph), checkpoint_root(cfg), step, model=cfg.model.record(),
-                        optimizer=cfg.optimizer.name, zero_stage=cfg.optimizer.zero_stage,
+                        optimizer=cfg.optimizer.name, zero_stage=cfg.zero_stage,
                         config=cfg.model_dump(mode="json"))
     return out
 

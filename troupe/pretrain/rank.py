@@ -120,9 +120,10 @@ def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, ran
     with torch.device("meta"):
         shapes = GPT(arch)
     ep_size = arch.moe.ep_size if arch.moe else 1
-    mine = plan(shapes, cfg.optimizer, world, ep_size, cfg.train.offload)
-    other = plan(shapes, cfg.optimizer, world, ep_size, cfg.train.offload,
-                 zero_stage=4 - cfg.optimizer.zero_stage)
+    mine = plan(shapes, cfg.optimizer, world, cfg.zero_stage, cfg.zero_prefetch, ep_size,
+                cfg.train.offload)
+    other = plan(shapes, cfg.optimizer, world, 4 - cfg.zero_stage, cfg.zero_prefetch, ep_size,
+                 cfg.train.offload)
     check_budget(mine, device_budget_gib(device, cfg.memory_per_worker),
                  f"rank {rank} of {world}", other)
     return mine
@@ -145,7 +146,7 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
         def init(names: set[str]) -> None:
             model.init_weights(cfg.seed, only=names)
     model = apply_expert_parallel(model, ep)
-    zero3 = Zero3(model, dp, edp, prefetch=cfg.optimizer.zero_prefetch,
+    zero3 = Zero3(model, dp, edp, prefetch=cfg.zero_prefetch,
                   reduce_dtype=precision_dtype(cfg.optimizer.reduce_dtype), init=init,
                   device=device, expert_scale=expert_scale,
                   expert_slice=ep.rank if ep is not None else 0)
@@ -172,7 +173,7 @@ class Trainer:
         check_memory(cfg, self.arch, self.device, rank, world)
         self.zero3: Zero3 | None = None
         self.buckets: list[Bucket | PartitionedState]
-        if cfg.optimizer.zero_stage == 3:
+        if cfg.zero_stage == 3:
             self.model, self.zero3 = partitioned_model(cfg, self.arch, self.device, dp, ep,
                                                        edp, edp_size / world)
             self.buckets = [PartitionedState(b, cfg.optimizer, self.zero3.comm)
@@ -250,7 +251,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "world": self.world,
-                "zero_stage": self.cfg.optimizer.zero_stage,
+                "zero_stage": self.cfg.zero_stage,
                 **rng_state(self.device),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "buckets": {b.name: b.state_dict() for b in self.buckets}}

@@ -78,7 +78,7 @@ class TrainerActor:
     def load(self, directory: str) -> int:
         """Restore this rank from a checkpoint; returns its step."""
         manifest = ckpt.read_manifest(directory)
-        if self.cfg.optimizer.zero_stage == 3:  # any number of ranks wrote it: cut again
+        if self.cfg.zero_stage == 3:  # any number of ranks wrote it: cut again
             read = _OneFile(lambda r: ckpt.read_rank(directory, r, manifest))
             self._w.load_partitioned(read, manifest["roles"]["trainer"], str(directory))
             return self._w.step

@@ -3,14 +3,27 @@ parameters (weights are saved and loaded with troupe.models.io)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from troupe.collectives import Communicator
-from troupe.optim import FlatParams, LossScaler, Optimizer, OptimizerConfig, build_optimizer
+from troupe.devices import precision_dtype
+from troupe.optim import (
+    FlatParams,
+    LossScaler,
+    Optimizer,
+    OptimizerConfig,
+    PartitionedOptimizer,
+    build_optimizer,
+    build_partitioned_optimizer,
+)
+from troupe.parallel import Zero3
+from troupe.parallel.memory import check_budget, device_budget_gib, plan
 from troupe.data import ByteTokens, Tokenizer, load_tokenizer
 from troupe.models import GPT, from_pretrained
-from troupe.rlhf.config import ModelConfig
+from troupe.rlhf.config import ModelConfig, RLHFConfig
 from troupe.rlhf.lm import GPTLM
 
 
@@ -41,14 +54,25 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,
+                    cfg: RLHFConfig, device: torch.device) -> "Trainable | PartitionedTrainable":
+    """A role's trained ``module`` (``blocks``: its decoder's) as the recipe lays it out:
+    whole on every rank (zero_stage 1) or partitioned over ``group`` (zero_stage 3)."""
+    if cfg.zero_stage == 3:
+        return PartitionedTrainable(module, blocks, group, cfg, device)
+    return Trainable(module, group, cfg.precision, cfg.memory_per_worker, blocks)
+
+
 class Trainable:
     """A module whose trainable parameters live in one flat buffer, stepped by a troupe
     optimizer that averages gradients over ``group`` (ZeRO-1, or 1-bit compressed). In fp16
     (``precision``) the losses are scaled on their way into ``backward`` and an update whose
     gradients overflow is skipped (troupe.optim.LossScaler)."""
 
-    def __init__(self, module: nn.Module, group: Communicator | None, precision: str = "fp32"):
+    def __init__(self, module: nn.Module, group: Communicator | None, precision: str = "fp32",
+                 memory_per_worker: float | None = None, blocks: nn.ModuleList | None = None):
         self.module, self.group = module, group
+        self.memory_per_worker, self.blocks = memory_per_worker, blocks
         self.scaler = LossScaler() if precision == "fp16" else None
         self.world = group.world_size if group is not None else 1
         self.flat = FlatParams([p for p in module.parameters() if p.requires_grad],
@@ -61,6 +85,8 @@ class Trainable:
         """(Re)start the optimizer, e.g. at the beginning of a training step."""
         self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
         self.opt = None  # the old state goes before the new one is allocated
+        _check_memory(self.module, self.blocks, cfg, self.world, 1, 0, self.flat.device,
+                      self.memory_per_worker)
         self.opt = build_optimizer(cfg, self.flat, self.group)
 
     def drop_optimizer(self) -> None:
@@ -96,6 +122,16 @@ class Trainable:
             p.requires_grad_(False)
         self.opt = None
 
+    def free_grads(self) -> None:
+        """Give the gradient buffer back between updates (``backward`` makes it again)."""
+        self.flat.free_grad()
+
+    def gathered(self):
+        """The whole module, for what the block encloses (it always is, at stage 1)."""
+        return contextlib.nullcontext(self.module)
+
+    writable = gathered
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss scaled first in fp16 (and the gradient buffer made
         again if ``free_grad`` gave it back)."""
@@ -113,3 +149,104 @@ class Trainable:
             self.opt.step(lr)
         self.flat.zero_grad()
         return lr
+
+
+class PartitionedTrainable:
+    """Trainable's interface over a module partitioned block by block over ``group``
+    (zero_stage 3, troupe.parallel.zero3): each rank keeps 1/W of the weights, gradients and
+    optimizer state. The weights are whole only inside ``gathered()`` (generation, saving)
+    or ``writable()`` (loading); the decoder's prompt sharing is turned off, so that every
+    rank runs the same blocks in the same order (the partitioned model's collectives)."""
+
+    def __init__(self, module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,
+                 cfg: RLHFConfig, device: torch.device):
+        self.module, self.group, self.cfg, self.blocks = module, group, cfg, blocks
+        self.scaler = LossScaler() if cfg.precision == "fp16" else None
+        self.world = group.world_size if group is not None else 1
+        for m in module.modules():
+            if isinstance(m, GPTLM):
+                m.share_prompts = False
+        # no expert parallelism in RLHF: experts reduce over the same group as the rest
+        self.zero3 = Zero3(module, group, group, blocks=blocks, prefetch=cfg.zero_prefetch,
+                           device=device)
+        self.buckets = list(self.zero3.buckets.values())
+        self.opts: list[PartitionedOptimizer] | None = None
+        self.opt_cfg: OptimizerConfig | None = None
+        self.total_steps = 1
+
+    @property
+    def opt(self):
+        return self.opts
+
+    def use_optimizer(self, cfg: OptimizerConfig, total_steps: int) -> None:
+        self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
+        self.opts = None
+        _check_memory(self.module, self.blocks, cfg, self.world, 3, self.cfg.zero_prefetch,
+                      self.zero3.device, self.cfg.memory_per_worker)
+        self.zero3.reduce_dtype = precision_dtype(cfg.reduce_dtype)
+        self.opts = [build_partitioned_optimizer(cfg, b.data, b.grad, *b.segments(), b.group,
+                                                 self.zero3.comm) for b in self.buckets]
+
+    def drop_optimizer(self) -> None:
+        self.opts = None
+
+    def state_dict(self) -> dict:
+        assert self.opts is not None, "use_optimizer() first"
+        return {"partitioned": [b.state_dict(o) for b, o in zip(self.buckets, self.opts)],
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        """This rank's shards, saved by the same rank of the same number of ranks."""
+        assert self.opts is not None, "use_optimizer() first"
+        saved = state.get("partitioned")
+        if saved is None or len(saved) != len(self.buckets):
+            raise ValueError(f"{where}: not written with zero_stage 3 (this run partitions "
+                             "its models: resume from a stage-3 checkpoint or start over)")
+        for b, o, s in zip(self.buckets, self.opts, saved):
+            b.load_state_dict(o, lambda k, s=s: s, s["world"], where)
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def release(self) -> None:
+        """Frozen for good: the optimizer state goes, the gradient shards are zeroed and the
+        parameters stop asking for gradients; the weights stay partitioned."""
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+        self.opts = None
+
+    def free_grads(self) -> None:
+        """Nothing to give back: the gradients are 1/W shards, kept between updates."""
+
+    def gathered(self):
+        return self.zero3.gathered()
+
+    def writable(self):
+        return self.zero3.writable()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, step: int) -> float:
+        assert self.opts is not None and self.opt_cfg is not None, "use_optimizer() first"
+        lr = self.opt_cfg.lr_at(step, self.total_steps)
+        self.zero3.release()  # nothing gathered may outlive the update
+        if self.scaler is None or self.scaler.unscale_(self.buckets, self.group):
+            for opt in self.opts:
+                opt.step(lr)
+        self.zero3.zero_grad()
+        return lr
+
+
+def _check_memory(module: nn.Module, blocks: nn.ModuleList | None, cfg: OptimizerConfig,
+                  world: int, stage: int, prefetch: int, device: torch.device,
+                  budget: float | None) -> None:
+    """MemoryBudgetError when a role's plan (troupe.parallel.memory) exceeds its budget
+    (``blocks`` None: the module as one unit, and no figure of the other stage beside it)."""
+    gib = device_budget_gib(device, budget)
+    if gib is None:
+        return
+    units = blocks if blocks is not None else nn.ModuleList()
+    other = None if blocks is None else plan(module, cfg, world, 4 - stage, prefetch,
+                                             blocks=units)
+    check_budget(plan(module, cfg, world, stage, prefetch, blocks=units), gib,
+                 type(module).__name__, other)

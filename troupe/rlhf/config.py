@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from troupe.config import AppConfig, Config
+from troupe.config import AppConfig, Config, check_zero_stage
 from troupe.data import ByteTokenizer
 from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
@@ -231,7 +231,11 @@ class RLHFConfig(AppConfig):
     gradients overflow on any rank is skipped by all: troupe.optim.LossScaler).
     device: where the roles compute (auto: cuda when the cluster has GPUs, else cpu);
     num_gpus: GPUs each worker of each role asks Ray for on cuda (None: colocated roles
-    share one GPU per rank in equal fractions, a role placed on its own takes a whole one)."""
+    share one GPU per rank in equal fractions, a role placed on its own takes a whole one).
+    zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the budget is
+    checked per trained role when its optimizer starts); stage 3 partitions the trained roles
+    (policy, critic, reward model) over their data-parallel groups and the reference over its
+    own; the policy gathers its whole model once per rollout to generate."""
 
     MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision", "ppo": "step3"}
 
@@ -256,6 +260,9 @@ class RLHFConfig(AppConfig):
     max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"
+    zero_stage: Literal[1, 3] = 1
+    zero_prefetch: int = Field(default=1, ge=0, le=8)
+    memory_per_worker: float | None = Field(default=None, gt=0)
 
     @field_validator("steps", mode="before")
     @classmethod
@@ -275,6 +282,20 @@ class RLHFConfig(AppConfig):
             raise ValueError(f"model.gpt.vocab_size={self.model.gpt.vocab_size}: troupe's GPT "
                              f"reads byte tokens, {byte_vocab} ids")
         self.algo().check(self)
+        check_zero_stage(self.zero_stage, {"sft.optimizer": self.sft.optimizer,
+                                           "reward.optimizer": self.reward.optimizer,
+                                           "step3.actor": self.step3.actor,
+                                           "step3.critic": self.step3.critic,
+                                           "dpo.optimizer": self.dpo.optimizer})
+        if self.zero_stage == 3 and self.step3.lora.enabled:
+            raise ValueError("zero_stage=3 partitions the whole policy; step3.lora trains "
+                             "adapters beside frozen weights it keeps whole: use zero_stage=1")
+        if self.zero_stage == 3 and self.step3.quantize_frozen != "none":
+            raise ValueError("zero_stage=3 keeps the frozen roles partitioned in fp32; "
+                             "step3.quantize_frozen needs them whole: use one or the other")
+        if self.zero_stage == 3 and self.step3.ema:
+            raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
+                             "model on every rank; use zero_stage=1")
         return self
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------

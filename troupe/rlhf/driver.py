@@ -66,7 +66,7 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
-    topology = RLHFTopology.of(roles(cfg), W)
+    topology = RLHFTopology.of(roles(cfg), W, cfg.zero_stage)
     topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
     try:
@@ -127,7 +127,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
             summary["ppo"] = summary[STEP3]  # its older name, for scripts that read it
             if cfg.model.pretrained is not None or cfg.model.gpt.moe is None:
                 summary["exported"] = graph["policy"].invoke(PolicyActor.export,
-                                                             str(out / "policy-hf"))
+                                                             str(out / "policy-hf"))[0]
     finally:
         graph.shutdown()
     plot(log.records(), out / "rlhf.png")

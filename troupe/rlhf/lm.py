@@ -25,6 +25,9 @@ class GPTLM(nn.Module):
         super().__init__()
         self.gpt, self.precision = gpt, precision
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
+        # run a prompt shared by consecutive rows once (off for a partitioned model, whose
+        # ranks must run the same blocks whatever their data: troupe.rlhf.common)
+        self.share_prompts = True
 
     @property
     def device(self) -> torch.device:
@@ -51,8 +54,8 @@ class GPTLM(nn.Module):
 
         prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
         same prompt (a group of samples) then run it once (``shared_hidden``)."""
-        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
-                 else self.hidden(ids_BS, valid_BS))
+        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len)
+                 if prompt_len and self.share_prompts else self.hidden(ids_BS, valid_BS))
         h_BRC = h_BSC[:, :-1]
         at = where_BR.bool()
         with self.autocast():

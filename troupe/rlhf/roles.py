@@ -14,6 +14,7 @@ role shells (troupe.rlhf.workers)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -27,7 +28,7 @@ from troupe.models.io import load_module, save_module
 from troupe.models.lora import inject_lora, merged_state_dict
 from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions
-from troupe.rlhf.common import Trainable, build_lm, micro_batches
+from troupe.rlhf.common import Trainable, build_lm, build_trainable, micro_batches
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
@@ -51,7 +52,7 @@ class Policy:
         torch.manual_seed(cfg.seed * 1000 + rank)
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
-        self.train = Trainable(self.lm, group, cfg.precision)
+        self.train = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
         self.ema = None
         self.algorithm = cfg.algo()
         self.engine = RolloutEngine(cfg, self.tok)
@@ -79,7 +80,8 @@ class Policy:
     def begin_step3(self, sft_path: str | None) -> None:
         """Step 3 starts from the SFT weights (None: from the model's own)."""
         if sft_path is not None:
-            load_module(sft_path, self.lm)
+            with self.train.writable():
+                load_module(sft_path, self.lm)
         if not self.algorithm.online:
             d = self.cfg.dpo
             self.train.use_optimizer(d.optimizer, d.steps)
@@ -97,10 +99,11 @@ class Policy:
         """Responses from the rollout engine, with the current weights (the EMA's if asked)."""
         model = self.ema if request.use_ema and self.ema is not None else self.lm
         if self.cfg.step3.release_memory:
-            self.train.flat.free_grad()  # zero between updates: nothing is lost
+            self.train.free_grads()  # zero between updates: nothing is lost
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        return self.engine.generate(model, request)
+        with self.train.gathered():  # a partitioned policy: gathered once per rollout
+            return self.engine.generate(model, request)
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
@@ -167,14 +170,20 @@ class Policy:
                         self.train.step(step))
 
     def save(self, path: str, ema: bool = False) -> str:
-        save_module(path, self.ema if ema and self.ema is not None else self.lm, kind="policy")
+        """Rank 0 writes the weights (every rank calls: a partitioned policy gathers)."""
+        with self.train.gathered():
+            if self.rank == 0:
+                save_module(path, self.ema if ema and self.ema is not None else self.lm,
+                            kind="policy")
         return path
 
     def export(self, directory: str) -> str:
         """The policy as a Hugging Face directory (adapters folded in), with the tokenizer
-        files of the model it started from."""
-        save_pretrained(self.lm.gpt, directory, self.cfg.model.pretrained,
-                        state=merged_state_dict(self.lm.gpt))
+        files of the model it started from; written by rank 0, every rank calls."""
+        with self.train.gathered():
+            if self.rank == 0:
+                save_pretrained(self.lm.gpt, directory, self.cfg.model.pretrained,
+                                state=merged_state_dict(self.lm.gpt))
         return directory
 
     def state_dict(self) -> dict:
@@ -196,7 +205,8 @@ class Policy:
         set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
-        load_module(path, self.lm)
+        with self.train.writable():
+            load_module(path, self.lm)
 
 
 def quantize_frozen(gpt: torch.nn.Module, ids: torch.Tensor) -> None:
@@ -214,18 +224,25 @@ class Reference:
     """The frozen SFT policy, for the KL penalty (and DPO's reference log-probabilities: only
     then does it tokenize text)."""
 
-    def __init__(self, cfg: RLHFConfig, rank: int):
+    def __init__(self, cfg: RLHFConfig, rank: int, group: Communicator | None = None):
+        """``group``: with zero_stage 3, the ranks the frozen weights are partitioned over
+        (its own role's, or the policy's when it lives in the policy's processes)."""
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision,
                                      tokenizer=not cfg.algo().online,  # DPO's pairs are text
                                      device=self.device)
+        self.parts = None
+        if cfg.zero_stage == 3 and group is not None:
+            self.parts = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
+            self.parts.release()
         self.lm.requires_grad_(False)
         self.micro = cfg.step3.micro_batch_size
         self.dpo_micro = cfg.dpo.micro_batch_size
         self.quantize, self.to_quantize = cfg.step3.quantize_frozen, False
 
     def load(self, path: str) -> None:
-        load_module(path, self.lm)
+        with self.parts.writable() if self.parts is not None else contextlib.nullcontext():
+            load_module(path, self.lm)
         self.to_quantize = self.quantize == "w8a8"  # at the first scoring call
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
@@ -248,12 +265,12 @@ class Reward:
     """The reward model: a value head on a language model, scored at the last real token."""
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         torch.manual_seed(cfg.seed * 1000 + 500 + rank)
         self.device = worker_device(cfg.device)
         lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group, cfg.precision)
+        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
         self.to_quantize = False  # set when load() freezes the model
 
     def _pairs(self, examples: list[tuple[str, str, str]]):
@@ -304,17 +321,22 @@ class Reward:
 
     def init_from_policy(self, path: str) -> None:
         """Start the body from a policy checkpoint (the value head stays at zero)."""
-        load_module(path, self.model.lm)
+        with self.train.writable():
+            load_module(path, self.model.lm)
 
     def save(self, path: str) -> str:
-        save_module(path, self.model, kind="reward")
+        """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
+        with self.train.gathered():
+            if self.rank == 0:
+                save_module(path, self.model, kind="reward")
         return path
 
     def load(self, path: str) -> None:
         """The trained reward model, frozen from here on (its gradients and optimizer state
         are freed first)."""
         self.train.release()
-        load_module(path, self.model)
+        with self.train.writable():
+            load_module(path, self.model)
         self.to_quantize = self.cfg.step3.quantize_frozen == "w8a8"  # at the first score call
 
 
@@ -323,20 +345,21 @@ class Critic:
     SFT policy's body and a fresh head: ``begin_step3``)."""
 
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
-        self.cfg = cfg
+        self.cfg, self.rank = cfg, rank
         self.device = worker_device(cfg.device)
         lm, _ = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tokenizer=False)
         self.model = ValueModel(lm).to(self.device)
-        self.train = Trainable(self.model, group, cfg.precision)
+        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
 
     def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:
         """Step 3 starts from the reward model's weights, head included; without a learned
         reward model, from the SFT policy's body (None: the model's own) and a fresh value
         head (zero: every value starts at 0)."""
-        if reward_path is not None:
-            load_module(reward_path, self.model)
-        elif sft_path is not None:
-            load_module(sft_path, self.model.lm)
+        with self.train.writable():
+            if reward_path is not None:
+                load_module(reward_path, self.model)
+            elif sft_path is not None:
+                load_module(sft_path, self.model.lm)
         self.train.use_optimizer(self.cfg.step3.critic,
                                  self.cfg.step3.iterations * self.cfg.step3.ppo_epochs)
 
@@ -360,7 +383,10 @@ class Critic:
         return CriticStats(value_loss)
 
     def save(self, path: str) -> str:
-        save_module(path, self.model, kind="critic")
+        """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
+        with self.train.gathered():
+            if self.rank == 0:
+                save_module(path, self.model, kind="critic")
         return path
 
     def state_dict(self) -> dict:
@@ -372,7 +398,8 @@ class Critic:
         set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
-        load_module(path, self.model)
+        with self.train.writable():
+            load_module(path, self.model)
 
 
 @torch.no_grad()

@@ -121,9 +121,10 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
         rank = get_context().rank
-        self.role = Policy(self.cfg, communicator(topology.policy), rank)
+        group = communicator(topology.policy)
+        self.role = Policy(self.cfg, group, rank)
         if self.cfg.reference_in_policy and self.cfg.uses_reference():
-            self.reference = Reference(self.cfg, rank)
+            self.reference = Reference(self.cfg, rank, group)
 
     @dispatch(Dispatch.ALL)
     def start_sft(self, total_steps: int) -> None:
@@ -164,13 +165,14 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
         return self.role.dpo_step(self._here(batch), step)
 
-    @dispatch(Dispatch.RANK0)
+    @dispatch(Dispatch.ALL)
     def save(self, path: str, ema: bool = False) -> str:
+        """Rank 0 writes; every rank takes part (a partitioned policy gathers)."""
         return self.role.save(path, ema)
 
-    @dispatch(Dispatch.RANK0)
+    @dispatch(Dispatch.ALL)
     def export(self, directory: str) -> str:
-        """The policy as a Hugging Face directory that transformers loads."""
+        """The policy as a Hugging Face directory that transformers loads (rank 0 writes)."""
         return self.role.export(directory)
 
 
@@ -178,7 +180,8 @@ class ReferenceActor(_Shell, ReferenceCalls):
 
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
-        self.role = self.reference = Reference(self.cfg, get_context().rank)
+        self.role = self.reference = Reference(self.cfg, get_context().rank,
+                                               communicator(topology.reference))
 
 
 class RewardCalls:
@@ -204,7 +207,7 @@ class RewardCalls:
     def rm_evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
         return self.reward_model.evaluate(examples)
 
-    @dispatch(Dispatch.RANK0)
+    @dispatch(Dispatch.ALL)
     def save_reward(self, path: str) -> str:
         return self.reward_model.save(path)
 
@@ -258,6 +261,7 @@ class CriticActor(_TrainedShell, RewardCalls):
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         return self.role.critic_step(self._here(exp), iteration)
 
-    @dispatch(Dispatch.RANK0)
+    @dispatch(Dispatch.ALL)
     def save(self, path: str) -> str:
+        """Rank 0 writes; every rank takes part (a partitioned critic gathers)."""
         return self.role.save(path)
