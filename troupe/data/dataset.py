@@ -85,3 +85,10 @@ class TokenDataset:
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
         w = torch.from_numpy(stream[idx].astype(np.int64))
         return w[:, :-1], w[:, 1:]
+
+
+def micro_batches(n: int, size: int | None) -> list[slice]:
+    """Row slices of a batch of ``n`` rows, ``size`` rows each (None: one slice): the
+    micro-batches a rank runs forward and backward one at a time, accumulating gradients."""
+    size = size or max(n, 1)
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]

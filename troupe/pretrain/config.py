@@ -54,7 +54,12 @@ class TrainConfig(Config):
     directory every node reaches, or an fsspec URL such as s3://bucket/run (fsspec and the
     filesystem's package, e.g. s3fs, installed on every node). activation_checkpointing:
     recompute each block's activations in the backward instead of keeping them (the same
-    gradients; less memory for about a third more compute: benchmarks/RESULTS.md)."""
+    gradients; less memory for about a third more compute: benchmarks/RESULTS.md).
+    micro_batch_size: sequences per forward and backward on a rank (None: its whole share of
+    batch_size), the gradients accumulated over its share before the step (with zero_stage 3
+    each micro-batch gathers the blocks again and reduce-scatters into the gradient shards,
+    so no rank holds a whole gradient between them; MoE capacity and random-LTD draw per
+    micro-batch)."""
 
     steps: int = Field(default=200, ge=1)
     batch_size: int = Field(default=16, ge=1)
@@ -67,6 +72,7 @@ class TrainConfig(Config):
     placement_timeout_s: float = Field(default=600.0, gt=0)
     checkpoint_dir: str | None = None
     activation_checkpointing: bool = False
+    micro_batch_size: int | None = Field(default=None, ge=1)
 
 
 class PretrainConfig(AppConfig):

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from troupe.collectives import Communicator
-from troupe.data import TokenDataset, load_tokenizer
+from troupe.data import TokenDataset, load_tokenizer, micro_batches
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.optim import (
@@ -205,12 +205,17 @@ class Trainer:
             gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 131 + self.rank)
             ltd = (keep, cfg.random_ltd.layers(self.arch.n_layer), gen)
         self.model.train()
-        with self.model.mixed_precision(cfg.precision):
-            _, lm_loss, aux = self.model(x, y, ltd=ltd)
-        lm_loss_value = lm_loss.item()
         coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
-        loss = lm_loss + coef * aux
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        lm_loss_value = aux_value = 0.0
+        parts = micro_batches(len(x), cfg.train.micro_batch_size)
+        for part in parts:  # gradients accumulate; each loss its share of the batch's mean
+            with self.model.mixed_precision(cfg.precision):
+                _, lm_loss, aux = self.model(x[part], y[part], ltd=ltd)
+            share = (part.stop - part.start) / len(x)
+            lm_loss_value += lm_loss.item() * share
+            aux_value += aux.detach().item() * share
+            loss = (lm_loss + coef * aux) * share if len(parts) > 1 else lm_loss + coef * aux
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.scaler is None or self.scaler.unscale_([b.flat for b in self.buckets], self.dp):
             for b in self.buckets:
@@ -219,8 +224,10 @@ class Trainer:
             b.flat.zero_grad()
         self.step = step
         s = self.scaler
-        return StepStats(step, lm_loss_value, aux.detach().item(), lr, seq_len, keep, x.numel(),
-                         sum(b.optimizer.comm.bytes_sent for b in self.buckets),
+        sent = sum(b.optimizer.comm.bytes_sent for b in self.buckets)
+        if self.zero3 is not None:  # the gathers and reduce-scatters of the partitions
+            sent += self.zero3.comm.bytes_sent
+        return StepStats(step, lm_loss_value, aux_value, lr, seq_len, keep, x.numel(), sent,
                          time.perf_counter() - t0, peak_memory_mb(),
                          loss_scale=s.scale_value if s else 1.0,
                          skipped_steps=s.skipped if s else 0)

@@ -48,12 +48,6 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     return GPTLM(gpt.to(device), precision), tok
 
 
-def micro_batches(n: int, size: int | None) -> list[slice]:
-    """Row slices of a batch of ``n`` rows, ``size`` rows each (None: one slice)."""
-    size = size or max(n, 1)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,
                     cfg: RLHFConfig, device: torch.device) -> "Trainable | PartitionedTrainable":
     """A role's trained ``module`` (``blocks``: its decoder's) as the recipe lays it out:

@@ -22,13 +22,14 @@ import torch
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels
+from troupe.data import micro_batches
 from troupe.devices import move, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
 from troupe.models.io import load_module, save_module
 from troupe.models.lora import inject_lora, merged_state_dict
 from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions
-from troupe.rlhf.common import Trainable, build_lm, build_trainable, micro_batches
+from troupe.rlhf.common import Trainable, build_lm, build_trainable
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
     CriticStats,
