@@ -88,7 +88,7 @@ def smollm2(a) -> None:
     path = str(pkg.build())
     model = dict(pretrained=path, seq_len=64)
     P = sum(p.numel() for p in GPT(pkg_config(path)).parameters())
-    for W in (1, 2, 4):
+    for W in a.workers:
         for stage in (1, 3):
             out = run(config(model, W, stage, 2, None, None, 1e-5), a.steps)
             emit({"model": "smollm2", "params": P, "workers": W, "zero_stage": stage,
@@ -138,6 +138,8 @@ def main() -> None:
     p.add_argument("--model", choices=["smollm2", "llama1b"], default="smollm2")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--memory-per-worker", type=float, default=10.0)
+    p.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4],
+                   help="smollm2: the W of the memory lines (the micro-batch lines run at 2)")
     a = p.parse_args()
     import troupe
     troupe.init(num_cpus=8)

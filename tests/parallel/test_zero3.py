@@ -158,3 +158,32 @@ def test_the_memory_plan_refuses_stage1_and_admits_stage3():
     assert three.params + three.grads + three.optimizer <= 1.02 * 16 * P / 2
     check_budget(three, 10, "rank 0")  # admitted
     assert three.total < 10 * GIB
+
+
+def _losses_on(device: str, stage: int, workers: int = 1) -> list[float]:
+    from troupe.pretrain.config import PretrainConfig
+    from troupe.pretrain.rank import Trainer
+    cfg = PretrainConfig(model={"d_model": 64, "n_layer": 3, "n_head": 2, "seq_len": 32},
+                         workers=workers, device=device, zero_stage=stage,
+                         train={"batch_size": 8, "steps": 4, "micro_batch_size": 4})
+    worker = Trainer(cfg, 0, 1, None)
+    return [worker.train_step(step).loss for step in range(1, 5)]
+
+
+@pytest.mark.gpu
+def test_stage3_on_cuda_gives_stage1s_losses():
+    """The one code path on a GPU: the partitions, the gathers (the communication thread's
+    stream synchronised) and the gradient shards live on cuda; four steps of two
+    micro-batches give stage 1's losses, and the CPU's within 1e-4."""
+    cuda3, cuda1, cpu3 = _losses_on("cuda", 3), _losses_on("cuda", 1), _losses_on("cpu", 3)
+    assert cuda3 == pytest.approx(cuda1, rel=1e-6)
+    assert cuda3 == pytest.approx(cpu3, rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_stage3_over_nccl_gives_stage1s_run(cluster, tmp_path):
+    over = dict(DENSE, workers=2, train__batch_size=4, device="cuda")
+    _, one = _train(tmp_path, "one", 1, **over)
+    _, three = _train(tmp_path, "three", 3, **over)
+    _close(three, one, 1e-5)

@@ -93,6 +93,14 @@ class TorchCommunicator:
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         check_op(op)
         even_splits(x.shape[0], self.world_size)
+        if self.backend == "gloo" and op in ("sum", "mean"):
+            # gloo's own reduce_scatter moved a 14 MB gradient in 16 ms where its all_to_all
+            # and a local sum take 11.6 (two ranks on this project's CPUs); the sum runs in
+            # rank order, the same on every rank and for any cut of the tensor
+            parts = self.all_to_all(x.contiguous())
+            out = parts.view(self.world_size, -1).sum(0)
+            out = out.view(x.shape[0] // self.world_size, *x.shape[1:])
+            return out.div_(self.world_size) if op == "mean" else out
         chunks = list(x.contiguous().tensor_split(self.world_size))
         out = torch.empty_like(chunks[self.rank])
         opts = dist.ReduceScatterOptions()

@@ -15,16 +15,18 @@ while the unit is not gathered.
   gathers it again.
 - Backward: when the gradient of a block's output arrives (before the block's own backward)
   the block is gathered again, the next one down prefetched, and a full-size gradient buffer
-  allocated for it alone; the block above, whose backward is then complete, has its gradient
-  reduce-scattered (the group's mean, in ``reduce_dtype``) and added into this rank's gradient
-  shard, and both its buffers are freed. So at most a few units' gradients exist at full size,
-  and gradient accumulation over micro-batches adds into the shards (1/W of the gradient).
-- The root is gathered at its first use and kept until the end of the backward (a tied
-  embedding is used at both ends of the model) or until ``release``.
+  allocated for it alone; once the gradient of the block's input is complete (its backward is
+  done) the block's gradient is reduce-scattered (the group's mean, in ``reduce_dtype``) and
+  added into this rank's gradient shard, and both its buffers are freed. So at most a few
+  units' gradients exist at full size, and gradient accumulation over micro-batches adds into
+  the shards (1/W of the gradient): each micro-batch gathers every block twice and
+  reduce-scatters it once, the price of never holding a whole gradient.
+- The root is gathered at its first use and kept, with its gradient whole, until ``release``
+  (which the trainer calls before the optimizer step): a tied embedding is used at both ends
+  of the model, and a step's micro-batches then gather and reduce-scatter it once.
 
 Every rank issues the same collectives in the same order, whatever its data: gathers in the
-order the blocks run, reduce-scatters from the last block down to the root at the end of the
-backward. An expert that received no tokens on a rank contributes a zero gradient there and
+order the blocks run, reduce-scatters from the last block down (the root's at ``release``). An expert that received no tokens on a rank contributes a zero gradient there and
 its rank still joins the reduce-scatter, so no rank waits on a collective another skipped.
 
 The optimizer (troupe.optim.PartitionedOptimizer) steps each bucket's master shard with its
@@ -517,9 +519,11 @@ class Zero3:
             torch.cuda.current_stream(self.device).synchronize()
 
     def _end_backward(self) -> None:
+        """The blocks' gradients all reduced; the root's stays whole (and its weights
+        gathered) until ``release``, so that the micro-batches of one step gather it once
+        and reduce-scatter it once."""
         self._backward = None
-        self._reduce(list(self._pending))
-        self._free(self.root)
+        self._reduce([u for u in self._pending if u is not self.root])
         self.synchronize()
 
     # ---------------------------------------------------------------- public
@@ -530,14 +534,15 @@ class Zero3:
         self._pool.submit(lambda: None).result()
 
     def release(self) -> None:
-        """Free every gathered unit (after evaluation; the root stays gathered between
-        forwards without gradients until this)."""
+        """Reduce-scatter what gradients are still whole (the root's, accumulated over a
+        step's micro-batches) and free every gathered unit. Call it before the optimizer step
+        (and after evaluation: the root stays gathered between forwards until this)."""
+        self._reduce(list(self._pending))
         self.synchronize()
         for unit in [self.root, *self.units]:
-            unit.pending = None
-            if not unit.grads:
-                for part in unit.parts():
-                    part.free()
+            self._wait(unit)
+            for part in unit.parts():
+                part.free()
 
     @contextlib.contextmanager
     def gathered(self):

@@ -217,6 +217,8 @@ class Trainer:
             loss = (lm_loss + coef * aux) * share if len(parts) > 1 else lm_loss + coef * aux
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
+        if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered
+            self.zero3.release()
         if self.scaler is None or self.scaler.unscale_([b.flat for b in self.buckets], self.dp):
             for b in self.buckets:
                 b.optimizer.step(lr)

@@ -126,6 +126,9 @@ class Trainable:
 
     writable = gathered
 
+    def settle(self) -> None:
+        """After a forward without gradients (scoring): nothing to free at stage 1."""
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss scaled first in fp16 (and the gradient buffer made
         again if ``free_grad`` gave it back)."""
@@ -216,6 +219,11 @@ class PartitionedTrainable:
 
     def writable(self):
         return self.zero3.writable()
+
+    def settle(self) -> None:
+        """After a forward without gradients (scoring): the root, which stays gathered
+        between such forwards, is freed."""
+        self.zero3.release()
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()

@@ -108,8 +108,10 @@ class Policy:
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
-        return action_logprobs(self.lm, ids, valid, action, self.cfg.step3.micro_batch_size,
-                               prompt_len)
+        out = action_logprobs(self.lm, ids, valid, action, self.cfg.step3.micro_batch_size,
+                              prompt_len)
+        self.train.settle()
+        return out
 
     def rl_step(self, exp: Experience, iteration: int,
                  ptx: list[tuple[str, str]] | None) -> PolicyStats:
@@ -251,7 +253,10 @@ class Reference:
         if self.to_quantize:
             quantize_frozen(self.lm.gpt, ids)
             self.to_quantize = False
-        return action_logprobs(self.lm, ids, valid, action, self.micro, prompt_len)
+        out = action_logprobs(self.lm, ids, valid, action, self.micro, prompt_len)
+        if self.parts is not None:
+            self.parts.settle()
+        return out
 
     @torch.no_grad()
     def pair_logprobs(self, pairs: list) -> torch.Tensor:
@@ -318,6 +323,7 @@ class Reward:
             values = self.model(ids[s], valid[s])
             out.append(values[torch.arange(len(values), device=values.device),
                               last_real(valid[s])])
+        self.train.settle()
         return torch.cat(out)
 
     def init_from_policy(self, path: str) -> None:
@@ -367,8 +373,10 @@ class Critic:
     @torch.no_grad()
     def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        return torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
-                          for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size)])
+        out = torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
+                         for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size)])
+        self.train.settle()
+        return out
 
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
         self.model.train()
