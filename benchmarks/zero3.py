@@ -142,7 +142,8 @@ def main() -> None:
                    help="smollm2: the W of the memory lines (the micro-batch lines run at 2)")
     a = p.parse_args()
     import troupe
-    troupe.init(num_cpus=8)
+    # no dashboard: its processes' half a gigabyte is the margin two 1.1B ranks need here
+    troupe.init(num_cpus=8, include_dashboard=False)
     (smollm2 if a.model == "smollm2" else llama1b)(a)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 import torch
 from pydantic import Field
@@ -132,17 +132,19 @@ def build_shard_rule(cfg: OptimizerConfig, numels: list[int], padded: int, lo: i
 
 
 def build_partitioned_optimizer(cfg: OptimizerConfig, data: torch.Tensor, grad: torch.Tensor,
-                                segments: torch.Tensor, num_segments: int,
+                                segments: Callable[[], tuple[torch.Tensor, int]],
                                 group: Communicator | None,
                                 comm: CommCounter) -> PartitionedOptimizer:
     """ZeRO-3's optimizer over one bucket of a partitioned model: this rank's master weights
-    ``data`` and gradient shard ``grad``; ``segments`` gives each element's tensor (LAMB's
-    norms, summed over ``group``)."""
+    ``data`` and gradient shard ``grad``; ``segments()`` gives each element's tensor and
+    their count (LAMB's per-tensor norms, summed over ``group``; asked for by LAMB only: an
+    index per element costs 8 bytes a parameter)."""
     if not cfg.sharded:
         raise ValueError(f"zero_stage 3 partitions the state of adam, adamw or lamb; "
                          f"optimizer.name={cfg.name!r} keeps its own (use zero_stage 1)")
     if cfg.name == "lamb":
-        rule: ShardRule = LambRule(segments, num_segments, group, comm, cfg.betas, cfg.eps,
+        ids, count = segments()
+        rule: ShardRule = LambRule(ids, count, group, comm, cfg.betas, cfg.eps,
                                    cfg.weight_decay, cfg.min_coeff, cfg.max_coeff)
     else:
         rule = AdamRule(data.numel(), cfg.betas, cfg.eps, cfg.weight_decay, cfg.name == "adamw",

@@ -14,8 +14,7 @@ while the unit is not gathered.
   while this one computes); after it runs, the storage is freed, in training too: the backward
   gathers it again.
 - Backward: when the gradient of a block's output arrives (before the block's own backward)
-  the block is gathered again, the next one down prefetched, and a full-size gradient buffer
-  allocated for it alone; once the gradient of the block's input is complete (its backward is
+  the block is gathered again and the next one down prefetched; once the gradient of the block's input is complete (its backward is
   done) the block's gradient is reduce-scattered (the group's mean, in ``reduce_dtype``) and
   added into this rank's gradient shard, and both its buffers are freed. So at most a few
   units' gradients exist at full size, and gradient accumulation over micro-batches adds into
@@ -48,6 +47,11 @@ from troupe.collectives import Communicator
 from troupe.optim import CommCounter, padded_size, segment_ids
 
 
+#: elements of each rank's part reduce-scattered at a time: a whole embedding's gradient at
+#: once costs its size again in temporaries (the wire copy, the received parts)
+REDUCE_CHUNK = 1 << 22
+
+
 class Partition:
     """The parameters ``params`` of one unit that reduce over ``group``, flat and split 1/W.
     ``shard``: this rank's [lo, hi) of the padded buffer, a view into its bucket's master
@@ -63,12 +67,18 @@ class Partition:
         self.padded = padded_size(self.numels, self.W)
         self.size = self.padded // self.W
         self.lo = self.rank * self.size
-        self.full = torch.zeros(self.padded, device=device)
-        self.grad_full: torch.Tensor | None = None
+        self.device = device
+        self.full = torch.empty(0, device=device)    # made by ``build``
         self.shard: torch.Tensor | None = None        # set by the bucket (adopt)
         self.grad_shard: torch.Tensor | None = None
+        self.gathered = False
+
+    def build(self) -> None:
+        """The full buffer, holding the parameters' values (they must have storage), each
+        parameter a view into it from here on."""
+        self.full = torch.zeros(self.padded, device=self.device)
         offset = 0
-        for p, n in zip(params, self.numels):
+        for p, n in zip(self.params, self.numels):
             self.full[offset:offset + n].copy_(p.data.reshape(-1))
             p.data = self.full[offset:offset + n].view(p.shape)
             offset += n
@@ -108,39 +118,56 @@ class Partition:
             comm.all_gather(self.size * 4, self.W)
         self.gathered = True
 
-    def attach_grads(self) -> None:
-        """A zeroed full-size gradient buffer, each parameter's ``grad`` a view into it."""
-        if self.grad_full is not None:
-            return
+    def expect_grads(self) -> None:
+        """Before the unit's backward: no gradient may be left from one already reduced."""
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("a gradient arrived after its unit's gradients were reduced: "
                                "run each forward's backward before the next forward")
-        self.grad_full = torch.zeros(self.padded, device=self.full.device)
-        offset = 0
-        for p, n in zip(self.params, self.numels):
-            p.grad = self.grad_full[offset:offset + n].view(p.shape)
-            offset += n
 
-    def detach_grads(self) -> torch.Tensor | None:
-        """The full gradient buffer, the parameters no longer pointing into it."""
-        g, self.grad_full = self.grad_full, None
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The parameters' gradients (None where a parameter got none, e.g. an expert that
+        received no tokens), the parameters no longer holding them. Autograd made them
+        (no buffer is preallocated: its own gradient tensors are kept, not copied)."""
+        grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        return g
+        return grads
 
-    def reduce(self, grad: torch.Tensor, scale: float, dtype: torch.dtype,
+    def reduce(self, grads: list[torch.Tensor | None], scale: float, dtype: torch.dtype,
                comm: CommCounter) -> None:
-        """Add this rank's part of the group's mean of ``grad`` (times ``scale``) into the
-        gradient shard; the arithmetic of ZeRO-1's reduce-scatter (troupe.optim.sharded)."""
+        """Add this rank's part of the group's mean of the flat gradient (times ``scale``)
+        into the gradient shard, a chunk at a time; the arithmetic of ZeRO-1's
+        reduce-scatter (troupe.optim.sharded)."""
         if self.group is None or self.W == 1:
-            part = grad
-        else:
-            wire = grad.to(dtype)
-            part = self.group.reduce_scatter(wire, op="mean").float()
+            for g, (start, n) in zip(grads, self._offsets()):
+                if g is not None:
+                    self.grad_shard[start:start + n].add_(g.reshape(-1), alpha=scale)
+            return
+        for lo in range(0, self.size, REDUCE_CHUNK):  # temporaries of a chunk, not a unit
+            C = min(REDUCE_CHUNK, self.size - lo)
+            wire = torch.zeros(self.W, C, dtype=dtype, device=self.device)  # padding: 0
+            for r in range(self.W):
+                self._copy_range(grads, r * self.size + lo, wire[r])
+            part = self.group.reduce_scatter(wire.reshape(-1), op="mean").float()
             comm.reduce_scatter(wire.numel() * wire.element_size(), self.W)
-        if scale != 1.0:
-            part = part * scale
-        self.grad_shard.add_(part)
+            self.grad_shard[lo:lo + C].add_(part, alpha=scale)
+
+    def _offsets(self) -> list[tuple[int, int]]:
+        out, offset = [], 0
+        for n in self.numels:
+            out.append((offset, n))
+            offset += n
+        return out
+
+    def _copy_range(self, grads: list[torch.Tensor | None], start: int,
+                    out: torch.Tensor) -> None:
+        """Elements [start, start + len(out)) of the flat gradient into ``out`` (left as it
+        is where a parameter has no gradient or the range runs into padding)."""
+        stop = start + len(out)
+        for g, (offset, n) in zip(grads, self._offsets()):
+            a, b = max(start, offset), min(stop, offset + n)
+            if g is not None and a < b:
+                out[a - start:b - start].copy_(g.reshape(-1)[a - offset:b - offset])
 
 
 class PartitionedBucket:
@@ -337,8 +364,7 @@ class Zero3:
         dense_parts: list[Partition] = []
         expert_parts: list[Partition] = []
         where: list[list[tuple[str, int]]] = []
-        for params in unit_params:
-            self._materialize(model, params, names, init)
+        for params in unit_params:  # the layout first, from the shapes alone
             dense = [p for p in params if not getattr(p, "expert", False)]
             expert = [p for p in params if getattr(p, "expert", False)]
             mine = []
@@ -352,9 +378,11 @@ class Zero3:
         if expert_parts:
             self.buckets["expert"] = PartitionedBucket("expert", edp, expert_scale,
                                                        expert_parts, self.device, expert_slice)
-        for bucket in self.buckets.values():
-            for i in range(len(bucket.partitions)):
-                bucket.adopt(i)
+        for params, mine in zip(unit_params, where):  # then one unit whole at a time
+            self._materialize(model, params, names, init)
+            for kind, i in mine:
+                self.buckets[kind].partitions[i].build()
+                self.buckets[kind].adopt(i)
         units = [Unit(i - 1, root_modules if i == 0 else [blocks[i - 1]],
                       [(self.buckets[k], j) for k, j in mine]) for i, mine in enumerate(where)]
         self.root, self.units = units[0], units[1:]
@@ -475,8 +503,9 @@ class Zero3:
     # ---------------------------------------------------------------- backward
 
     def _attach(self, unit: Unit) -> None:
+        """The unit's backward is about to run: its gradients are to be reduced."""
         for part in unit.parts():
-            part.attach_grads()
+            part.expect_grads()
         unit.grads = True
         self._pending.append(unit)
 
@@ -506,7 +535,7 @@ class Zero3:
             work = []
             for bucket, i in unit.partitions:
                 part = bucket.partitions[i]
-                work.append((part, part.detach_grads(), bucket.grad_scale))
+                work.append((part, part.take_grads(), bucket.grad_scale))
             unit.grads = False
             self._pool.submit(self._run_reduce, work)
             if unit is not self.root:

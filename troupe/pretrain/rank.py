@@ -100,9 +100,8 @@ class PartitionedState:
 
     def __init__(self, part: PartitionedBucket, cfg: OptimizerConfig, comm: CommCounter):
         self.name, self.part = part.name, part
-        segments, count = part.segments()
-        self.optimizer = build_partitioned_optimizer(cfg, part.data, part.grad, segments,
-                                                     count, part.group, comm)
+        self.optimizer = build_partitioned_optimizer(cfg, part.data, part.grad, part.segments,
+                                                     part.group, comm)
 
     @property
     def flat(self) -> PartitionedBucket:

@@ -181,7 +181,7 @@ class PartitionedTrainable:
         _check_memory(self.module, self.blocks, cfg, self.world, 3, self.cfg.zero_prefetch,
                       self.zero3.device, self.cfg.memory_per_worker)
         self.zero3.reduce_dtype = precision_dtype(cfg.reduce_dtype)
-        self.opts = [build_partitioned_optimizer(cfg, b.data, b.grad, *b.segments(), b.group,
+        self.opts = [build_partitioned_optimizer(cfg, b.data, b.grad, b.segments, b.group,
                                                  self.zero3.comm) for b in self.buckets]
 
     def drop_optimizer(self) -> None:
