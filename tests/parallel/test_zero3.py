@@ -3,8 +3,6 @@
 to 4 to 1 ranks with exact values, export writes the model whole, and the memory budget
 refuses a plan before anything is allocated."""
 
-import json
-
 import pytest
 import torch
 

@@ -5,6 +5,7 @@ ParameterShard owner of offloaded training."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -135,15 +136,12 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
     troupe's GPT is built on the meta device and each block initialised as it is
     partitioned, so no rank ever holds it whole; a pretrained checkpoint is loaded whole
     and then cut."""
-    init = None
     if cfg.model.pretrained is not None:
-        model = from_pretrained(cfg.model.pretrained).train()
+        model, init = from_pretrained(cfg.model.pretrained).train(), None
     else:
         with torch.device("meta"):
             model = GPT(arch, seed=cfg.seed)
-
-        def init(names: set[str]) -> None:
-            model.init_weights(cfg.seed, only=names)
+        init = functools.partial(model.init_weights, cfg.seed)  # init(names): those only
     model = apply_expert_parallel(model, ep)
     zero3 = Zero3(model, dp, edp, prefetch=cfg.zero_prefetch,
                   reduce_dtype=precision_dtype(cfg.optimizer.reduce_dtype), init=init,
