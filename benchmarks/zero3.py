@@ -2,7 +2,7 @@
 time, at W = 1, 2, 4 trainer ranks, one JSON line per run (each run in fresh Ray actors, so
 each peak is its own), plus the memory plan of a model too large for stage 1 here.
 
-    python benchmarks/zero3.py --model smollm2 [--steps 4]
+    python benchmarks/zero3.py --model smollm2 [--steps 4] [--seq-len 64] [--workers 1 2 4]
     python benchmarks/zero3.py --model llama1b [--steps 20] [--memory-per-worker 10]
     python benchmarks/zero3.py --model equality [--steps 30]
 
@@ -89,13 +89,14 @@ def emit(line: dict) -> None:
 def smollm2(a) -> None:
     from troupe.models import smollm2 as pkg
     path = str(pkg.build())
-    model = dict(pretrained=path, seq_len=64)
+    model = dict(pretrained=path, seq_len=a.seq_len)
     P = sum(p.numel() for p in GPT(pkg_config(path)).parameters())
     for W in a.workers:
         for stage in (1, 3):
             out = run(config(model, W, stage, 2, None, None, 1e-5), a.steps)
             emit({"model": "smollm2", "params": P, "workers": W, "zero_stage": stage,
-                  "micro_batches": 1, "per_rank_batch": 2, "ideal_16P_over_W": 16 * P // W,
+                  "micro_batches": 1, "per_rank_batch": 2, "seq_len": a.seq_len,
+                  "ideal_16P_over_W": 16 * P // W,
                   **out})
     for micro in (None, 1):  # 4 sequences a rank: one micro-batch of 4, or 4 of 1
         times = {}
@@ -103,8 +104,10 @@ def smollm2(a) -> None:
             out = run(config(model, 2, stage, 4, micro, None, 1e-5), a.steps)
             times[stage] = out["step_s"]
             emit({"model": "smollm2", "params": P, "workers": 2, "zero_stage": stage,
-                  "micro_batches": 4 if micro else 1, "per_rank_batch": 4, **out})
+                  "micro_batches": 4 if micro else 1, "per_rank_batch": 4,
+                  "seq_len": a.seq_len, **out})
         emit({"model": "smollm2", "workers": 2, "micro_batches": 4 if micro else 1,
+              "seq_len": a.seq_len,
               "step_time_stage3_over_stage1": round(times[3] / times[1], 3)})
 
 
@@ -190,6 +193,7 @@ def main() -> None:
     p.add_argument("--model", choices=["smollm2", "llama1b", "equality"], default="smollm2")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--memory-per-worker", type=float, default=10.0)
+    p.add_argument("--seq-len", type=int, default=64, help="smollm2: tokens a sequence")
     p.add_argument("--workers", type=int, nargs="*", default=[1, 2, 4],
                    help="smollm2: the W of the memory lines (the micro-batch lines run at 2)")
     a = p.parse_args()
