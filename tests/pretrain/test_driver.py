@@ -48,6 +48,8 @@ CASES = {
                                     optimizer__shard_state=True),
     "dense-onebit-lamb-sharded": dict(model__moe=None, optimizer__name="onebit_lamb",
                                       optimizer__freeze_step=3, optimizer__shard_state=True),
+    # ZeRO-3: each rank's shards and their layout in the checkpoint (troupe.parallel.zero3)
+    "moe-zero3": dict(zero_stage=3),
 }
 
 
