@@ -27,5 +27,6 @@ from troupe.optim.sharded import (
 
 __all__ = ["OPTIMIZERS", "Adam", "AdamRule", "CommCounter", "FlatParams", "Lamb", "LambRule",
            "LossScaler", "OffloadedOptimizer", "OneBitAdam", "OneBitLamb", "Optimizer",
-           "OptimizerConfig", "ParameterShard", "PartitionedOptimizer", "ShardRule", "ShardedOptimizer", "ZeroOneAdam",
-           "build_optimizer", "build_partitioned_optimizer", "build_shard_rule", "padded_size", "segment_ids"]
+           "OptimizerConfig", "ParameterShard", "PartitionedOptimizer", "ShardRule",
+           "ShardedOptimizer", "ZeroOneAdam", "build_optimizer", "build_partitioned_optimizer",
+           "build_shard_rule", "padded_size", "segment_ids"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from troupe.optim import OptimizerConfig, padded_size
-from troupe.parallel.zero3 import unit_parameters
+from troupe.parallel.zero3 import transient_bytes, unit_parameters
 
 GIB = 1 << 30
 
@@ -55,19 +55,17 @@ def plan(model: nn.Module, cfg: OptimizerConfig, world: int, zero_stage: int = 1
     ``prefetch`` blocks gathered ahead); experts are split over ``ep_size`` ranks and their
     state over world / ep_size. ``blocks``: the model's decoder blocks (default
     ``model.blocks``), the units of stage 3."""
-    stage = zero_stage
     units = unit_parameters(model, blocks)
     edp = world // ep_size
     dense = [[p.numel() for p in u if not getattr(p, "expert", False)] for u in units]
     expert = [[p.numel() // ep_size for p in u if getattr(p, "expert", False)] for u in units]
-    if stage == 3:
+    if zero_stage == 3:
         shards = [padded_size(d, world) // world for d in dense if d]
         shards += [padded_size(e, edp) // edp for e in expert if e]
         n = sum(shards)
         full = [4 * (padded_size(d, world) if d else 0) + 4 * (padded_size(e, edp) if e else 0)
                 for d, e in zip(dense, expert)]
-        largest = max(full[1:], default=0)
-        gathered = largest * (prefetch + 2) + 2 * full[0]
+        gathered = transient_bytes(max(full[1:], default=0), full[0], prefetch)
         return MemoryPlan(3, 4 * n, 4 * n, 8 * n, gathered)
     P_dense, P_expert = sum(map(sum, dense)), sum(map(sum, expert))
     local = P_dense + P_expert

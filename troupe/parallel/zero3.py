@@ -14,9 +14,10 @@ while the unit is not gathered.
   while this one computes); after it runs, the storage is freed, in training too: the backward
   gathers it again.
 - Backward: when the gradient of a block's output arrives (before the block's own backward)
-  the block is gathered again and the next one down prefetched; once the gradient of the block's input is complete (its backward is
-  done) the block's gradient is reduce-scattered (the group's mean, in ``reduce_dtype``) and
-  added into this rank's gradient shard, and both its buffers are freed. So at most a few
+  the block is gathered again and the next one down prefetched; once the gradient of the
+  block's input is complete (its backward is done) the block's gradient is reduce-scattered
+  (the group's mean, in ``reduce_dtype``) and added into this rank's gradient shard, and
+  both its weights and gradient are freed. So at most a few
   units' gradients exist at full size, and gradient accumulation over micro-batches adds into
   the shards (1/W of the gradient): each micro-batch gathers every block twice and
   reduce-scatters it once, the price of never holding a whole gradient.
@@ -25,8 +26,9 @@ while the unit is not gathered.
   of the model, and a step's micro-batches then gather and reduce-scatter it once.
 
 Every rank issues the same collectives in the same order, whatever its data: gathers in the
-order the blocks run, reduce-scatters from the last block down (the root's at ``release``). An expert that received no tokens on a rank contributes a zero gradient there and
-its rank still joins the reduce-scatter, so no rank waits on a collective another skipped.
+order the blocks run, reduce-scatters from the last block down (the root's at ``release``).
+An expert that received no tokens on a rank contributes a zero gradient there and its rank
+still joins the reduce-scatter, so no rank waits on a collective another skipped.
 
 The optimizer (troupe.optim.PartitionedOptimizer) steps each bucket's master shard with its
 gradient shard; nothing needs gathering after the step. ``gathered()`` holds the whole model
@@ -64,6 +66,7 @@ class Partition:
         self.rank = group.rank if group is not None else 0
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]  # in the flat buffer
         self.padded = padded_size(self.numels, self.W)
         self.size = self.padded // self.W
         self.lo = self.rank * self.size
@@ -77,12 +80,15 @@ class Partition:
         """The full buffer, holding the parameters' values (they must have storage), each
         parameter a view into it from here on."""
         self.full = torch.zeros(self.padded, device=self.device)
-        offset = 0
-        for p, n in zip(self.params, self.numels):
+        for p, offset, n in zip(self.params, self.offsets, self.numels):
             self.full[offset:offset + n].copy_(p.data.reshape(-1))
-            p.data = self.full[offset:offset + n].view(p.shape)
-            offset += n
+        self._point_params()
         self.gathered = True
+
+    def _point_params(self) -> None:
+        """Each parameter a view into ``full``."""
+        for p, offset, n in zip(self.params, self.offsets, self.numels):
+            p.data = self.full[offset:offset + n].view(p.shape)
 
     def adopt(self, shard: torch.Tensor, grad_shard: torch.Tensor) -> None:
         """Keep this rank's part of the full buffer in ``shard`` (the bucket's), then free it."""
@@ -95,10 +101,7 @@ class Partition:
             # a numpy view was taken (a checkpoint writer): that storage stays with it, the
             # parameters move to a buffer of their own
             self.full = torch.empty(self.padded, device=self.full.device)
-            offset = 0
-            for p, n in zip(self.params, self.numels):
-                p.data = self.full[offset:offset + n].view(p.shape)
-                offset += n
+            self._point_params()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -139,7 +142,7 @@ class Partition:
         into the gradient shard, a chunk at a time; the arithmetic of ZeRO-1's
         reduce-scatter (troupe.optim.sharded)."""
         if self.group is None or self.W == 1:
-            for g, (start, n) in zip(grads, self._offsets()):
+            for g, start, n in zip(grads, self.offsets, self.numels):
                 if g is not None:
                     self.grad_shard[start:start + n].add_(g.reshape(-1), alpha=scale)
             return
@@ -152,19 +155,12 @@ class Partition:
             comm.reduce_scatter(wire.numel() * wire.element_size(), self.W)
             self.grad_shard[lo:lo + C].add_(part, alpha=scale)
 
-    def _offsets(self) -> list[tuple[int, int]]:
-        out, offset = [], 0
-        for n in self.numels:
-            out.append((offset, n))
-            offset += n
-        return out
-
     def _copy_range(self, grads: list[torch.Tensor | None], start: int,
                     out: torch.Tensor) -> None:
         """Elements [start, start + len(out)) of the flat gradient into ``out`` (left as it
         is where a parameter has no gradient or the range runs into padding)."""
         stop = start + len(out)
-        for g, (offset, n) in zip(grads, self._offsets()):
+        for g, offset, n in zip(grads, self.offsets, self.numels):
             a, b = max(start, offset), min(stop, offset + n)
             if g is not None and a < b:
                 out[a - start:b - start].copy_(g.reshape(-1)[a - offset:b - offset])
@@ -196,10 +192,6 @@ class PartitionedBucket:
         part, offset = self.partitions[index], self.offsets[index]
         part.adopt(self.data[offset:offset + part.size], self.grad[offset:offset + part.size])
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for part in self.partitions for p in part.params]
-
     def segments(self) -> tuple[torch.Tensor, int]:
         """For each element of ``data``: the index of its tensor among ``params`` (their count
         for padding), and that count plus one (LAMB's per-tensor norms)."""
@@ -213,7 +205,7 @@ class PartitionedBucket:
 
     def layout(self) -> list[list[int]]:
         """[numel, padded] of each partition: with the group's size, where every element of
-        ``data`` sits in the model (troupe.parallel.zero3.reshard reads it)."""
+        ``data`` sits in the model (``load_state_dict`` checks it)."""
         return [[p.numel, p.padded] for p in self.partitions]
 
     def zero_grad(self) -> None:
@@ -267,8 +259,7 @@ class PartitionedBucket:
                                    "tensors": mine, "extra": {}})
 
     def _check_saved(self, state: dict, k: int, old_world: int, where: str) -> None:
-        layout = [[n, padded_size(p.numels, old_world)] for n, p in
-                  zip([p.numel for p in self.partitions], self.partitions)]
+        layout = [[p.numel, padded_size(p.numels, old_world)] for p in self.partitions]
         if not isinstance(state, dict) or "layout" not in state:
             raise ValueError(f"{where}: bucket {self.name!r} of rank {k} was not written with "
                              "zero_stage 3")
@@ -320,7 +311,7 @@ class Unit:
     modules: list[nn.Module]
     partitions: list[tuple[PartitionedBucket, int]]  # (bucket, index of the partition in it)
     pending: Future | None = None            # a gather under way
-    grads: bool = False                      # a gradient buffer is attached
+    grads: bool = False                      # its gradients are to be reduced
 
     def parts(self) -> Iterator[Partition]:
         for bucket, i in self.partitions:
@@ -332,6 +323,13 @@ class Unit:
 
     def nbytes(self) -> int:
         return sum(p.padded * 4 for p in self.parts())
+
+
+def transient_bytes(largest_block: int, root: int, prefetch: int) -> int:
+    """The bound on what a rank holds gathered at once, from the full bytes of the largest
+    block and of the root: the block computing, the next ``prefetch`` and one block's
+    gradient, plus the root's weights and gradient."""
+    return largest_block * (prefetch + 2) + 2 * root
 
 
 class Zero3:
@@ -379,7 +377,7 @@ class Zero3:
             self.buckets["expert"] = PartitionedBucket("expert", edp, expert_scale,
                                                        expert_parts, self.device, expert_slice)
         for params, mine in zip(unit_params, where):  # then one unit whole at a time
-            self._materialize(model, params, names, init)
+            self._materialize(params, names, init)
             for kind, i in mine:
                 self.buckets[kind].partitions[i].build()
                 self.buckets[kind].adopt(i)
@@ -402,7 +400,7 @@ class Zero3:
     # ---------------------------------------------------------------- construction
 
     @staticmethod
-    def _materialize(model: nn.Module, params: list[nn.Parameter], names: dict[int, str],
+    def _materialize(params: list[nn.Parameter], names: dict[int, str],
                      init: Callable[[set[str]], None] | None) -> None:
         meta = [p for p in params if p.is_meta]
         if not meta:
@@ -612,12 +610,11 @@ class Zero3:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank keeps between steps: master weights and gradient shards; and the
-        transient peak of the gathered units: the largest unit's full weights times
-        (prefetch + 1) and its full gradient, plus the root with its gradient."""
+        bound on the gathered units (``transient_bytes``)."""
         largest = max((u.nbytes() for u in self.units), default=0)
         return {"param_bytes": sum(b.data.numel() * 4 for b in self.buckets.values()),
                 "grad_bytes": sum(b.grad.numel() * 4 for b in self.buckets.values()),
-                "gathered_bytes": largest * (self.prefetch + 2) + 2 * self.root.nbytes()}
+                "gathered_bytes": transient_bytes(largest, self.root.nbytes(), self.prefetch)}
 
     def close(self) -> None:
         """Remove the hooks (the model stays partitioned: its weights are the shards')."""

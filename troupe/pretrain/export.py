@@ -78,10 +78,7 @@ def _fill_partitioned(full: GPT, states: list[dict], W: int, P: int, where: str)
                 f"config's model needs {need} torch.float32 per rank: the manifest's config "
                 "does not describe these weights")
         for ts, flat in zip(tensors, assemble(shards, numels)):
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _fill(ts, flat, 1, where)
 
 
 def checkpoint_model(manifest: dict, directory: str | Path,

@@ -1,7 +1,7 @@
 """One data-parallel rank of GPT pretraining, in plain torch: the model (with this rank's slice
-of the experts), ZeRO-1 or 1-bit optimizers over flat buckets or a ZeRO-3 partitioned model, deterministic batches with the
-curriculum and random-LTD schedules, evaluation, and its share of a sharded checkpoint; and the
-ParameterShard owner of offloaded training."""
+of the experts), ZeRO-1 or 1-bit optimizers over flat buckets or a ZeRO-3 partitioned model,
+deterministic batches with the curriculum and random-LTD schedules, evaluation, and its share
+of a sharded checkpoint; and the ParameterShard owner of offloaded training."""
 
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ class Trainer:
             share = (part.stop - part.start) / len(x)
             lm_loss_value += lm_loss.item() * share
             aux_value += aux.detach().item() * share
-            loss = (lm_loss + coef * aux) * share if len(parts) > 1 else lm_loss + coef * aux
+            loss = (lm_loss + coef * aux) * share
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered

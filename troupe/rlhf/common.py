@@ -171,10 +171,6 @@ class PartitionedTrainable:
         self.opt_cfg: OptimizerConfig | None = None
         self.total_steps = 1
 
-    @property
-    def opt(self):
-        return self.opts
-
     def use_optimizer(self, cfg: OptimizerConfig, total_steps: int) -> None:
         self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
         self.opts = None
@@ -205,8 +201,8 @@ class PartitionedTrainable:
             self.scaler.load_state_dict(state["loss_scaler"])
 
     def release(self) -> None:
-        """Frozen for good: the optimizer state goes, the gradient shards are zeroed and the
-        parameters stop asking for gradients; the weights stay partitioned."""
+        """Frozen for good: the optimizer state goes and the parameters stop asking for
+        gradients; the weights stay partitioned."""
         for p in self.module.parameters():
             p.requires_grad_(False)
         self.opts = None
