@@ -67,3 +67,36 @@ def test_reference_product_is_the_integer_product_rescaled(T, I, O, kind, seed):
     xq, xs = quantize_tokens(x)
     want = (xq.double() @ q.double().t()) * xs.double()[:, None] * scales.double()[None, :]
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def _random_layer(g, O, I, kind):
+    q = (torch.randint(-1, 2, (O, I), generator=g) if kind == "ternary"
+         else torch.randint(0, 2, (O, I), generator=g) * 2 - 1).to(torch.int8)
+    packed = pack_trits(q) if kind == "ternary" else pack_sign_rows(q)
+    return packed, torch.rand(O, generator=g) + 0.1
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 19), I=st.integers(1, 700), O=st.integers(1, 40),
+       kind=st.sampled_from(["ternary", "binary"]), with_bias=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_the_product_equals_the_reference_exactly(path, T, I, O, kind, with_bias, seed):
+    """Odd sizes included: rows that end mid-byte and mid-vector, more tokens than one pass
+    holds (8) and more rows than one rescale (16)."""
+    from troupe.kernels import lowbit
+
+    if path == "native" and not lowbit.native_available():
+        pytest.skip("no AVX-512 VNNI here")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, I, generator=g) * (torch.rand(T, 1, generator=g) * 10)
+    packed, scales = _random_layer(g, O, I, kind)
+    bias = torch.randn(O, generator=g) if with_bias else None
+    want = lowbit_linear_reference(x, packed, scales, kind, bias)
+    if path == "torch":
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(lowbit, "native_available", lambda: False)
+            got = lowbit.lowbit_linear(x, packed, scales, kind, bias)
+    else:
+        got = lowbit.lowbit_linear(x, packed, scales, kind, bias)
+    assert torch.equal(got, want)

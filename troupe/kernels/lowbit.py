@@ -10,13 +10,22 @@ division, which is what a SIMD kernel wants. Binary weights {-1, +1} go eight to
 troupe.kernels.bitpack packs the 1-bit optimizers' signs (bit set: +1, most significant first).
 
 Rows are packed along the input dimension; a row of n weights takes ceil(n / 5) (ternary) or
-ceil(n / 8) (binary) bytes, the padding decoding to 0 (ternary) or +1 (binary), ignored."""
+ceil(n / 8) (binary) bytes, the padding decoding to 0 (ternary) or +1 (binary), ignored.
+
+``lowbit_linear`` multiplies without unpacking on CPUs with AVX-512 VNNI (csrc/lowbit_gemm.cpp:
+the planes of five trits or eight bits decoded 64 bytes at a time in registers) and equals
+``lowbit_linear_reference`` bit for bit; elsewhere (other CPUs, CUDA) it unpacks the weight for
+the call and multiplies the integers exactly in floating point."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from troupe.kernels import bitpack
+from troupe.devices import cpu_info
+from troupe.kernels import _native, bitpack
+from troupe.kernels.quant import quantize_tokens
 
 TRITS_PER_BYTE, BITS_PER_BYTE = 5, 8
 _POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)  # 3^(4-i)  # host: moved where used
@@ -73,11 +82,46 @@ def lowbit_linear_reference(x_TI: torch.Tensor, packed_OM: torch.Tensor, scales_
     """y = x W^T (+ bias) for W = unpack(packed) * scales[:, None], with the activations
     quantized token-wise to INT8 (absmax, as W8A8 does) and the product in integers: the
     result a native kernel must equal exactly. fp32 out."""
-    from troupe.kernels.quant import quantize_tokens
-
     n = x_TI.shape[-1]
     w = unpack(packed_OM, n, kind).to(torch.int32)
     xq, xs = quantize_tokens(x_TI.float())
     acc = xq.to(torch.int32) @ w.t()  # exact: |acc| <= 127 * n
+    y = acc.float() * xs[:, None] * scales_O.float()[None, :]
+    return y if bias is None else y + bias.float()
+
+
+KIND_CODES = {"ternary": 0, "binary": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def native_available() -> bool:
+    """Whether csrc/lowbit_gemm.cpp runs here (AVX-512 VNNI and a compiler)."""
+    flags = cpu_info()[1]
+    if flags is not None and not {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return False
+    ext = _native.load_extension("lowbit_gemm")
+    return ext is not None and ext.available()
+
+
+def lowbit_linear(x_TI: torch.Tensor, packed_OM: torch.Tensor, scales_O: torch.Tensor,
+                  kind: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``lowbit_linear_reference`` computes (fp32 (T, O)), fast: the native kernel on a
+    CPU with VNNI; elsewhere the weight unpacked for this call (transient int8 (O, I)) and the
+    integer product taken in fp32, exact while every partial sum is below 2^24 (127 I < 2^24:
+    I up to 132104), else in fp64."""
+    if kind not in KIND_CODES:
+        raise ValueError(f"kind must be one of {tuple(KIND_CODES)}, got {kind!r}")
+    if x_TI.device.type == "cpu" and packed_OM.device.type == "cpu" and native_available():
+        f32 = lambda t: t if t.dtype == torch.float32 and t.is_contiguous() else \
+            t.float().contiguous()
+        return _native.load_extension("lowbit_gemm").linear(
+            f32(x_TI), packed_OM.contiguous(), f32(scales_O),
+            None if bias is None else f32(bias), KIND_CODES[kind])
+    n = x_TI.shape[-1]
+    w = unpack(packed_OM, n, kind)
+    xq, xs = quantize_tokens(x_TI.float())
+    dtype = torch.float32 if 127 * n < 1 << 24 else torch.float64
+    with torch.autocast(x_TI.device.type, enabled=False):  # autocast would round the sums
+        acc = xq.to(dtype) @ w.to(dtype).t()
     y = acc.float() * xs[:, None] * scales_O.float()[None, :]
     return y if bias is None else y + bias.float()
