@@ -1,8 +1,9 @@
-"""The ``troupe`` command: one entry point for the three applications.
+"""The ``troupe`` command: one entry point for the applications.
 
     troupe rlhf [--config RECIPE] [key=value ...]       # RLHF (steps 1-3), PPO / GRPO / DPO ...
     troupe pretrain [--config RECIPE] [key=value ...]   # GPT / PR-MoE pretraining
     troupe serve [--config RECIPE] [key=value ...]      # the OpenAI-compatible server
+    troupe compress [--config RECIPE] [key=value ...]   # XTC: ternary/binary students, distilled
     troupe recipes                                      # the bundled recipes and their files
 
 ``python -m troupe ...`` is the same command, and ``python apps/rlhf.py ...`` (likewise
@@ -18,7 +19,7 @@ import sys
 from troupe.config import bundled_recipes
 
 APPS = {"pretrain": "troupe.pretrain.cli", "rlhf": "troupe.rlhf.cli",
-        "serve": "troupe.serving.cli"}
+        "serve": "troupe.serving.cli", "compress": "troupe.pretrain.compress"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,15 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.compression.quantize import (QuantizedLinear, gates_stay_fp32, quantize_experts,
-                                         quantize_for, replace_linears, replace_modules)
+from troupe.compression.lowbit import fake_lowbit
+from troupe.compression.quantize import (LOWBIT, QuantizedLinear, gates_stay_fp32,
+                                         quantize_experts, quantize_for, replace_linears,
+                                         replace_modules)
 from troupe.kernels.quant import dequantize_weight, quantize_tokens
 from troupe.models import GPT
 
 
 class FakeQuantLinear(nn.Module):
     """An nn.Linear trained through quantization: the forward uses dq(q(w)) (and, for w8a8,
-    token-wise quantized inputs); gradients pass straight through to the fp32 weight."""
+    ternary and binary, token-wise INT8 inputs); gradients pass straight through to the fp32
+    weight (and the inputs). Its parameters are named as nn.Linear's (``weight``, ``bias``), so
+    a model's state dict does not change when its layers are swapped for these."""
 
     def __init__(self, linear: nn.Linear, mode: str, group_size: int = 64):
         super().__init__()
@@ -32,9 +36,12 @@ class FakeQuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qw = quantize_for(self.weight.detach(), self.mode, self.group_size)
-        w = self.weight + (dequantize_weight(qw) - self.weight).detach()
-        if self.mode == "w8a8":
+        if self.mode in LOWBIT:  # one scale a row, recomputed from the weight every step
+            w = fake_lowbit(self.weight, self.mode)
+        else:
+            qw = quantize_for(self.weight.detach(), self.mode, self.group_size)
+            w = self.weight + (dequantize_weight(qw) - self.weight).detach()
+        if self.mode in ("w8a8", *LOWBIT):  # INT8 tokens
             x2 = x.reshape(-1, x.shape[-1])
             q, s = quantize_tokens(x2.detach())
             x = x + ((q.float() * s[:, None]).reshape(x.shape) - x).detach()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from troupe.kernels.lowbit import LowbitWeight, pack
+
 KINDS = ("ternary", "binary")
 
 
@@ -60,3 +62,9 @@ def fake_lowbit(w_OI: torch.Tensor, kind: str) -> torch.Tensor:
     """The quantized weight in the forward, the identity in the backward."""
     q, s = lowbit(w_OI, kind)
     return w_OI + (dequantize(q, s).to(w_OI.dtype) - w_OI).detach()
+
+
+def quantize_lowbit(w_OI: torch.Tensor, kind: str) -> LowbitWeight:
+    """``w_OI`` ternarized or binarized and packed (troupe.kernels.lowbit)."""
+    q, s = lowbit(w_OI, kind)
+    return LowbitWeight(pack(q.cpu(), kind).to(w_OI.device), s, kind, tuple(w_OI.shape))

@@ -5,7 +5,9 @@ optionally a few calibrated outlier input channels kept in fp32, below),
 "w8a16" and "w4a16" (weight-only: group-wise INT8 / packed INT4 weights with 16-bit
 activations: token-wise INT16 in the native VNNI kernel; elsewhere fp32 activations, a portable
 row-at-a-time loop for a few tokens and the dequantized weight's fp32 GEMM for more),
-"fp32" (leave the layer alone). MoE experts (stacked weights) are quantized expert by expert,
+"ternary" and "binary" (XTC's extreme compression, troupe.compression.lowbit: weights in
+{-1, 0, +1} or {-1, +1} times one scale a row, packed 1.6 or 1 bit a weight, token-wise INT8
+activations, troupe.kernels.lowbit's product), "fp32" (leave the layer alone). MoE experts (stacked weights) are quantized expert by expert,
 each expert's two matrices like Linears (QuantizedExperts).
 
 LoRC (ZeroQuant-V2's low-rank compensation, ``lorc_rank`` > 0): the quantization error
@@ -31,13 +33,18 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from troupe.compression.lowbit import quantize_lowbit
 from troupe.kernels.grouped_mlp import activation
+from troupe.kernels.lowbit import LowbitWeight, lowbit_linear
 from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
-                                  quantize_weight, row_layout, vnni_layout, weight_only_linear)
+                                  quantize_weight, row_layout, unpack_int4, vnni_layout,
+                                  weight_only_linear)
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import TopKGate
 
-MODES = ("fp32", "w8a8", "w8a16", "w4a16")
+MODES = ("fp32", "w8a8", "w8a16", "w4a16", "ternary", "binary")
+LOWBIT = ("ternary", "binary")
+EMBEDDINGS = {"fp32": None, "int8": "w8a16", "int4": "w4a16"}  # -> the tied output's mode
 
 
 class QuantizedLinear(nn.Module):
@@ -68,7 +75,7 @@ class QuantizedLinear(nn.Module):
         self.lorc_down: torch.Tensor | None = None  # (r, I): V_r^T
         self.lorc_up: torch.Tensor | None = None    # (O, r): U_r S_r
         if lorc_rank:
-            U, S, Vh = torch.linalg.svd(w - dequantize_weight(self.qw), full_matrices=False)
+            U, S, Vh = torch.linalg.svd(w - self.dequantized_weight(), full_matrices=False)
             self.lorc_down = Vh[:lorc_rank].contiguous()
             self.lorc_up = (U[:, :lorc_rank] * S[:lorc_rank]).contiguous()
 
@@ -79,13 +86,33 @@ class QuantizedLinear(nn.Module):
             extra += 4 * self.outlier_w.numel() + 8 * self.outliers.numel()
         return self.qw.nbytes + extra
 
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight | LowbitWeight, mode: str,
+                       bias: torch.Tensor | None = None, group_size: int = 64
+                       ) -> "QuantizedLinear":
+        """A layer around weights quantized already (read from a quantized model directory,
+        troupe.compression.artifact), laid out for this machine's kernels."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.mode, layer.group_size = mode, group_size
+        layer.out_features, layer.in_features = qw.shape
+        layer.qw = qw if isinstance(qw, LowbitWeight) else vnni_layout(qw)
+        layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        layer.outliers = layer.outlier_w = layer.lorc_down = layer.lorc_up = None
+        return layer
+
     def dequantized_weight(self) -> torch.Tensor:
+        if isinstance(self.qw, LowbitWeight):
+            return self.qw.dequantize()
         return dequantize_weight(self.qw)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(device)``, ``.cuda()`` and the like move the integer weights, their scales
         and the LoRC factors too (they are not parameters)."""
         super()._apply(fn, recurse)
+        if isinstance(self.qw, LowbitWeight):
+            self.qw = self.qw.map(fn)
+            return self
         rows = row_layout(self.qw)  # packed for the CPU kernel only while on the CPU
         # a cast (``.to(torch.float64)``) moves them but leaves them fp32: the integer
         # product's scales, the LoRC factors and the outlier columns are fp32 by design
@@ -100,7 +127,9 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.mode == "w8a8":
+        if self.mode in LOWBIT:
+            y = lowbit_linear(x2, self.qw.packed, self.qw.scales, self.mode, self.bias)
+        elif self.mode == "w8a8":
             y = int8_linear(x2, self.qw, self.bias, None if self.outliers is None else
                             (self.outliers, self.outlier_w))
         else:
@@ -108,6 +137,48 @@ class QuantizedLinear(nn.Module):
         if self.lorc_down is not None:
             y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding held as INT8 or INT4 rows with a scale per group of ``group_size``
+    values along the model dimension (as w8a16 / w4a16 hold a Linear's rows); a lookup
+    dequantizes the rows it gathers, in ``dtype``. For a model whose output projection is the
+    embedding (tied), ``quantize_model`` gives the head the same integers (a weight-only
+    QuantizedLinear): SmolLM2's 49152 x 576 matrix is a fifth of its weights."""
+
+    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if qw.axis != 1 or qw.layout != "rows":
+            raise ValueError("QuantizedEmbedding holds row-layout weights grouped along the "
+                             "model dimension")
+        self.qw, self.dtype = qw, dtype
+        self.num_embeddings, self.embedding_dim = qw.shape
+
+    @classmethod
+    def of(cls, emb: nn.Embedding, bits: int, group_size: int = 64) -> "QuantizedEmbedding":
+        w = emb.weight.detach().float()
+        return cls(quantize_weight(w, bits, _divisor(w.shape[1], group_size), axis=1),
+                   emb.weight.dtype)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.qw.nbytes
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.qw = dataclasses.replace(self.qw, q=fn(self.qw.q), scales=fn(self.qw.scales).float())
+        probe = fn(torch.zeros((), dtype=self.dtype))  # a cast changes what lookups return
+        self.dtype = probe.dtype if probe.is_floating_point() else self.dtype
+        return self
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        qw, C = self.qw, self.embedding_dim
+        q = qw.q[idx]
+        if qw.bits == 4:
+            q = unpack_int4(q, C)
+        g = qw.group_size
+        rows = q.float().reshape(*idx.shape, C // g, g) * qw.scales[idx][..., None]
+        return rows.reshape(*idx.shape, C).to(self.dtype)
 
 
 def requantize(quantized: nn.Module, source: nn.Module) -> None:
@@ -169,12 +240,15 @@ class QuantizedExperts(nn.Module):
         return torch.cat(outs) if outs else x_AM
 
 
-def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64) -> QuantizedWeight:
+def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64
+                 ) -> QuantizedWeight | LowbitWeight:
     """The weight quantization a mode uses: one scale per output channel for w8a8 (the INT8
     GEMM is rescaled per column anyway, so finer costs nothing; groups of 64 rows sharing one
     scale cost SmolLM2 +1.4 points of perplexity), groups along the input for the weight-only
-    modes."""
+    modes, one scale a row for ternary and binary (packed)."""
     O, I = w_OI.shape
+    if mode in LOWBIT:
+        return quantize_lowbit(w_OI, mode)
     if mode == "w8a8":
         return vnni_layout(quantize_weight(w_OI, 8, 1, axis=0))
     if mode in ("w8a16", "w4a16"):
@@ -193,7 +267,8 @@ def _divisor(n: int, want: int) -> int:
 
 def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64,
                    lorc_rank: int = 0,
-                   outliers: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+                   outliers: dict[str, torch.Tensor] | None = None,
+                   embedding: str = "fp32") -> dict[str, str]:
     """Replace each nn.Linear whose qualified name matches a rule's glob pattern (first match
     wins) by a QuantizedLinear of that rule's mode (with LoRC factors of ``lorc_rank``), and
     each MoE Experts module likewise by QuantizedExperts; returns {module name: mode} for the
@@ -201,16 +276,29 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     MoE gates stay fp32 whatever the rules say: they are tiny, and routing is where a small
     error changes a token's whole path. A tied output projection (``tied_output``) is
     quantized only by a rule named exactly "lm_head". ``outliers``: {layer name: input
-    channels to keep in fp32} for the w8a8 layers (``outlier_channels``)."""
+    channels to keep in fp32} for the w8a8 layers (``outlier_channels``). ``embedding``:
+    "int8" or "int4" holds the token embedding as QuantizedEmbedding (listed as "tok_emb");
+    a tied output projection then gets the same integers (w8a16 / w4a16) unless a rule names
+    "lm_head"."""
+    if embedding not in EMBEDDINGS:
+        raise ValueError(f"embedding must be one of {tuple(EMBEDDINGS)}, got {embedding!r}")
     rules = gates_stay_fp32(model, rules)
     outliers = outliers or {}
     done = replace_linears(model, rules, lambda lin, mode, name: QuantizedLinear(
         lin, mode, group_size, lorc_rank, outliers.get(name)))
     done.update(quantize_experts(model, rules, group_size, lorc_rank))
-    mode, tied = rules.get("lm_head", "fp32"), tied_output(model)
+    tied = tied_output(model)
+    mode = rules.get("lm_head", EMBEDDINGS[embedding] or "fp32")
+    if tied is not None and embedding != "fp32" and mode == "fp32":
+        raise ValueError(f"embedding={embedding!r} with an fp32 lm_head rule: this model's "
+                         "output projection is its embedding matrix, which would be INT")
     if mode != "fp32" and tied is not None:
         model.lm_head = QuantizedLinear(tied, mode, group_size, lorc_rank, outliers.get("lm_head"))
         done["lm_head"] = mode
+    if embedding != "fp32" and isinstance(getattr(model, "tok_emb", None), nn.Embedding):
+        model.tok_emb = QuantizedEmbedding.of(model.tok_emb, 8 if embedding == "int8" else 4,
+                                              group_size)
+        done["tok_emb"] = embedding
     return done
 
 

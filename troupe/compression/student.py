@@ -10,14 +10,12 @@ from typing import Sequence
 
 import torch
 
-from troupe.models import GPT
+from troupe.models import GPT, GPTConfig
 
 
-def reduce_layers(teacher: GPT, keep: Sequence[int]) -> GPT:
-    """A new GPT whose block j is a copy of the teacher's block ``keep[j]``; every other weight
-    copied too. An MoE block stays MoE with its expert count (the student's config lists them);
-    the teacher is left untouched."""
-    cfg, keep = teacher.cfg, list(keep)
+def reduced_config(cfg: GPTConfig, keep: Sequence[int]) -> GPTConfig:
+    """The configuration of ``cfg``'s student keeping blocks ``keep`` (in that order)."""
+    keep = list(keep)
     bad = [i for i in keep if not isinstance(i, int) or not 0 <= i < cfg.n_layer]
     if not keep or bad or len(set(keep)) != len(keep):
         raise ValueError(f"keep_layers: {keep} must be distinct block indices in "
@@ -32,7 +30,15 @@ def reduce_layers(teacher: GPT, keep: Sequence[int]) -> GPT:
                 "expert_interval": 1,
                 "dense_layers": [j for j, i in enumerate(keep) if i not in counts],
                 "num_experts": [counts[i] for i in kept]})
-    student = GPT(cfg.model_copy(update={"n_layer": len(keep), "moe": moe}))
+    return cfg.model_copy(update={"n_layer": len(keep), "moe": moe})
+
+
+def reduce_layers(teacher: GPT, keep: Sequence[int]) -> GPT:
+    """A new GPT whose block j is a copy of the teacher's block ``keep[j]``; every other weight
+    copied too. An MoE block stays MoE with its expert count (the student's config lists them);
+    the teacher is left untouched."""
+    keep = list(keep)
+    student = GPT(reduced_config(teacher.cfg, keep))
     state = {k: v for k, v in teacher.state_dict().items() if not k.startswith("blocks.")}
     for j, i in enumerate(keep):
         prefix = f"blocks.{i}."

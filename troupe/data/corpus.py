@@ -85,23 +85,38 @@ def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
             yield i, row
 
 
+def parquet_rows(path: Path):
+    """(row number, row) of a parquet file (pyarrow, when it is installed); null columns
+    left out of a row."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or "
+                          "give the rows as JSON lines") from None
+    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield i, {k: v for k, v in row.items() if v is not None}
+
+
 def file_documents(paths: list[str | Path], text_key: str = "text") -> list[str]:
-    """Documents from .txt files (one per file) and .jsonl files (one per line, the string
-    under ``text_key``). Errors name the file and line."""
+    """Documents from .txt files (one per file), .jsonl files (one per line, the string
+    under ``text_key``) and .parquet files (one per row, the same column). Errors name the
+    file and line (row)."""
     docs = []
     for p in map(Path, paths):
         if not p.is_file():
             raise FileNotFoundError(f"data file {p} does not exist")
         if p.suffix == ".txt":
             docs.append(p.read_text(encoding="utf-8"))
-        elif p.suffix == ".jsonl":
-            for i, row in jsonl_objects(p):
+        elif p.suffix in (".jsonl", ".parquet"):
+            rows = jsonl_objects(p) if p.suffix == ".jsonl" else parquet_rows(p)
+            for i, row in rows:
                 if not isinstance(row.get(text_key), str):
                     raise DataError(f"{p}:{i}: expected an object with a string "
                                      f"{text_key!r} field")
                 docs.append(row[text_key])
         else:
-            raise DataError(f"data file {p}: expected .txt or .jsonl, got {p.suffix!r}")
+            raise DataError(f"data file {p}: expected .txt, .jsonl or .parquet, got "
+                            f"{p.suffix!r}")
     if not docs:
         raise DataError(f"no documents in {[str(p) for p in paths]}")
     return docs

@@ -16,8 +16,8 @@ from troupe.data.tokenizer import ByteTokenizer, HFTokens
 
 
 class DataConfig(Config):
-    """source: "stdlib" (docstrings of Python's standard library) or a list of .txt/.jsonl
-    files; val_fraction of the documents (at least one) is held out for validation;
+    """source: "stdlib" (docstrings of Python's standard library) or a list of .txt, .jsonl or
+    .parquet files; val_fraction of the documents (at least one) is held out for validation;
     max_chars: keep at most this many tokens of each stream (bytes, for the byte tokenizer)."""
 
     source: str | list[str] = "stdlib"

@@ -77,7 +77,7 @@ class ContinuousBatcher:
         self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
                        else DecodeWeights(model) if packed_decode else None)
         self.cfg = model.cfg
-        self.device = model.tok_emb.weight.device
+        self.device = model.device
         self.eos_id = eos_id
         self.max_batch = max_batch
         self._waiting: deque[_Sequence] = deque()
@@ -290,7 +290,7 @@ class ContinuousBatcher:
 
     # ---- the shared cache -------------------------------------------------------------------
     def _dtype(self) -> torch.dtype:
-        return self.model.tok_emb.weight.dtype
+        return self.model.dtype
 
     def _make_room(self) -> None:
         """A free column for the next token: the cache doubles its columns (up to the

@@ -19,6 +19,7 @@ the call and multiplies the integers exactly in floating point."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -91,6 +92,38 @@ def lowbit_linear_reference(x_TI: torch.Tensor, packed_OM: torch.Tensor, scales_
 
 
 KIND_CODES = {"ternary": 0, "binary": 1}
+
+
+@dataclasses.dataclass
+class LowbitWeight:
+    """A packed ternary or binary (O, I) weight: ``packed`` (O, ceil(I / 5)) or (O, ceil(I / 8))
+    uint8 and one fp32 scale a row (troupe.compression.lowbit makes them)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    kind: str
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 (O, I) weight it stands for."""
+        return unpack(self.packed, self.shape[1], self.kind).float() * self.scales[:, None]
+
+    def map(self, fn) -> "LowbitWeight":
+        """Moved by ``fn`` (``.to(device)`` and the like); the scales stay fp32."""
+        return dataclasses.replace(self, packed=fn(self.packed), scales=fn(self.scales).float())
+
+
+def pack(q_OI: torch.Tensor, kind: str) -> torch.Tensor:
+    """The packed rows of ternary (``pack_trits``) or binary (``pack_sign_rows``) values."""
+    if kind == "ternary":
+        return pack_trits(q_OI)
+    if kind == "binary":
+        return pack_sign_rows(q_OI)
+    raise ValueError(f"kind must be 'ternary' or 'binary', got {kind!r}")
 
 
 @functools.lru_cache(maxsize=None)

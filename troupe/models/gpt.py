@@ -318,12 +318,23 @@ class GPT(nn.Module):
                                  if pos is None else pos)
         return self.drop(x)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (read from the final norm: the embedding may be held
+        quantized, troupe.compression.QuantizedEmbedding)."""
+        return self.ln_f.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The type of its unquantized weights and activations."""
+        return self.ln_f.weight.dtype
+
     def mixed_precision(self, precision: str):
         """A context for ``precision``: "bf16" or "fp16" runs what it encloses under autocast
         to that type on this model's device (the weights stay fp32; fp16 needs loss scaling,
         troupe.optim.LossScaler), "fp32" changes nothing."""
         dtype = precision_dtype(precision)
-        return torch.autocast(self.tok_emb.weight.device.type, dtype=dtype,
+        return torch.autocast(self.device.type, dtype=dtype,
                               enabled=dtype != torch.float32)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

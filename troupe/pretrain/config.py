@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+import torch
 from pydantic import Field, model_validator
 
 from troupe.config import AppConfig, Config, check_zero_stage
 from troupe.data import ByteTokenizer, CurriculumConfig, DataConfig, RandomLTDConfig
 from troupe.devices import Device, Precision
-from troupe.models import GPTConfig
+from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import read_config
 from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
@@ -114,6 +115,17 @@ class PretrainConfig(AppConfig):
     zero_stage: Literal[1, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
+
+    def prepare_model(self, model: GPT) -> GPT:
+        """The model a rank trains, made from the one it starts from (the pretrained
+        checkpoint, or troupe's GPT seeded): itself. apps/compress.py's recipe makes a
+        student of it (troupe.compression.distill)."""
+        return model
+
+    def objective(self, device: torch.device):
+        """What a rank minimises: None for the language-model loss; apps/compress.py's recipe
+        gives a distillation loss ``(model, x, y, ltd) -> (loss, MoE aux loss)``."""
+        return None
 
     @model_validator(mode="after")
     def _fits(self) -> "PretrainConfig":

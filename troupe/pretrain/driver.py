@@ -60,7 +60,7 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1
     each trainer asks Ray for ``num_gpus`` and the trainers' groups are NCCL's."""
     T, W, info = cfg.train, cfg.workers, init()
     device = cluster_device(cfg.device, info.num_gpus, W * cfg.num_gpus, info.embedded)
-    config = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
+    config = cfg.model_copy(update={"device": device})  # the workers' own choice (and class)
     num_gpus = cfg.num_gpus if device == "cuda" else 0.0
     g = ActorGraph(name).role(TRAINER, TrainerActor, W, num_cpus=num_cpus, num_gpus=num_gpus,
                               strategy=T.strategy, max_restarts=cfg.max_restarts, config=config)
@@ -97,27 +97,35 @@ def _checkpointed(graph: Graph) -> list:
 
 
 def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None = None,
-        progress: bool = True, on_step: Callable[[int, Graph], None] | None = None) -> list[dict]:
+        progress: bool = True, on_step: Callable[[int, Graph], None] | None = None,
+        export: Callable[[PretrainConfig, Path], object] | None = None,
+        name: str = "pretrain") -> list[dict]:
     """Train per ``cfg``; returns the metric records of this run (also in out_dir/metrics.jsonl).
 
     resume: "auto" (the newest complete checkpoint in train.checkpoint_dir, by default
     out_dir/checkpoints, if any), a checkpoint directory, or None.
     stop_after: stop (with a checkpoint) after this step, as an interruption.
     on_step(step, graph): called before each step (fault injection, custom logging).
+    export(cfg, out_dir): what is written once the last step is done (default: the Hugging
+    Face directory out_dir/hf, when the model has that form). name: of the graph and the
+    progress bar.
     Raises RunFailedError once failures exceed max_restarts (see the module doc).
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    built = build_graph(cfg)
+    built = build_graph(cfg, name)
     try:
-        records = _train(built.graph, cfg, resume, stop_after, progress, on_step)
+        records = _train(built.graph, cfg, resume, stop_after, progress, on_step, name)
         plot_losses(MetricsLog(out / "metrics.jsonl").records(), out / "loss.png",
                     f"{out.name}: {cfg.optimizer.name}")
     finally:
         built.shutdown()
-    if (stop_after is None or stop_after >= cfg.train.steps) and exportable(cfg):
-        export_hf(cfg, out / "hf")
+    if stop_after is None or stop_after >= cfg.train.steps:
+        if export is not None:
+            export(cfg, out)
+        elif exportable(cfg):
+            export_hf(cfg, out / "hf")
     return records
 
 
@@ -146,7 +154,8 @@ def export_hf(cfg: PretrainConfig, directory: Path) -> Path:
 
 
 def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: int | None,
-           progress: bool, on_step: Callable[[int, Graph], None] | None) -> list[dict]:
+           progress: bool, on_step: Callable[[int, Graph], None] | None,
+           name: str = "pretrain") -> list[dict]:
     """The step loop (troupe.runtime.recovery.run_steps) from where ``resume`` says (see
     ``run``) to the last step; returns the records of the steps this run made."""
     out, T = Path(cfg.out_dir), cfg.train
@@ -167,7 +176,7 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
         records[:] = [r for r in records if r["step"] <= done]
         return done
 
-    bar = tqdm(desc="pretrain", disable=not progress, initial=start, total=T.steps)
+    bar = tqdm(desc=name, disable=not progress, initial=start, total=T.steps)
     run_steps(policy, metrics, start, last, step, restore,
               before_step=None if on_step is None else lambda n: on_step(n, graph), bar=bar)
     bar.close()

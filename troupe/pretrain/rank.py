@@ -137,7 +137,7 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
     partitioned, so no rank ever holds it whole; a pretrained checkpoint is loaded whole
     and then cut."""
     if cfg.model.pretrained is not None:
-        model, init = from_pretrained(cfg.model.pretrained).train(), None
+        model, init = cfg.prepare_model(from_pretrained(cfg.model.pretrained).train()), None
     else:
         with torch.device("meta"):
             model = GPT(arch, seed=cfg.seed)
@@ -188,6 +188,7 @@ class Trainer:
         self.ep_size = ep.world_size if ep is not None else 1
         self.dp, self.step = dp, 0
         self.scaler = LossScaler() if cfg.precision == "fp16" else None
+        self.objective = cfg.objective(self.device) or language_model_loss
 
     def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
@@ -207,7 +208,7 @@ class Trainer:
         parts = micro_batches(len(x), cfg.train.micro_batch_size)
         for part in parts:  # gradients accumulate; each loss its share of the batch's mean
             with self.model.mixed_precision(cfg.precision):
-                _, lm_loss, aux = self.model(x[part], y[part], ltd=ltd)
+                lm_loss, aux = self.objective(self.model, x[part], y[part], ltd)
             share = (part.stop - part.start) / len(x)
             lm_loss_value += lm_loss.item() * share
             aux_value += aux.detach().item() * share
@@ -310,12 +311,19 @@ class Trainer:
         self._load_common(state, where)
 
 
+def language_model_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
+                        ltd=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean next-token loss of ``model`` on ``x`` against ``y``, and its MoE aux loss."""
+    _, loss, aux = model(x, y, ltd=ltd)
+    return loss, aux
+
+
 def build_model(cfg: PretrainConfig, arch: GPTConfig) -> GPT:
     """The whole model a run starts from (``arch``: ``cfg.model.architecture()``): the
     pretrained checkpoint, or troupe's GPT seeded."""
     if cfg.model.pretrained is not None:
-        return from_pretrained(cfg.model.pretrained).train()
-    return GPT(arch, seed=cfg.seed)
+        return cfg.prepare_model(from_pretrained(cfg.model.pretrained).train())
+    return cfg.prepare_model(GPT(arch, seed=cfg.seed))
 
 
 class ShardOwner:

@@ -16,7 +16,7 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Callable
 
-from troupe.data.corpus import jsonl_objects
+from troupe.data.corpus import jsonl_objects, parquet_rows
 from troupe.errors import DataError
 from troupe.rlhf.config import STEP3, RLHFConfig
 
@@ -45,17 +45,6 @@ def _check_prompt(prompt, where: str) -> Prompt:
                      '{"role": ..., "content": ...} messages')
 
 
-def _parquet_rows(path: Path):
-    """(row number, row) of a parquet file (pyarrow, when it is installed)."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or "
-                          "give the rows as JSON lines") from None
-    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
-        yield i, {k: v for k, v in row.items() if v is not None}
-
-
 def read_jsonl(path: str | Path) -> list[Example]:
     """Examples from a JSON-lines file, or a parquet file with the same columns (see the
     module's docstring); a bad row raises ValueError naming the file, row and field."""
@@ -63,7 +52,7 @@ def read_jsonl(path: str | Path) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(f"RLHF data file {path} does not exist")
     out = []
-    rows = _parquet_rows(path) if path.suffix == ".parquet" else jsonl_objects(path)
+    rows = parquet_rows(path) if path.suffix == ".parquet" else jsonl_objects(path)
     for i, row in rows:
         if "prompt" not in row:
             raise DataError(f"{path}:{i}: field prompt missing")

@@ -1,6 +1,7 @@
 """The model a server holds: loaded from a Hugging Face model directory, a pretraining
 checkpoint or a model file, then quantized per ServeConfig.quantize (ZeroQuant post-training
-quantization)."""
+quantization); or a quantized model directory (troupe.compression.artifact: apps/compress.py's
+output, or any model saved after quantize_model), held as it was written."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
+from troupe.compression.artifact import MANIFEST, is_quantized_dir, load_quantized
 from troupe.compression.quantize import outlier_channels, unmatched_patterns
 from troupe.config import ConfigError, validate
 from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
@@ -80,6 +82,19 @@ def check_source(cfg: ServeConfig) -> None:
     """What the driver checks before any replica starts: the model exists (``locate``) and
     every quantize pattern matches some layer of it; ConfigError naming the key otherwise."""
     path = locate(cfg.model)
+    if cfg.model.pretrained is not None and is_quantized_dir(path):
+        if cfg.quantize and "quantize" in cfg.model_fields_set:
+            raise ConfigError(f"quantize: model.pretrained={cfg.model.pretrained!r} is a "
+                              f"quantized model directory (its {MANIFEST} says how each layer "
+                              "is held); set quantize={} or serve the fp32 model")
+        if cfg.expert_parallel > 1:
+            raise ConfigError("expert_parallel: a quantized model directory holds no MoE "
+                              "experts to spread; set expert_parallel=1")
+        try:
+            read_config(path)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"model.pretrained: {e}") from None
+        return
     if not cfg.quantize:
         return
     if cfg.model.pretrained is not None:
@@ -141,6 +156,9 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
     each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
     the model's tokenizer (default: loaded from the source)."""
+    if cfg.model.pretrained is not None and is_quantized_dir(locate(cfg.model)):
+        model, modes = load_quantized(locate(cfg.model))  # held as written: no rules apply
+        return placed(model, cfg), modes
     model = placed(load_source(cfg.model), cfg)
     tok = tok or source_tokenizer(cfg.model)
     return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
@@ -169,9 +187,10 @@ def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.T
 def quantize_served(model: GPT, cfg: ServeConfig,
                     outliers: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Quantize ``model`` in place per ``cfg.quantize`` ({}: fp32); returns the modes."""
-    if not cfg.quantize:
+    if not cfg.quantize and cfg.embedding == "fp32":
         return {}
-    return quantize_model(model, cfg.quantize, cfg.group_size, outliers=outliers)
+    return quantize_model(model, cfg.quantize, cfg.group_size, outliers=outliers,
+                          embedding=cfg.embedding)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -69,7 +69,10 @@ class Limits(Config):
 
 class ServeConfig(AppConfig):
     """apps/serve.py's configuration. quantize: module-name patterns to modes (w8a8, w8a16,
-    w4a16; see troupe.compression), {} to serve fp32. outlier_channels: the W8A8 layers keep
+    w4a16, ternary, binary; see troupe.compression), {} to serve fp32; not used for a
+    quantized model directory (model.pretrained written by apps/compress.py or
+    troupe.compression.artifact), which says how each layer is held. embedding: hold the token
+    embedding as int8 or int4 rows (a tied output projection gets the same integers). outlier_channels: the W8A8 layers keep
     this many input channels in fp32, those with the largest activations on a few calibration
     windows of text (the standard library's docstrings, in the model's tokenizer); 0: none. api_key_env: the environment variable
     holding the bearer token clients must send (unset or empty: no authentication).
@@ -86,6 +89,7 @@ class ServeConfig(AppConfig):
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
+    embedding: Literal["fp32", "int8", "int4"] = "fp32"
     group_size: int = Field(default=64, ge=2)
     outlier_channels: int = Field(default=16, ge=0)
     limits: Limits = Limits()

@@ -83,7 +83,7 @@ class ServeReplica:
                                     tokenizer=self.tok.hf)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,
-                         "device": str(model.tok_emb.weight.device)}
+                         "device": str(model.device)}
 
     def _metrics(self):
         from starlette.responses import PlainTextResponse
