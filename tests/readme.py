@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ["README.md", *sorted(p.relative_to(ROOT).as_posix()
                                   for p in (ROOT / "docs").glob("*.md"))]
 COMMANDS = ("bash", "python")
-APP = re.compile(r"(?:python3?\s+apps/(rlhf|pretrain|serve)\.py|troupe\s+(rlhf|pretrain|serve)"
-                 r"|python3?\s+-m\s+troupe\s+(rlhf|pretrain|serve))\b")
+APP = re.compile(r"(?:python3?\s+apps/(rlhf|pretrain|serve|compress)\.py"
+                 r"|troupe\s+(rlhf|pretrain|serve|compress)"
+                 r"|python3?\s+-m\s+troupe\s+(rlhf|pretrain|serve|compress))\b")
 SERVING = re.compile(r"serving \S+ at (http://\S+)/v1")
 NOT_HERE = re.compile(r"<!--\s*readme-test:\s*not here:\s*(.+?)\s*-->")
 
@@ -55,6 +56,9 @@ SIZE = {
     "pretrain": ["train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                  "train.checkpoint_every=2"],
     "serve": [],
+    "compress": ["train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+                 "train.checkpoint_every=2", "train.batch_size=2", "model.seq_len=32",
+                 "workers=1"],
 }
 
 # Files a block names as the user's own (``data.path=pairs.jsonl``), written into the section.

@@ -4,7 +4,7 @@ imports another:
     leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
     <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export)
-    <- cli, __main__ (the `troupe` command over the three applications)
+    <- cli, __main__ (the `troupe` command over the applications)
 """
 
 import ast

@@ -41,3 +41,22 @@ def test_fake_quantization_passes_gradients_straight_through():
         torch.testing.assert_close(q.detach(), want, rtol=0, atol=1e-6)
         (q * torch.arange(32.0).view(4, 8)).sum().backward()
         assert torch.equal(w.grad, torch.arange(32.0).view(4, 8))
+
+
+def test_a_lowbit_layer_is_its_packed_weights_product():
+    """QuantizedLinear in ternary / binary mode: the packed product of its quantized weight,
+    exactly; and close to the layer it came from only as far as the rounding goes."""
+    from troupe.compression import QuantizedLinear
+    from troupe.kernels.lowbit import lowbit_linear_reference, pack
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(203, 37)
+    x = torch.randn(11, 203)
+    for kind, quantize in (("ternary", ternarize), ("binary", binarize)):
+        layer = QuantizedLinear(lin, kind)
+        q, s = quantize(lin.weight)
+        want = lowbit_linear_reference(x, pack(q, kind), s, kind, lin.bias.detach())
+        assert torch.equal(layer(x), want)
+        assert layer.qw.rows().shape == (37, -(-203 // (5 if kind == "ternary" else 8)))
+        assert torch.equal(layer.dequantized_weight(), dequantize(q, s))
+        assert layer.qw.rows().numel() + 4 * 37 < 37 * 203 // 4  # < 2 bits a weight, scales too

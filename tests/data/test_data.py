@@ -64,6 +64,16 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         file_documents([tmp_path / "c.csv"])
 
 
+def test_parquet_rows_are_documents_and_bad_rows_named(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    pq.write_table(pa.table({"text": ["first", "second"], "id": [1, 2]}), tmp_path / "a.parquet")
+    assert file_documents([tmp_path / "a.parquet"]) == ["first", "second"]
+    pq.write_table(pa.table({"text": ["ok", None]}), tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match=r"b.parquet:2: expected an object with a string"):
+        file_documents([tmp_path / "b.parquet"])
+
+
 def test_user_files_train_and_validate(tmp_path):
     for i in range(4):
         (tmp_path / f"d{i}.txt").write_text(f"document {i} " * 200)

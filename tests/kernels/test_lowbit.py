@@ -100,3 +100,35 @@ def test_the_product_equals_the_reference_exactly(path, T, I, O, kind, with_bias
     else:
         got = lowbit.lowbit_linear(x, packed, scales, kind, bias)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ternary", "binary"])
+@pytest.mark.parametrize("T", [1, 8, 33])
+def test_the_product_on_cuda_equals_the_reference(kind, T):
+    """The CUDA path (unpacked for the call, the integers multiplied exactly in fp32): the
+    integer sums equal the CPU reference's; the two rescales may round apart by an ulp."""
+    from troupe.kernels.lowbit import lowbit_linear
+
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 517, generator=g)
+    packed, scales = _random_layer(g, 70, 517, kind)
+    want = lowbit_linear_reference(x, packed, scales, kind)
+    got = lowbit_linear(x.cuda(), packed.cuda(), scales.cuda(), kind).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ternary", "binary"])
+def test_a_lowbit_layer_moves_to_cuda_and_back(mode):
+    from troupe.compression import QuantizedLinear
+
+    torch.manual_seed(0)
+    q = QuantizedLinear(torch.nn.Linear(256, 96), mode)
+    x = torch.randn(9, 256)
+    cpu = q(x)
+    q.cuda()
+    assert q.qw.packed.is_cuda and q.qw.layout == "rows"
+    torch.testing.assert_close(q(x.cuda()).cpu(), cpu, rtol=1e-5, atol=1e-5)
+    q.cpu()
+    assert torch.equal(q(x), cpu)

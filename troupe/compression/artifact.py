@@ -11,7 +11,8 @@ A directory holds:
   ("int8" / "int4" for the embedding ``tok_emb``; a tied output projection stored once, as the
   embedding, is listed with ``"tied": "tok_emb"``);
 - ``quantized.safetensors``: each quantized layer's ``NAME.q`` (row-layout integers: INT8, INT4
-  two a byte, ternary five a byte, binary eight a byte) and ``NAME.scales``; every other
+  two a byte, ternary five a byte, binary eight a byte) and ``NAME.scales`` (fp32; the
+  embedding's fp16, which its quantization rounded them to); every other
   parameter (norms, biases, unquantized layers) under its own name, in the type it is held.
 
 ``apps/serve.py`` serves such a directory with ``model.pretrained=DIR`` (no ``quantize`` rules:
@@ -62,7 +63,7 @@ def save_quantized(model: GPT, directory: str | Path, tokenizer_from: str | Path
                                  "channels, which quantized model directories do not store")
             layers[name] = {"mode": m.mode, "shape": [m.out_features, m.in_features]}
             if isinstance(m.qw, LowbitWeight):
-                q, scales = m.qw.packed, m.qw.scales
+                q, scales = m.qw.rows(), m.qw.scales
             else:
                 rows = row_layout(m.qw)
                 q, scales = rows.q, rows.scales
@@ -73,7 +74,10 @@ def save_quantized(model: GPT, directory: str | Path, tokenizer_from: str | Path
         elif isinstance(m, QuantizedEmbedding):
             layers[name] = {"mode": "int8" if m.qw.bits == 8 else "int4",
                             "shape": list(m.qw.shape)}
-            tensors[f"{name}.q"], tensors[f"{name}.scales"] = m.qw.q, m.qw.scales
+            scales = m.qw.scales  # fp16 when that is lossless (QuantizedEmbedding.of's are)
+            half = scales.half()
+            tensors[f"{name}.q"] = m.qw.q
+            tensors[f"{name}.scales"] = half if torch.equal(half.float(), scales) else scales
     if "tok_emb" in layers and "lm_head" in layers and model.cfg.tie_embeddings and \
             layers["lm_head"]["mode"] == EMBEDDINGS[layers["tok_emb"]["mode"]]:
         layers["lm_head"]["tied"] = "tok_emb"  # the same integers: stored once

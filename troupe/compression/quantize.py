@@ -35,7 +35,7 @@ from torch import nn
 
 from troupe.compression.lowbit import quantize_lowbit
 from troupe.kernels.grouped_mlp import activation
-from troupe.kernels.lowbit import LowbitWeight, lowbit_linear
+from troupe.kernels.lowbit import LowbitWeight, lowbit_weight_linear, native_layout
 from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
                                   quantize_weight, row_layout, unpack_int4, vnni_layout,
                                   weight_only_linear)
@@ -96,7 +96,7 @@ class QuantizedLinear(nn.Module):
         nn.Module.__init__(layer)
         layer.mode, layer.group_size = mode, group_size
         layer.out_features, layer.in_features = qw.shape
-        layer.qw = qw if isinstance(qw, LowbitWeight) else vnni_layout(qw)
+        layer.qw = native_layout(qw) if isinstance(qw, LowbitWeight) else vnni_layout(qw)
         layer.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         layer.outliers = layer.outlier_w = layer.lorc_down = layer.lorc_up = None
         return layer
@@ -128,7 +128,7 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.mode in LOWBIT:
-            y = lowbit_linear(x2, self.qw.packed, self.qw.scales, self.mode, self.bias)
+            y = lowbit_weight_linear(x2, self.qw, self.bias)
         elif self.mode == "w8a8":
             y = int8_linear(x2, self.qw, self.bias, None if self.outliers is None else
                             (self.outliers, self.outlier_w))
@@ -156,9 +156,12 @@ class QuantizedEmbedding(nn.Module):
 
     @classmethod
     def of(cls, emb: nn.Embedding, bits: int, group_size: int = 64) -> "QuantizedEmbedding":
+        """``emb`` quantized, its group scales rounded to fp16 (the integers quantized against
+        the rounded scales): stored as fp16, they cost half as much on disk, losslessly (for
+        SmolLM2 in INT4 with groups of 64: 0.9 MB instead of 1.8, of 15)."""
         w = emb.weight.detach().float()
-        return cls(quantize_weight(w, bits, _divisor(w.shape[1], group_size), axis=1),
-                   emb.weight.dtype)
+        return cls(quantize_weight(w, bits, _divisor(w.shape[1], group_size), axis=1,
+                                   scale_dtype=torch.float16), emb.weight.dtype)
 
     @property
     def weight_nbytes(self) -> int:
@@ -248,7 +251,7 @@ def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64
     modes, one scale a row for ternary and binary (packed)."""
     O, I = w_OI.shape
     if mode in LOWBIT:
-        return quantize_lowbit(w_OI, mode)
+        return native_layout(quantize_lowbit(w_OI, mode))
     if mode == "w8a8":
         return vnni_layout(quantize_weight(w_OI, 8, 1, axis=0))
     if mode in ("w8a16", "w4a16"):
@@ -292,12 +295,17 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
     if tied is not None and embedding != "fp32" and mode == "fp32":
         raise ValueError(f"embedding={embedding!r} with an fp32 lm_head rule: this model's "
                          "output projection is its embedding matrix, which would be INT")
-    if mode != "fp32" and tied is not None:
+    emb = None
+    if embedding != "fp32" and isinstance(getattr(model, "tok_emb", None), nn.Embedding):
+        emb = QuantizedEmbedding.of(model.tok_emb, 8 if embedding == "int8" else 4, group_size)
+    if tied is not None and emb is not None and "lm_head" not in rules:
+        model.lm_head = QuantizedLinear.from_quantized(emb.qw, mode, None, group_size)
+        done["lm_head"] = mode  # the embedding's own integers and scales
+    elif mode != "fp32" and tied is not None:
         model.lm_head = QuantizedLinear(tied, mode, group_size, lorc_rank, outliers.get("lm_head"))
         done["lm_head"] = mode
-    if embedding != "fp32" and isinstance(getattr(model, "tok_emb", None), nn.Embedding):
-        model.tok_emb = QuantizedEmbedding.of(model.tok_emb, 8 if embedding == "int8" else 4,
-                                              group_size)
+    if emb is not None:
+        model.tok_emb = emb
         done["tok_emb"] = embedding
     return done
 

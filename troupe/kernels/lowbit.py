@@ -13,9 +13,10 @@ Rows are packed along the input dimension; a row of n weights takes ceil(n / 5) 
 ceil(n / 8) (binary) bytes, the padding decoding to 0 (ternary) or +1 (binary), ignored.
 
 ``lowbit_linear`` multiplies without unpacking on CPUs with AVX-512 VNNI (csrc/lowbit_gemm.cpp:
-the planes of five trits or eight bits decoded 64 bytes at a time in registers) and equals
-``lowbit_linear_reference`` bit for bit; elsewhere (other CPUs, CUDA) it unpacks the weight for
-the call and multiplies the integers exactly in floating point."""
+the planes of five trits or eight bits decoded 64 bytes at a time in registers, the rows held
+in blocks of 16, ``native_layout``) and equals ``lowbit_linear_reference`` bit for bit;
+elsewhere (other CPUs, CUDA) it unpacks the weight for the call and multiplies the integers
+exactly in floating point."""
 
 from __future__ import annotations
 
@@ -96,25 +97,51 @@ KIND_CODES = {"ternary": 0, "binary": 1}
 
 @dataclasses.dataclass
 class LowbitWeight:
-    """A packed ternary or binary (O, I) weight: ``packed`` (O, ceil(I / 5)) or (O, ceil(I / 8))
-    uint8 and one fp32 scale a row (troupe.compression.lowbit makes them)."""
+    """A packed ternary or binary (O, I) weight and one fp32 scale a row (troupe.compression.
+    lowbit makes them). ``packed``: with layout "rows", (O, Mb) uint8, Mb = ceil(I / 5) or
+    ceil(I / 8); with layout "blocks" (the native kernel's, ``native_layout``), (ceil(O / 16),
+    ceil(Mb / 4), 16, 4): four bytes of each of 16 rows side by side, zeros as padding."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     kind: str
     shape: tuple[int, int]
+    layout: str = "rows"
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales.numel() * 4
 
+    def rows(self) -> torch.Tensor:
+        """The (O, Mb) packed rows whatever the layout."""
+        if self.layout == "rows":
+            return self.packed
+        O, I = self.shape
+        Mb = -(-I // (TRITS_PER_BYTE if self.kind == "ternary" else BITS_PER_BYTE))
+        return self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1] * 4)[:O, :Mb]
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 (O, I) weight it stands for."""
-        return unpack(self.packed, self.shape[1], self.kind).float() * self.scales[:, None]
+        return unpack(self.rows(), self.shape[1], self.kind).float() * self.scales[:, None]
 
     def map(self, fn) -> "LowbitWeight":
-        """Moved by ``fn`` (``.to(device)`` and the like); the scales stay fp32."""
-        return dataclasses.replace(self, packed=fn(self.packed), scales=fn(self.scales).float())
+        """Moved by ``fn`` (``.to(device)`` and the like), laid out for where it lands; the
+        scales stay fp32."""
+        moved = dataclasses.replace(self, packed=fn(self.rows().contiguous()),
+                                    scales=fn(self.scales).float(), layout="rows")
+        return native_layout(moved)
+
+
+def native_layout(w: LowbitWeight) -> LowbitWeight:
+    """``w`` in the native kernel's block layout when that kernel runs here and ``w`` is on the
+    CPU; else as it is (rows)."""
+    if w.layout != "rows" or w.packed.device.type != "cpu" or not native_available():
+        return w
+    O, Mb = w.packed.shape
+    Q, NB = -(-Mb // 4), -(-O // 16)
+    rows = torch.nn.functional.pad(w.packed, (0, 4 * Q - Mb, 0, 16 * NB - O))
+    blocks = rows.view(NB, 16, Q, 4).transpose(1, 2).contiguous()
+    return dataclasses.replace(w, packed=blocks, layout="blocks")
 
 
 def pack(q_OI: torch.Tensor, kind: str) -> torch.Tensor:
@@ -144,17 +171,26 @@ def lowbit_linear(x_TI: torch.Tensor, packed_OM: torch.Tensor, scales_O: torch.T
     I up to 132104), else in fp64."""
     if kind not in KIND_CODES:
         raise ValueError(f"kind must be one of {tuple(KIND_CODES)}, got {kind!r}")
-    if x_TI.device.type == "cpu" and packed_OM.device.type == "cpu" and native_available():
-        f32 = lambda t: t if t.dtype == torch.float32 and t.is_contiguous() else \
-            t.float().contiguous()
+    w = LowbitWeight(packed_OM, scales_O, kind, (packed_OM.shape[0], x_TI.shape[-1]))
+    return lowbit_weight_linear(x_TI, native_layout(w), bias)
+
+
+def lowbit_weight_linear(x_TI: torch.Tensor, w: LowbitWeight,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``lowbit_linear`` of a LowbitWeight, whose block layout (``native_layout``) the native
+    kernel reads as it is."""
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+    if w.layout == "blocks" and x_TI.device.type == "cpu":
         return _native.load_extension("lowbit_gemm").linear(
-            f32(x_TI), packed_OM.contiguous(), f32(scales_O),
-            None if bias is None else f32(bias), KIND_CODES[kind])
+            f32(x_TI), w.packed, f32(w.scales), None if bias is None else f32(bias),
+            KIND_CODES[w.kind], w.shape[0])
     n = x_TI.shape[-1]
-    w = unpack(packed_OM, n, kind)
+    q = unpack(w.rows(), n, w.kind)
     xq, xs = quantize_tokens(x_TI.float())
     dtype = torch.float32 if 127 * n < 1 << 24 else torch.float64
     with torch.autocast(x_TI.device.type, enabled=False):  # autocast would round the sums
-        acc = xq.to(dtype) @ w.to(dtype).t()
-    y = acc.float() * xs[:, None] * scales_O.float()[None, :]
+        acc = xq.to(dtype) @ q.to(dtype).t()
+    y = acc.float() * xs[:, None] * w.scales.float()[None, :]
     return y if bias is None else y + bias.float()

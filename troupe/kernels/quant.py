@@ -55,8 +55,10 @@ class QuantizedWeight:
 
 
 def quantize_weight(w_OI: torch.Tensor, bits: int = 8, group_size: int | None = None,
-                    axis: int = 0) -> QuantizedWeight:
-    """Symmetric quantization: scale = max|w| / qmax per group, q = round(w / scale)."""
+                    axis: int = 0, scale_dtype: torch.dtype = torch.float32) -> QuantizedWeight:
+    """Symmetric quantization: scale = max|w| / qmax per group, q = round(w / scale).
+    ``scale_dtype``: the scales rounded to that type first (kept as fp32 values), so that
+    storing them in it loses nothing."""
     if bits not in QMAX:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     O, I = w_OI.shape
@@ -68,7 +70,8 @@ def quantize_weight(w_OI: torch.Tensor, bits: int = 8, group_size: int | None = 
     w = w_OI.float()
     grouped = w.reshape(O // g, g * I) if axis == 0 else w.reshape(O, I // g, g)
     amax = grouped.abs().amax(dim=-1)
-    scales = (amax / QMAX[bits]).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = (amax / QMAX[bits]).clamp_min(torch.finfo(scale_dtype).tiny)
+    scales = scales.to(scale_dtype).float()
     q = torch.round(grouped / scales.unsqueeze(-1)).clamp_(-QMAX[bits], QMAX[bits])
     q = q.to(torch.int8).reshape(O, I)
     if bits == 4:

@@ -9,14 +9,17 @@
 // i of it being d_i = ((byte * 3^i) mod 256) * 3 >> 8 in {0, 1, 2} (weight d_i - 1). Decoding
 // plane i of 64 bytes at once is two byte additions (times 3, wrapping) and two unsigned
 // compares: d = [v >= 86] + [v >= 171] for v = byte * 3^i mod 256. The token is laid out in the
-// same planes once per call (plane i, position j holds x[5j + i]), so plane i of the weights
-// meets a contiguous 64 bytes of the token, and vpdpbusd (unsigned bytes times signed bytes,
-// four pairs into each INT32 lane) sums d_i x; the -1 comes back out once per row:
+// same planes once per call (plane i, position j holds x[5j + i]), so byte j's trit i meets
+// the token's value at plane i, position j, and vpdpbusd (unsigned bytes times signed bytes,
+// four pairs into each INT32 lane) sums d_i x; the -1 comes back out once per token:
 // sum_k (d_k - 1) x_k = sum_k d_k x_k - sum_k x_k. Binary rows likewise with eight planes of
 // bits (set: +1): sum_k (2 b_k - 1) x_k = 2 sum_k b_k x_k - sum_k x_k.
 //
-// Output rows are split over torch's intra-op threads (at::parallel_for); each 64-byte load of
-// a row's weights serves up to 8 tokens, and the products of 16 rows are rescaled together.
+// The weights are held in blocks of 16 rows, four bytes of each row side by side in a 64-byte
+// vector (block_layout in troupe/kernels/lowbit.py, as int8_gemm.cpp's packing): one vpdpbusd
+// of a decoded plane against a token's four values (a 32-bit broadcast) adds into the 16 rows'
+// sums at once, with no horizontal reduction. Blocks are split over torch's intra-op threads
+// (at::parallel_for); each load of weights serves up to 8 tokens.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -42,7 +45,7 @@ void quantize_planes(const float *x, int64_t K, int P, int64_t stride, int8_t *p
   *scale = s;
   const __m512 sv = _mm512_set1_ps(s);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  alignas(64) int32_t q[16];
+  alignas(64) int32_t q[16];  // (planes: the caller's zeros past K)
   int32_t total = 0;
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : tail_mask(K);
@@ -60,10 +63,9 @@ void quantize_planes(const float *x, int64_t K, int P, int64_t stride, int8_t *p
 // is byte * 3^p mod 256, advanced by the caller); binary bit p (most significant first)
 inline __m512i ternary_plane(__m512i v) {
   const __m512i one = _mm512_set1_epi8(1);
-  const __mmask64 ge1 = _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)86));
-  const __mmask64 ge2 = _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)171));
-  return _mm512_mask_add_epi8(_mm512_maskz_mov_epi8(ge1, one), ge2,
-                              _mm512_maskz_mov_epi8(ge1, one), one);
+  const __m512i d = _mm512_maskz_mov_epi8(_mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)86)),
+                                          one);
+  return _mm512_mask_add_epi8(d, _mm512_cmpge_epu8_mask(v, _mm512_set1_epi8((char)171)), d, one);
 }
 
 inline __m512i binary_plane(__m512i bytes, int p) {
@@ -71,18 +73,19 @@ inline __m512i binary_plane(__m512i bytes, int p) {
                                _mm512_set1_epi8(1));
 }
 
-// sums[r] = sum over the row of (decoded weight) * x for R tokens whose planes start at
-// xp + r * tok_stride (plane p at + p * stride); the row's packed bytes are w[0 .. Mb).
+// acc[r] (16 INT32 lanes: the block's 16 rows) += the block's decoded weights times R tokens'
+// values. The block is (Q, 16, 4) bytes: quad q of each row's packed bytes, rows side by side,
+// so one 64-byte load holds four bytes of each of 16 rows; token r's plane p holds its values
+// at xp + r * tok_stride + p * stride, and the four it meets there are one 32-bit broadcast.
 template <int KIND, int R>
-void row_sums(const uint8_t *w, int64_t Mb, const int8_t *xp, int64_t stride,
-              int64_t tok_stride, int32_t *sums) {
+void block_sums(const uint8_t *w, int64_t Q, const int8_t *xp, int64_t stride,
+                int64_t tok_stride, __m512i *out) {
   constexpr int P = KIND == TERNARY ? 5 : 8;
   __m512i acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-  for (int64_t j = 0; j < Mb; j += 64) {
-    const __mmask64 m = Mb - j >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (Mb - j)) - 1);
-    __m512i v = _mm512_maskz_loadu_epi8(m, w + j);  // padding bytes meet zeros of x
+  for (int64_t q = 0; q < Q; q++) {
+    __m512i v = _mm512_loadu_si512(w + q * 64);
 #pragma GCC unroll 8
     for (int p = 0; p < P; p++) {
       __m512i d;
@@ -93,51 +96,60 @@ void row_sums(const uint8_t *w, int64_t Mb, const int8_t *xp, int64_t stride,
         d = binary_plane(v, p);
       }
 #pragma GCC unroll 8
-      for (int r = 0; r < R; r++)
-        acc[r] = _mm512_dpbusd_epi32(acc[r], d,
-                                     _mm512_loadu_si512(xp + r * tok_stride + p * stride + j));
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        std::memcpy(&four, xp + r * tok_stride + p * stride + 4 * q, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], d, _mm512_set1_epi32(four));
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_epi32(acc[r]);
+  for (int r = 0; r < R; r++) out[r] = acc[r];
 }
 
 template <int KIND>
-void rows_for(int r, const uint8_t *w, int64_t Mb, const int8_t *xp, int64_t stride,
-              int64_t tok_stride, int32_t *sums) {
+void block_for(int r, const uint8_t *w, int64_t Q, const int8_t *xp, int64_t stride,
+               int64_t tok_stride, __m512i *out) {
   switch (r) {
-    case 1: row_sums<KIND, 1>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 2: row_sums<KIND, 2>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 3: row_sums<KIND, 3>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 4: row_sums<KIND, 4>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 5: row_sums<KIND, 5>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 6: row_sums<KIND, 6>(w, Mb, xp, stride, tok_stride, sums); break;
-    case 7: row_sums<KIND, 7>(w, Mb, xp, stride, tok_stride, sums); break;
-    default: row_sums<KIND, 8>(w, Mb, xp, stride, tok_stride, sums); break;
+    case 1: block_sums<KIND, 1>(w, Q, xp, stride, tok_stride, out); break;
+    case 2: block_sums<KIND, 2>(w, Q, xp, stride, tok_stride, out); break;
+    case 3: block_sums<KIND, 3>(w, Q, xp, stride, tok_stride, out); break;
+    case 4: block_sums<KIND, 4>(w, Q, xp, stride, tok_stride, out); break;
+    case 5: block_sums<KIND, 5>(w, Q, xp, stride, tok_stride, out); break;
+    case 6: block_sums<KIND, 6>(w, Q, xp, stride, tok_stride, out); break;
+    case 7: block_sums<KIND, 7>(w, Q, xp, stride, tok_stride, out); break;
+    default: block_sums<KIND, 8>(w, Q, xp, stride, tok_stride, out); break;
   }
 }
 
 }  // namespace
 #endif
 
-// x (M, K) fp32; packed (N, Mb) uint8 with Mb = ceil(K / 5) (kind 0, ternary) or ceil(K / 8)
-// (kind 1, binary); scales and bias (N) fp32 (bias may be absent). Returns y (M, N) fp32.
+// x (M, K) fp32; packed (NB, Q, 16, 4) uint8: rows of Mb = ceil(K / 5) (kind 0, ternary) or
+// ceil(K / 8) (kind 1, binary) bytes padded to Q = ceil(Mb / 4) quads, blocks of 16 rows
+// (troupe/kernels/lowbit.py: block_layout; rows past n_out zero); scales and bias (n_out) fp32
+// (bias may be absent), 16 (NB - 1) < n_out <= 16 NB. Returns y (M, n_out) fp32.
 at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                  c10::optional<at::Tensor> bias, int64_t kind) {
+                  c10::optional<at::Tensor> bias, int64_t kind, int64_t n_out) {
 #if TROUPE_VNNI
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "lowbit_gemm.linear: x must be a contiguous (M, K) float32 tensor");
   TORCH_CHECK(kind == TERNARY || kind == BINARY, "lowbit_gemm.linear: kind 0 or 1, got ", kind);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), Mb = packed.size(1);
+  const int64_t M = x.size(0), K = x.size(1);
   const int P = kind == TERNARY ? 5 : 8;
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-              Mb == (K + P - 1) / P, "lowbit_gemm.linear: packed must be contiguous uint8 (N, ",
-              (K + P - 1) / P, ") for K = ", K);
+  const int64_t Mb = (K + P - 1) / P, Q = (Mb + 3) / 4;
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(1) == Q && packed.size(2) == ROWS && packed.size(3) == 4,
+              "lowbit_gemm.linear: packed must be contiguous uint8 (NB, ", Q, ", 16, 4) for K = ",
+              K);
+  const int64_t NB = packed.size(0), N = n_out;
+  TORCH_CHECK(N <= NB * ROWS && N > (NB - 1) * ROWS, "lowbit_gemm.linear: n_out ", N,
+              " does not fit ", NB, " blocks of 16");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
               scales.numel() == N && (!bias.has_value() || (bias->numel() == N &&
               bias->scalar_type() == at::kFloat && bias->is_contiguous())),
               "lowbit_gemm.linear: scales and bias need ", N, " float32 values");
-  const int64_t stride = (Mb + 63) / 64 * 64;  // a plane, padded to whole vectors
+  const int64_t stride = Q * 4;  // a plane: whole quads, zeros past K
   auto planes = at::zeros({M, P * stride}, x.options().dtype(at::kChar));
   auto sx = at::empty({M}, x.options());
   auto sq = at::empty({M}, x.options().dtype(at::kInt));
@@ -154,29 +166,24 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
   const float *sw = scales.data_ptr<float>();
   const float *b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float *yp = y.data_ptr<float>();
-  const int64_t blocks = (N + ROWS - 1) / ROWS;
   constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) int32_t sums[MAX_TOKENS][ROWS];
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    __m512i sums[MAX_TOKENS];
     for (int64_t blk = b0; blk < b1; blk++) {
       const int64_t n0 = blk * ROWS, rows = std::min<int64_t>(ROWS, N - n0);
       const __mmask16 keep = (__mmask16)((1u << rows) - 1);
       const __m512 s = _mm512_maskz_loadu_ps(keep, sw + n0);
       const __m512 bv = b ? _mm512_maskz_loadu_ps(keep, b + n0) : _mm512_setzero_ps();
+      const uint8_t *wb = w + blk * Q * 64;
       for (int64_t m = 0; m < M; m += MAX_TOKENS) {
         const int r = (int)std::min<int64_t>(MAX_TOKENS, M - m);
         const int8_t *xm = pp + m * P * stride;
-        for (int64_t n = 0; n < rows; n++) {
-          int32_t one[MAX_TOKENS];
-          if (kind == TERNARY) rows_for<TERNARY>(r, w + (n0 + n) * Mb, Mb, xm, stride,
-                                                 P * stride, one);
-          else rows_for<BINARY>(r, w + (n0 + n) * Mb, Mb, xm, stride, P * stride, one);
-          for (int t = 0; t < r; t++) sums[t][n] = one[t];
-        }
+        if (kind == TERNARY) block_for<TERNARY>(r, wb, Q, xm, stride, P * stride, sums);
+        else block_for<BINARY>(r, wb, Q, xm, stride, P * stride, sums);
         for (int t = 0; t < r; t++) {
           // the weights' -1 taken back out, then (sum * s_x) * s_w + b, in the order of the
           // torch reference (explicit rounding: never contracted into an FMA)
-          __m512i acc = _mm512_load_si512(sums[t]);
+          __m512i acc = sums[t];
           if (kind == BINARY) acc = _mm512_add_epi32(acc, acc);
           acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(sqp[m + t]));
           __m512 v = _mm512_mul_round_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(sxp[m + t]), RN);
