@@ -263,3 +263,29 @@ def test_a_tied_output_projection_is_quantized_only_when_named():
     quantize_model(fresh, {"lm_head": "w8a16"})
     with torch.no_grad():
         assert torch.equal(head(ids)[0], fresh(ids)[0])
+
+
+@pytest.mark.parametrize("embedding", ["int8", "int4"])
+def test_a_quantized_embedding_looks_up_its_dequantized_rows(embedding):
+    """A lookup is the dequantized matrix's row, exactly; the scales are fp16 values (stored
+    as fp16 at no loss); a tied head multiplies by the same integers and scales."""
+    from troupe.compression.quantize import QuantizedEmbedding
+    from troupe.kernels.quant import dequantize_weight, row_layout
+
+    model = GPT(GPTConfig(vocab_size=300, d_model=64, n_layer=1, n_head=4, seq_len=32,
+                          tie_embeddings=True), seed=0).eval()
+    emb = model.tok_emb.weight.detach().clone()
+    modes = quantize_model(model, {}, group_size=32, embedding=embedding)
+    assert modes == {"lm_head": "w8a16" if embedding == "int8" else "w4a16",
+                     "tok_emb": embedding}
+    q = model.tok_emb
+    assert isinstance(q, QuantizedEmbedding)
+    ids = torch.tensor([[0, 5, 299], [7, 7, 1]])
+    table = dequantize_weight(q.qw)
+    assert torch.equal(q(ids), table[ids])
+    assert torch.equal(q.qw.scales.half().float(), q.qw.scales)
+    assert (table - emb).abs().max() <= q.qw.scales.max() / 2 + 1e-6  # half a step at most
+    head = row_layout(model.lm_head.qw)
+    assert torch.equal(head.q, q.qw.q) and torch.equal(head.scales, q.qw.scales)
+    with pytest.raises(ValueError, match="lm_head"):
+        quantize_model(GPT(model.cfg, seed=0), {"lm_head": "fp32"}, embedding=embedding)

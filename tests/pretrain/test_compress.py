@@ -84,3 +84,40 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(cluster, tiny, tmp_
     val = [r["val_loss"] for r in full if r["kind"] == "eval"][-1]
     ids = torch.tensor([[3, 4, 5]])
     assert math.isfinite(val) and model(ids)[0].shape == (1, 3, model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("over", [{"zero_stage": 3},
+                                  {"optimizer": {"name": "onebit_adam", "lr": 3e-3,
+                                                 "warmup_steps": 1, "freeze_step": 2}}],
+                         ids=["zero3", "onebit-adam"])
+def test_the_student_trains_under_zero3_and_one_bit_adam(cluster, tiny, tmp_path, over):
+    """ZeRO-3 partitions the student (its fake-quantized Linears inside the blocks) and gives
+    ZeRO-1's losses; 1-bit Adam's compressed steps after its warm-up still lower the loss."""
+    base = _cfg(tiny, tmp_path / "base").model_dump()
+    cfg = CompressConfig.model_validate({**base, **over, "out_dir": str(tmp_path / "over"),
+                                         "train": {**base["train"], "steps": 4}})
+    got = [r["loss"] for r in run(cfg, resume=None, progress=False) if r["kind"] == "train"]
+    if "zero_stage" in over:
+        ref = CompressConfig.model_validate({**base, "train": {**base["train"], "steps": 4}})
+        want = [r["loss"] for r in run(ref, resume=None, progress=False)
+                if r["kind"] == "train"]
+        assert got == pytest.approx(want, rel=1e-5)
+    assert got[-1] < got[0]
+
+
+def test_bad_recipes_name_the_key(tiny):
+    from troupe.config import ConfigError
+    from troupe.pretrain.compress import check_student
+
+    check_student(_cfg(tiny, "unused"))
+    bad = _cfg(tiny, "unused").model_copy(update={"quantize": {"blocks.*.atn.*": "ternary"}})
+    with pytest.raises(ConfigError, match="quantize: pattern 'blocks.\\*.atn.\\*'"):
+        check_student(bad)
+    model = _cfg(tiny, "unused").model.model_copy(update={"keep_layers": [0, 5]})
+    with pytest.raises(ConfigError, match="model.keep_layers"):
+        check_student(_cfg(tiny, "unused").model_copy(update={"model": model}))
+    with pytest.raises(ValueError, match="model.pretrained"):
+        CompressConfig.model_validate({"model": {"keep_layers": [0]}})
+    with pytest.raises(ValueError, match="'blocks.\\*': mode 'trinary'"):
+        CompressConfig.model_validate({"model": {"pretrained": str(tiny / "hf")},
+                                       "quantize": {"blocks.*": "trinary"}})

@@ -42,9 +42,9 @@ from troupe.compression.artifact import save_quantized
 from troupe.compression.distill import Distillation
 from troupe.compression.lkd import FakeQuantLinear
 from troupe.compression.quantize import (EMBEDDINGS, MODES, gates_stay_fp32, quantize_model,
-                                         replace_linears)
+                                         replace_linears, unmatched_patterns)
 from troupe.compression.student import reduce_layers, reduced_config
-from troupe.config import Config, app_parser, load_app_config
+from troupe.config import Config, ConfigError, app_parser, load_app_config
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import driver as pretrain
@@ -130,6 +130,24 @@ class CompressConfig(PretrainConfig):
         return Distillation(teacher, self.distill.temperature, self.distill.hidden_mse, keep)
 
 
+def check_student(cfg: CompressConfig) -> None:
+    """What the driver checks before anything starts: the teacher directory, ``keep_layers``
+    against its blocks, and that every ``quantize`` pattern matches some layer of the student
+    (a typo would quietly leave it unquantized); ConfigError naming the key otherwise."""
+    check_pretrained(cfg.model.pretrained)
+    try:
+        arch = cfg.model.architecture()
+    except ValueError as e:
+        raise ConfigError(f"model.keep_layers: {e}") from None
+    with torch.device("meta"):
+        skeleton = GPT(arch)
+    missing = unmatched_patterns(skeleton, cfg.quantize)
+    if missing:
+        names = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)][:3]
+        raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of the student "
+                          f"(layers are named like {', '.join(names)})")
+
+
 def export_quantized(cfg: CompressConfig, out: Path) -> Path:
     """The newest checkpoint's student, quantized as it was trained (``quantize`` rules, the
     ``embedding``), as a quantized model directory out/quantized; returns it."""
@@ -184,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
     args = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(CompressConfig, args.config, args.overrides,
-                          lambda c: check_pretrained(c.model.pretrained),
+    cfg = load_app_config(CompressConfig, args.config, args.overrides, check_student,
                           print_config=args.print_config)
     cluster.init()
     try:
