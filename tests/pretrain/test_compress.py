@@ -86,23 +86,27 @@ def test_resume_reproduces_the_uninterrupted_run_and_exports(cluster, tiny, tmp_
     assert math.isfinite(val) and model(ids)[0].shape == (1, 3, model.cfg.vocab_size)
 
 
-@pytest.mark.parametrize("over", [{"zero_stage": 3},
-                                  {"optimizer": {"name": "onebit_adam", "lr": 3e-3,
-                                                 "warmup_steps": 1, "freeze_step": 2}}],
-                         ids=["zero3", "onebit-adam"])
-def test_the_student_trains_under_zero3_and_one_bit_adam(cluster, tiny, tmp_path, over):
+def test_the_student_trains_under_zero3_and_one_bit_adam(cluster, tiny, tmp_path):
     """ZeRO-3 partitions the student (its fake-quantized Linears inside the blocks) and gives
-    ZeRO-1's losses; 1-bit Adam's compressed steps after its warm-up still lower the loss."""
+    ZeRO-1's losses; 1-bit Adam gives Adam's losses through its warm-up, then compressed
+    steps (fewer bytes a step) that stay finite."""
     base = _cfg(tiny, tmp_path / "base").model_dump()
-    cfg = CompressConfig.model_validate({**base, **over, "out_dir": str(tmp_path / "over"),
-                                         "train": {**base["train"], "steps": 4}})
-    got = [r["loss"] for r in run(cfg, resume=None, progress=False) if r["kind"] == "train"]
-    if "zero_stage" in over:
-        ref = CompressConfig.model_validate({**base, "train": {**base["train"], "steps": 4}})
-        want = [r["loss"] for r in run(ref, resume=None, progress=False)
-                if r["kind"] == "train"]
-        assert got == pytest.approx(want, rel=1e-5)
-    assert got[-1] < got[0]
+    four = {**base["train"], "steps": 4}
+
+    def losses(name, **over):
+        cfg = CompressConfig.model_validate({**base, **over, "train": four,
+                                             "out_dir": str(tmp_path / name)})
+        return [r for r in run(cfg, resume=None, progress=False) if r["kind"] == "train"]
+
+    ref = losses("ref")
+    zero3 = losses("zero3", zero_stage=3)
+    assert [r["loss"] for r in zero3] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    onebit = losses("onebit", optimizer={**base["optimizer"], "name": "onebit_adam",
+                                         "freeze_step": 3})
+    assert [r["loss"] for r in onebit[:3]] == [r["loss"] for r in ref[:3]]
+    assert math.isfinite(onebit[3]["loss"])
+    sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(onebit, onebit[1:])]
+    assert sent[-1] < sent[0] / 4  # step 4 sent signs, step 2 fp32
 
 
 def test_bad_recipes_name_the_key(tiny):
