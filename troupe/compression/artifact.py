@@ -173,7 +173,7 @@ def load_quantized(directory: str | Path) -> tuple[GPT, dict[str, str]]:
     for m in model.modules():  # the rotary frequencies
         for key, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
-                m._buffers[key] = torch.empty(b.shape, dtype=b.dtype)
+                m._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
     model.reset_buffers()
     return model.eval(), modes
 

@@ -170,7 +170,7 @@ class QuantizedEmbedding(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         self.qw = dataclasses.replace(self.qw, q=fn(self.qw.q), scales=fn(self.qw.scales).float())
-        probe = fn(torch.zeros((), dtype=self.dtype))  # a cast changes what lookups return
+        probe = fn(torch.zeros((), dtype=self.dtype))  # host: a probe of what fn casts to
         self.dtype = probe.dtype if probe.is_floating_point() else self.dtype
         return self
 
