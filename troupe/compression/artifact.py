@@ -29,7 +29,7 @@ from torch import nn
 
 from troupe.compression.quantize import (EMBEDDINGS, LOWBIT, QuantizedEmbedding,
                                          QuantizedExperts, QuantizedLinear, _divisor)
-from troupe.kernels.lowbit import LowbitWeight
+from troupe.kernels.lowbit import LowbitWeight, row_bytes
 from troupe.kernels.quant import QuantizedWeight, row_layout
 from troupe.models import GPT
 from troupe.models.hf import TOKENIZER_FILES, _SafetensorsFile, _write_safetensors
@@ -150,7 +150,7 @@ def load_quantized(directory: str | Path) -> tuple[GPT, dict[str, str]]:
             if mode in LOWBIT:
                 qw = LowbitWeight(tensor(f"{source}.q"), tensor(f"{source}.scales").float(),
                                   mode, shape)
-                want = (shape[0], -(-shape[1] // (5 if mode == "ternary" else 8)))
+                want = (shape[0], row_bytes(shape[1], mode))
                 if tuple(qw.packed.shape) != want or qw.packed.dtype != torch.uint8:
                     raise ValueError(f"{directory / TENSORS}: {source}.q must be uint8 {want}")
             else:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from troupe.compression.lowbit import quantize_lowbit
+from troupe.config import ConfigError
 from troupe.kernels.grouped_mlp import activation
 from troupe.kernels.lowbit import LowbitWeight, lowbit_weight_linear, native_layout
 from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
@@ -348,6 +349,25 @@ def quantize_experts(model: nn.Module, rules: dict[str, str], group_size: int = 
 
     replace_modules(model, pick)
     return done
+
+
+def known_modes(rules: dict[str, str]) -> dict[str, str]:
+    """``rules`` when every mode is one of MODES; ValueError naming the first pattern whose mode
+    is not (the config validators of apps/serve.py and apps/compress.py)."""
+    for pattern, mode in rules.items():
+        if mode not in MODES:
+            raise ValueError(f"pattern {pattern!r}: mode {mode!r} is not one of {MODES}")
+    return rules
+
+
+def check_patterns(model: nn.Module, rules: dict[str, str], whose: str = "the model") -> None:
+    """ConfigError naming the first pattern of ``rules`` (the ``quantize`` key) that matches no
+    layer of ``model`` (``unmatched_patterns``), with a few of the layers' names."""
+    missing = unmatched_patterns(model, rules)
+    if missing:
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3]
+        raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of {whose} "
+                          f"(layers are named like {', '.join(names)})")
 
 
 def unmatched_patterns(model: nn.Module, rules: dict[str, str]) -> list[str]:

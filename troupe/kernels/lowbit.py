@@ -34,6 +34,11 @@ _POW3 = torch.tensor([81, 27, 9, 3, 1], dtype=torch.int32)  # 3^(4-i)  # host: m
 _SHIFT3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)  # 3^i  # host: moved where used
 
 
+def row_bytes(n: int, kind: str) -> int:
+    """Bytes a packed row of ``n`` weights takes: ceil(n / 5) ternary, ceil(n / 8) binary."""
+    return -(-n // (TRITS_PER_BYTE if kind == "ternary" else BITS_PER_BYTE))
+
+
 def pack_trits(q: torch.Tensor) -> torch.Tensor:
     """(..., n) int8 in {-1, 0, 1} -> (..., ceil(n / 5)) uint8."""
     if q.numel() and (q.min() < -1 or q.max() > 1):
@@ -117,8 +122,8 @@ class LowbitWeight:
         if self.layout == "rows":
             return self.packed
         O, I = self.shape
-        Mb = -(-I // (TRITS_PER_BYTE if self.kind == "ternary" else BITS_PER_BYTE))
-        return self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1] * 4)[:O, :Mb]
+        return self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1] * 4)[
+            :O, :row_bytes(I, self.kind)]
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 (O, I) weight it stands for."""

@@ -41,8 +41,8 @@ from troupe.checkpoint import CheckpointError
 from troupe.compression.artifact import save_quantized
 from troupe.compression.distill import Distillation
 from troupe.compression.lkd import FakeQuantLinear
-from troupe.compression.quantize import (EMBEDDINGS, MODES, gates_stay_fp32, quantize_model,
-                                         replace_linears, unmatched_patterns)
+from troupe.compression.quantize import (check_patterns, gates_stay_fp32, known_modes,
+                                         quantize_model, replace_linears)
 from troupe.compression.student import reduce_layers, reduced_config
 from troupe.config import Config, ConfigError, app_parser, load_app_config
 from troupe.models import GPT, GPTConfig, from_pretrained
@@ -62,9 +62,6 @@ class StudentModelConfig(ModelConfig):
     order (None: all of them). The architecture is the student's."""
 
     keep_layers: list[int] | None = None
-
-    def teacher_architecture(self) -> GPTConfig:
-        return super().architecture()
 
     def architecture(self) -> GPTConfig:
         arch = super().architecture()
@@ -100,18 +97,13 @@ class CompressConfig(PretrainConfig):
     @field_validator("quantize")
     @classmethod
     def _known_modes(cls, rules: dict[str, str]) -> dict[str, str]:
-        for pattern, mode in rules.items():
-            if mode not in MODES:
-                raise ValueError(f"pattern {pattern!r}: mode {mode!r} is not one of {MODES}")
-        return rules
+        return known_modes(rules)
 
     @model_validator(mode="after")
     def _has_teacher(self) -> "CompressConfig":
         if self.model.pretrained is None:
             raise ValueError("model.pretrained: the teacher (a local Hugging Face directory) "
                              "is required: the student starts from it")
-        if self.embedding not in EMBEDDINGS:  # (Literal already); kept beside quantize_model's
-            raise ValueError(f"embedding must be one of {tuple(EMBEDDINGS)}")
         return self
 
     def prepare_model(self, model: GPT) -> GPT:
@@ -140,12 +132,7 @@ def check_student(cfg: CompressConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"model.keep_layers: {e}") from None
     with torch.device("meta"):
-        skeleton = GPT(arch)
-    missing = unmatched_patterns(skeleton, cfg.quantize)
-    if missing:
-        names = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)][:3]
-        raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of the student "
-                          f"(layers are named like {', '.join(names)})")
+        check_patterns(GPT(arch), cfg.quantize, "the student")
 
 
 def export_quantized(cfg: CompressConfig, out: Path) -> Path:

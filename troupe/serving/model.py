@@ -15,7 +15,7 @@ from troupe.checkpoint import storage
 from troupe.checkpoint.storage import StorePath
 from troupe.compression import quantize_model
 from troupe.compression.artifact import MANIFEST, is_quantized_dir, load_quantized
-from troupe.compression.quantize import outlier_channels, unmatched_patterns
+from troupe.compression.quantize import check_patterns, outlier_channels
 from troupe.config import ConfigError, validate
 from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
 from troupe.devices import precision_dtype, worker_device
@@ -115,11 +115,7 @@ def check_source(cfg: ServeConfig) -> None:
         return  # an older file or manifest without a config: the replica checks the weights
     with torch.device("meta"):
         skeleton = GPT(validate(GPTConfig, model_cfg, f"{path}: config"))
-    missing = unmatched_patterns(skeleton, cfg.quantize)
-    if missing:
-        names = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)][:3]
-        raise ConfigError(f"quantize: pattern {missing[0]!r} matches no layer of the model "
-                          f"(layers are named like {', '.join(names)})")
+    check_patterns(skeleton, cfg.quantize)
 
 
 def source_tokenizer(src: ModelSource) -> Tokenizer:
@@ -156,8 +152,9 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     """The model per ``cfg.model``, quantized per ``cfg.quantize``; returns it and the mode
     each quantized Linear (or MoE experts module, quantized expert by expert) got. ``tok``:
     the model's tokenizer (default: loaded from the source)."""
-    if cfg.model.pretrained is not None and is_quantized_dir(locate(cfg.model)):
-        model, modes = load_quantized(locate(cfg.model))  # held as written: no rules apply
+    path = locate(cfg.model)
+    if cfg.model.pretrained is not None and is_quantized_dir(path):
+        model, modes = load_quantized(path)  # held as written: no rules apply
         return placed(model, cfg), modes
     model = placed(load_source(cfg.model), cfg)
     tok = tok or source_tokenizer(cfg.model)

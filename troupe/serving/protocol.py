@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from troupe.compression import MODES
+from troupe.compression.quantize import known_modes
 from troupe.config import AppConfig, Config
 from troupe.devices import Device, Precision
 
@@ -108,11 +108,7 @@ class ServeConfig(AppConfig):
     @field_validator("quantize")
     @classmethod
     def _known_modes(cls, rules: dict[str, str]) -> dict[str, str]:
-        bad = {pattern: mode for pattern, mode in rules.items() if mode not in MODES}
-        if bad:
-            pattern, mode = next(iter(bad.items()))
-            raise ValueError(f"pattern {pattern!r}: mode {mode!r} is not one of {MODES}")
-        return rules
+        return known_modes(rules)
 
 
 class RequestError(Exception):
