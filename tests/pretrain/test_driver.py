@@ -115,6 +115,13 @@ def test_offloaded_shards_match_zero1(cluster, tmp_path, optimizer):
     assert [o.optimizer_bytes for o in owners] == [total] * 2  # m and v of one shard each
 
 
+def test_each_trainer_computes_with_its_threads(cluster, tmp_path):
+    built = pretrain.build_graph(_cfg(tmp_path, "threads", model__moe=None, workers=1,
+                                      threads=2), name="threads")
+    built.shutdown()
+    assert [t.threads for t in built.trainers] == [2]
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
 def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
     """The single-process model rebuilt from the ranks' shards (experts from both

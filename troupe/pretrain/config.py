@@ -79,7 +79,9 @@ class TrainConfig(Config):
 class PretrainConfig(AppConfig):
     """A pretraining recipe (apps/configs/*.yaml).
 
-    workers: data-parallel trainer ranks. device: where the trainers compute (auto: cuda
+    workers: data-parallel trainer ranks; threads: torch threads of each (it asks Ray for as
+    many CPUs: one rank of two threads trains a small model faster than two ranks of one,
+    which exchange its gradients every step). device: where the trainers compute (auto: cuda
     when the cluster has GPUs, else cpu; the shard owners of ``train.offload`` always hold
     host memory); num_gpus: GPUs each trainer asks Ray for on cuda (one: NCCL wants one GPU
     per rank). precision: "bf16" runs the forward and backward under bf16 autocast (matmuls,
@@ -106,6 +108,7 @@ class PretrainConfig(AppConfig):
     random_ltd: RandomLTDConfig = RandomLTDConfig()
     train: TrainConfig = TrainConfig()
     workers: int = Field(default=2, ge=1)
+    threads: int = Field(default=1, ge=1)
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
     precision: Precision = "fp32"

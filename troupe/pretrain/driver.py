@@ -52,7 +52,7 @@ class Trainers:
         self.graph.shutdown()
 
 
-def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1.0,
+def build_graph(cfg: PretrainConfig, name: str = "pretrain",
                 timeout_s: float | None = None) -> Trainers:
     """Start ``workers`` TrainerActor actors and, with train.offload, as many CPU-only
     ShardOwnerActor owners, wired with the groups of their PretrainTopology
@@ -62,7 +62,7 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain", num_cpus: float = 1
     device = cluster_device(cfg.device, info.num_gpus, W * cfg.num_gpus, info.embedded)
     config = cfg.model_copy(update={"device": device})  # the workers' own choice (and class)
     num_gpus = cfg.num_gpus if device == "cuda" else 0.0
-    g = ActorGraph(name).role(TRAINER, TrainerActor, W, num_cpus=num_cpus, num_gpus=num_gpus,
+    g = ActorGraph(name).role(TRAINER, TrainerActor, W, num_cpus=cfg.threads, num_gpus=num_gpus,
                               strategy=T.strategy, max_restarts=cfg.max_restarts, config=config)
     if cfg.train.offload:
         g.role(OWNER, ShardOwnerActor, W, num_cpus=T.shard_cpus,

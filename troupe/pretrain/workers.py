@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from troupe import checkpoint as ckpt
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
@@ -25,13 +27,14 @@ SHARD_PREFIX = "shard"
 
 @dataclass(frozen=True)
 class RankInfo:
-    """What a worker reports once set up: its process and the bytes it holds."""
+    """What a worker reports once set up: its process, torch threads and the bytes it holds."""
 
     pid: int
     param_bytes: int
     optimizer_bytes: int
     grad_bytes: int = 0
     gathered_bytes: int = 0  # zero_stage 3: the transient peak of the gathered blocks
+    threads: int = 1
 
 
 def _config(config: dict | PretrainConfig) -> PretrainConfig:
@@ -45,6 +48,7 @@ class TrainerActor:
 
     def __init__(self, config: dict | PretrainConfig):
         self.cfg = _config(config)
+        torch.set_num_threads(self.cfg.threads)
         self.worker: Trainer | None = None
 
     @dispatch(Dispatch.ALL)
@@ -53,7 +57,7 @@ class TrainerActor:
         ctx, t = get_context(), topology
         self.worker = Trainer(self.cfg, ctx.rank, ctx.world_size, communicator(t.dp),
                               communicator(t.ep), communicator(t.edp), communicator(t.offload))
-        return RankInfo(os.getpid(), **self.worker.memory())
+        return RankInfo(os.getpid(), **self.worker.memory(), threads=torch.get_num_threads())
 
     @dispatch(Dispatch.ALL)
     def train_step(self, step: int) -> StepStats:
