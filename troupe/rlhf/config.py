@@ -23,12 +23,18 @@ class ModelConfig(Config):
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
     as a user turn through the model's chat template (when its tokenizer has one).
     activation_checkpointing: the trained roles recompute each block's activations in the
-    backward instead of keeping them (less memory, about a third more compute in training)."""
+    backward instead of keeping them (less memory, about a third more compute in training).
+    packing: every role's forwards (SFT, reward training, scoring and step 3's update) lay
+    the real tokens of a micro-batch's rows end to end in as few rows as hold them, each
+    sample attending to itself only (troupe.models.packing): no compute on padding, the
+    same values up to the order of float sums. Rows of a group that share their prompt run it
+    once instead (troupe.rlhf.lm.GPTLM.shared_hidden), packed or not."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
     activation_checkpointing: bool = False
+    packing: bool = False
 
 
 class TaskConfig(Config):

@@ -120,6 +120,7 @@ class Policy:
         on-policy epoch), plus the KL to the reference when it is a loss term, averaged over
         the batch's units (tokens, or sequences for a sequence-level loss)."""
         self.lm.train()
+        self.lm.padding = [0, 0, 0]
         p, cfg, alg = self.cfg.step3, self.cfg, self.algorithm
         kl_coef = cfg.kl_coef() if cfg.kl_in_loss() else 0.0
         clip, clip_high = cfg.clip()
@@ -149,7 +150,7 @@ class Policy:
             algorithms.ema_update(self.ema, self.lm, self.cfg.step3.ema_beta)
         n = int(tokens.item())
         return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
-                           ent_sum / n, clip_sum / n, n)
+                           ent_sum / n, clip_sum / n, n, tuple(self.lm.padding))
 
     # DPO ------------------------------------------------------------------------------------
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
