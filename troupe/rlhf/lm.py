@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from troupe.data import micro_batches, token_micro_batches
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, SharedPrefix
@@ -21,13 +22,16 @@ class GPTLM(nn.Module):
     """A GPT on left-padded sequences; generation runs on troupe.generation's engine.
     ``precision`` "bf16": every forward but generation (training, log-probabilities, values)
     runs under bf16 autocast, the weights staying fp32; log-softmax in fp32. ``packing``:
-    ``hidden`` runs the rows' real tokens packed (troupe.models.packing). ``padding`` counts
+    ``hidden`` runs the rows' real tokens packed (troupe.models.packing), and with
+    ``packing_tokens`` the roles' micro-batches hold that many real tokens (``micro_batches``). ``padding`` counts
     (real tokens, positions of the padded rows, positions computed) over the training forwards
     (those with gradients) so far."""
 
-    def __init__(self, gpt: GPT, precision: str = "fp32", packing: bool = False):
+    def __init__(self, gpt: GPT, precision: str = "fp32", packing: bool = False,
+                 packing_tokens: int | None = None):
         super().__init__()
         self.gpt, self.precision, self.packing = gpt, precision, packing
+        self.packing_tokens = packing_tokens
         self.padding = [0, 0, 0]
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
         # run a prompt shared by consecutive rows once (off for a partitioned model, whose
@@ -58,6 +62,13 @@ class GPTLM(nn.Module):
         with self.autocast():
             h = self.gpt.hidden(packing.pack(ids_BS), segments_BT=packing.segments_PT)[0]
         return packing.unpack(h)
+
+    def micro_batches(self, valid_BS: torch.Tensor, size: int | None) -> list[slice]:
+        """The row slices a role runs one at a time: ``size`` rows each, or with packing and
+        ``packing_tokens``, consecutive rows of at most that many real tokens together."""
+        if self.packing and self.packing_tokens:
+            return token_micro_batches(valid_BS.sum(1).tolist(), self.packing_tokens)
+        return micro_batches(len(valid_BS), size)
 
     def _count(self, real: int, padded: int, computed: int) -> None:
         if torch.is_grad_enabled():  # training forwards only
