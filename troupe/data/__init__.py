@@ -2,10 +2,10 @@
 batches, and the data-efficiency schedules (curriculum learning, random-LTD)."""
 
 from troupe.data.corpus import file_documents, stdlib_documents
-from troupe.data.dataset import DataConfig, TokenDataset, micro_batches
+from troupe.data.dataset import DataConfig, TokenDataset, micro_batches, token_micro_batches
 from troupe.data.schedules import CurriculumConfig, RandomLTDConfig
 from troupe.data.tokenizer import ByteTokenizer, ByteTokens, HFTokens, Tokenizer, load_tokenizer
 
 __all__ = ["ByteTokenizer", "ByteTokens", "CurriculumConfig", "DataConfig", "HFTokens",
            "RandomLTDConfig", "TokenDataset", "Tokenizer", "file_documents", "load_tokenizer",
-           "micro_batches", "stdlib_documents"]
+           "micro_batches", "stdlib_documents", "token_micro_batches"]

@@ -92,3 +92,19 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
     micro-batches a rank runs forward and backward one at a time, accumulating gradients."""
     size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def token_micro_batches(lengths: list[int], budget: int) -> list[slice]:
+    """Row slices of consecutive rows whose ``lengths`` (real tokens) add up to at most
+    ``budget`` each (a row longer than the budget makes a slice of its own): micro-batches
+    of a token budget, for packed batches (troupe.models.packing), whatever the rows'
+    lengths."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > budget:
+            out.append(slice(start, i))
+            start, total = i, 0
+        total += n
+    if lengths:
+        out.append(slice(start, len(lengths)))
+    return out

@@ -19,6 +19,7 @@ from troupe.devices import precision_dtype
 from troupe.kernels.decode_attention import decode_attention
 from troupe.models.layers import MLP, apply_rope, norm, rope_angles, rope_frequencies
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
+from troupe.models.packing import segment_mask, segment_positions
 
 
 class GPTConfig(Config):
@@ -346,7 +347,8 @@ class GPT(nn.Module):
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,
-               cache: KVCache | SharedPrefix | None = None):
+               cache: KVCache | SharedPrefix | None = None,
+               segments_BT: torch.Tensor | None = None):
         """Final hidden states (B, T, C) after ln_f, and the MoE auxiliary loss.
 
         valid_BS: which of the S = cache.length + T positions hold real tokens (False for left
@@ -359,7 +361,11 @@ class GPT(nn.Module):
         if L + T > self.cfg.seq_len:
             raise ValueError(f"sequence of {L + T} tokens exceeds seq_len={self.cfg.seq_len}")
         mask = None
-        if valid_BS is None:
+        if segments_BT is not None:
+            if valid_BS is not None or cache is not None:
+                raise ValueError("segments_BT (a packed batch) takes no valid_BS or cache")
+            pos, mask = segment_positions(segments_BT), segment_mask(segments_BT)
+        elif valid_BS is None:
             pos = torch.arange(L, L + T, device=idx_BT.device)
         elif T == 1:  # one new token per sequence (decoding): it may see every real key
             pos = valid_BS.sum(1, keepdim=True) - 1  # (B, 1)

@@ -15,6 +15,7 @@ from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import read_config
 from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
+from troupe.runtime.metrics import LoggingConfig
 
 
 BYTE_VOCAB = ByteTokenizer.vocab_size
@@ -93,7 +94,8 @@ class PretrainConfig(AppConfig):
     max_restarts: the failure policy: how many times a lost or failed worker is restarted and
     the run resumed from its last checkpoint before it stops with a report (failure.json).
     zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the same in every
-    app)."""
+    app). logging: where the metric records go besides metrics.jsonl (troupe.runtime.metrics:
+    tensorboard, wandb, mlflow; the same in every app)."""
 
     MOVED: ClassVar[dict[str, str]] = {
         f"train.{old}": new for old, new in [
@@ -118,6 +120,7 @@ class PretrainConfig(AppConfig):
     zero_stage: Literal[1, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
+    logging: LoggingConfig = LoggingConfig()
 
     def prepare_model(self, model: GPT) -> GPT:
         """The model a rank trains, made from the one it starts from (the pretrained

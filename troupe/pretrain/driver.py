@@ -159,7 +159,7 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
     """The step loop (troupe.runtime.recovery.run_steps) from where ``resume`` says (see
     ``run``) to the last step; returns the records of the steps this run made."""
     out, T = Path(cfg.out_dir), cfg.train
-    metrics = MetricsLog(out / "metrics.jsonl")
+    metrics = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
     policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s)
     start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
@@ -177,9 +177,12 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
         return done
 
     bar = tqdm(desc=name, disable=not progress, initial=start, total=T.steps)
-    run_steps(policy, metrics, start, last, step, restore,
-              before_step=None if on_step is None else lambda n: on_step(n, graph), bar=bar)
-    bar.close()
+    try:
+        run_steps(policy, metrics, start, last, step, restore,
+                  before_step=None if on_step is None else lambda n: on_step(n, graph), bar=bar)
+    finally:
+        bar.close()
+        metrics.close()
     return records
 
 

@@ -45,7 +45,7 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
                              f"has {tok.vocab_size} tokens")
         gpt = GPT(cfg.gpt, seed=seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
-    return GPTLM(gpt.to(device), precision), tok
+    return GPTLM(gpt.to(device), precision, cfg.packing, cfg.packing_tokens), tok
 
 
 def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,

@@ -12,6 +12,7 @@ from troupe.devices import Device, Precision
 from troupe.models import GPTConfig
 from troupe.optim import OptimizerConfig
 from troupe.rlhf import algorithms
+from troupe.runtime.metrics import LoggingConfig
 
 STEP3 = "step3"  # step 3's name (it was "ppo", whatever the algorithm: still read as step3)
 
@@ -23,12 +24,22 @@ class ModelConfig(Config):
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
     as a user turn through the model's chat template (when its tokenizer has one).
     activation_checkpointing: the trained roles recompute each block's activations in the
-    backward instead of keeping them (less memory, about a third more compute in training)."""
+    backward instead of keeping them (less memory, about a third more compute in training).
+    packing: every role's forwards (SFT, reward training, scoring and step 3's update) lay
+    the real tokens of a micro-batch's rows end to end in as few rows as hold them, each
+    sample attending to itself only (troupe.models.packing): no compute on padding, the
+    same values up to the order of float sums. Rows of a group that share their prompt run it
+    once instead (troupe.rlhf.lm.GPTLM.shared_hidden), packed or not. packing_tokens: with
+    packing, a micro-batch is consecutive samples of at most this many real tokens (a longer
+    sample alone) instead of ``micro_batch_size`` samples (SFT, step 3; the reward model's
+    pairs keep micro_batch_size)."""
 
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
     activation_checkpointing: bool = False
+    packing: bool = False
+    packing_tokens: int | None = Field(default=None, ge=1)
 
 
 class TaskConfig(Config):
@@ -235,7 +246,9 @@ class RLHFConfig(AppConfig):
     zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the budget is
     checked per trained role when its optimizer starts); stage 3 partitions the trained roles
     (policy, critic, reward model) over their data-parallel groups and the reference over its
-    own; the policy gathers its whole model once per rollout to generate."""
+    own; the policy gathers its whole model once per rollout to generate.
+    logging: where the metric records go besides metrics.jsonl (troupe.runtime.metrics:
+    tensorboard, wandb, mlflow; the same in every app)."""
 
     MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision", "ppo": "step3"}
 
@@ -260,6 +273,7 @@ class RLHFConfig(AppConfig):
     max_restarts: int = Field(default=2, ge=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"
+    logging: LoggingConfig = LoggingConfig()
     zero_stage: Literal[1, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
@@ -296,6 +310,14 @@ class RLHFConfig(AppConfig):
         if self.zero_stage == 3 and self.step3.ema:
             raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
                              "model on every rank; use zero_stage=1")
+        if self.model.packing_tokens and not self.model.packing:
+            raise ValueError("model.packing_tokens is the budget of packed micro-batches: "
+                             "set model.packing=true with it")
+        if self.zero_stage == 3 and self.model.packing_tokens:
+            raise ValueError("zero_stage=3 with model.packing_tokens: the ranks of a "
+                             "partitioned model must run the same number of micro-batches, "
+                             "and a token budget gives each rank its own; use "
+                             "micro_batch_size (packed rows) or zero_stage=1")
         return self
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------

@@ -102,12 +102,13 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    log, data = MetricsLog(out / "metrics.jsonl"), data or load_data(cfg, steps)
+    data = data or load_data(cfg, steps)
     sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
     if STEP3 in steps:
         _check_inputs(cfg, steps, sft_path, reward_path)
     summary: dict = {"algorithm": cfg.algorithm}
     graph = build_graph(cfg)
+    log = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
     try:
         if "sft" in steps:
             run_sft(graph, cfg, data, log, out)
@@ -129,6 +130,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
                 summary["exported"] = graph["policy"].invoke(PolicyActor.export,
                                                              str(out / "policy-hf"))[0]
     finally:
+        log.close()
         graph.shutdown()
     plot(log.records(), out / "rlhf.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -146,6 +146,7 @@ class PolicyStats:
     entropy: float = 0.0           # mean per-token entropy of the policy on its responses
     clip_fraction: float = 0.0     # share of response tokens whose ratio was clipped
     tokens: int = 0                # response tokens these means are over
+    padding: tuple[int, int, int] = (0, 0, 0)  # GPTLM.padding over the update's forwards
 
 
 @dataclass(frozen=True)

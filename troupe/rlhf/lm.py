@@ -11,19 +11,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from troupe.data import micro_batches, token_micro_batches
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, SharedPrefix
+from troupe.models.packing import Packing
 
 
 class GPTLM(nn.Module):
     """A GPT on left-padded sequences; generation runs on troupe.generation's engine.
     ``precision`` "bf16": every forward but generation (training, log-probabilities, values)
-    runs under bf16 autocast, the weights staying fp32; log-softmax in fp32."""
+    runs under bf16 autocast, the weights staying fp32; log-softmax in fp32. ``packing``:
+    ``hidden`` runs the rows' real tokens packed (troupe.models.packing), and with
+    ``packing_tokens`` the roles' micro-batches hold that many real tokens (``micro_batches``). ``padding`` counts
+    (real tokens, positions of the padded rows, positions computed) over the training forwards
+    (those with gradients) so far."""
 
-    def __init__(self, gpt: GPT, precision: str = "fp32"):
+    def __init__(self, gpt: GPT, precision: str = "fp32", packing: bool = False,
+                 packing_tokens: int | None = None):
         super().__init__()
-        self.gpt, self.precision = gpt, precision
+        self.gpt, self.precision, self.packing = gpt, precision, packing
+        self.packing_tokens = packing_tokens
+        self.padding = [0, 0, 0]
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
         # run a prompt shared by consecutive rows once (off for a partitioned model, whose
         # ranks must run the same blocks whatever their data: troupe.rlhf.common)
@@ -41,9 +50,29 @@ class GPTLM(nn.Module):
             return self.gpt(ids_BS, valid_BS=valid_BS)[0].float()
 
     def hidden(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (B, S, C): no vocabulary projection (the value head reads them)."""
+        """Final hidden states (B, S, C): no vocabulary projection (the value head reads them);
+        zeros at padding when packed."""
+        real, (B, S) = int(valid_BS.sum()), valid_BS.shape
+        if not self.packing:
+            self._count(real, B * S, B * S)
+            with self.autocast():
+                return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
+        packing = Packing.of(valid_BS)
+        self._count(real, B * S, packing.segments_PT.numel())
         with self.autocast():
-            return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
+            h = self.gpt.hidden(packing.pack(ids_BS), segments_BT=packing.segments_PT)[0]
+        return packing.unpack(h)
+
+    def micro_batches(self, valid_BS: torch.Tensor, size: int | None) -> list[slice]:
+        """The row slices a role runs one at a time: ``size`` rows each, or with packing and
+        ``packing_tokens``, consecutive rows of at most that many real tokens together."""
+        if self.packing and self.packing_tokens:
+            return token_micro_batches(valid_BS.sum(1).tolist(), self.packing_tokens)
+        return micro_batches(len(valid_BS), size)
+
+    def _count(self, real: int, padded: int, computed: int) -> None:
+        if torch.is_grad_enabled():  # training forwards only
+            self.padding = [a + b for a, b in zip(self.padding, (real, padded, computed))]
 
     def token_logprobs(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
                        where_BR: torch.Tensor, entropy: bool = False, prompt_len: int = 0):
@@ -85,6 +114,8 @@ class GPTLM(nn.Module):
             return self.hidden(ids_BS, valid_BS)
         first = torch.cat([same.new_ones(1), ~same])  # (B,) a row that starts a new prompt
         rows = first.long().cumsum(0) - 1             # (B,) its prompt's index
+        B, S = ids_BS.shape
+        self._count(int(valid_BS.sum()), B * S, int(first.sum()) * P + B * (S - P))
         prefix = SharedPrefix(rows)
         with self.autocast():
             h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],

@@ -71,7 +71,7 @@ class Policy:
         ids, valid, mask = move(completions(self.tok, [p for p, _ in pairs],
                                             [r for _, r in pairs]), self.device)
         total, loss = mask.sum().clamp_min(1), 0.0
-        for s in micro_batches(len(ids), micro):
+        for s in self.lm.micro_batches(valid, micro):
             part = -(self.lm.token_logprobs(ids[s], valid[s], mask[s]) * mask[s]).sum() / total
             self.train.backward(coef * part)
             loss += part.item()
@@ -120,12 +120,13 @@ class Policy:
         on-policy epoch), plus the KL to the reference when it is a loss term, averaged over
         the batch's units (tokens, or sequences for a sequence-level loss)."""
         self.lm.train()
+        self.lm.padding = [0, 0, 0]
         p, cfg, alg = self.cfg.step3, self.cfg, self.algorithm
         kl_coef = cfg.kl_coef() if cfg.kl_in_loss() else 0.0
         clip, clip_high = cfg.clip()
         total, tokens = alg.loss_units(exp.action).clamp_min(1), exp.action.sum().clamp_min(1)
         policy_loss, kl_sum, ent_sum, clip_sum, ptx_loss = 0.0, 0.0, 0.0, 0.0, None
-        for s in micro_batches(len(exp.ids), p.micro_batch_size):
+        for s in self.lm.micro_batches(exp.valid, p.micro_batch_size):
             mask = exp.action[s]
             logp, ent = self.lm.token_logprobs(exp.ids[s], exp.valid[s], mask, entropy=True,
                                                prompt_len=exp.prompt_len)
@@ -149,7 +150,7 @@ class Policy:
             algorithms.ema_update(self.ema, self.lm, self.cfg.step3.ema_beta)
         n = int(tokens.item())
         return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
-                           ent_sum / n, clip_sum / n, n)
+                           ent_sum / n, clip_sum / n, n, tuple(self.lm.padding))
 
     # DPO ------------------------------------------------------------------------------------
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
@@ -319,7 +320,7 @@ class Reward:
             quantize_frozen(self.model.lm.gpt, ids)  # the value head stays fp32
             self.to_quantize = False
         out = []
-        for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size):
+        for s in self.model.lm.micro_batches(valid, self.cfg.step3.micro_batch_size):
             values = self.model(ids[s], valid[s])
             out.append(values[torch.arange(len(values), device=values.device),
                               last_real(valid[s])])
@@ -374,7 +375,8 @@ class Critic:
     def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         out = torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
-                         for s in micro_batches(len(ids), self.cfg.step3.micro_batch_size)])
+                         for s in self.model.lm.micro_batches(
+                             valid, self.cfg.step3.micro_batch_size)])
         self.train.settle()
         return out
 
@@ -382,7 +384,7 @@ class Critic:
         self.model.train()
         p = self.cfg.step3
         total, value_loss = exp.action.sum().clamp_min(1), 0.0
-        for s in micro_batches(len(exp.ids), p.micro_batch_size):
+        for s in self.model.lm.micro_batches(exp.valid, p.micro_batch_size):
             values = self.model(exp.ids[s], exp.valid[s])[:, :-1]
             loss = exp.action[s].sum() / total * algorithms.value_loss(
                 values, exp.old_values[s], exp.returns[s], exp.action[s], p.value_clip)
@@ -418,7 +420,7 @@ def action_logprobs(lm: GPTLM, ids: torch.Tensor, valid: torch.Tensor, action: t
     ``micro`` sequences at a time (a prompt shared by consecutive rows runs once)."""
     lm.eval()
     return torch.cat([lm.token_logprobs(ids[s], valid[s], action[s], prompt_len=prompt_len)
-                      for s in micro_batches(len(ids), micro)])
+                      for s in lm.micro_batches(valid, micro)])
 
 
 def pair_logprobs(lm: GPTLM, tok, pairs: list):

@@ -108,6 +108,9 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
            "response_length": lengths.mean().item(),
            "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2,
            "generated_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9)}
+    real, padded, computed = (sum(c) for c in zip(*(s.padding for s in pstats)))
+    if padded:  # the policy update's share of padding, in the padded rows and as computed
+        rec["padding"], rec["padding_computed"] = 1 - real / padded, 1 - real / computed
     if cstats:
         rec["value_loss"] = sum(s.value_loss for s in cstats) / len(cstats)
     if pstats[0].kl is not None:

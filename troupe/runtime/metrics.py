@@ -1,27 +1,84 @@
-"""Run metrics: JSON lines on disk and a loss-curve PNG."""
+"""Run metrics: JSON lines on disk (and, as a recipe's ``logging.backends`` asks, the same
+records in TensorBoard, Weights & Biases or MLflow) and a loss-curve PNG."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import resource
 import sys
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Literal
 
 import torch
+from pydantic import field_validator
+
+from troupe.config import Config
+
+BACKENDS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class LoggingConfig(Config):
+    """Where a run's metric records go. ``backends``: any of
+    - jsonl: <out_dir>/metrics.jsonl, always written (resume, the plots and summaries read it);
+    - tensorboard: event files in <out_dir>/tensorboard (``tensorboard --logdir``);
+    - wandb: a Weights & Biases run in <out_dir>/wandb, offline unless ``wandb_mode`` is
+      online (``wandb sync <out_dir>/wandb/offline-run-*`` uploads an offline one);
+    - mlflow: an MLflow run under ``mlflow_tracking_uri`` (default the SQLite store
+      <out_dir>/mlflow.db: ``mlflow ui --backend-store-uri sqlite:///<out_dir>/mlflow.db``).
+    Each record is logged as ``<kind>/<key>`` = value at its ``step`` (numbers only; a
+    record's kind is its own x axis in W&B). ``project``: W&B's project, MLflow's experiment;
+    ``run_name``: default the out_dir's name. The optional packages are extras:
+    ``pip install 'troupe[tensorboard]'`` (or wandb, mlflow)."""
+
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    project: str = "troupe"
+    run_name: str | None = None
+    wandb_mode: Literal["offline", "online"] = "offline"
+    mlflow_tracking_uri: str | None = None
+
+    @field_validator("backends")
+    @classmethod
+    def _installed(cls, backends: list[str]) -> list[str]:
+        for b in backends:
+            if BACKENDS[b] and importlib.util.find_spec(BACKENDS[b]) is None:
+                raise ValueError(f"{b} needs the {BACKENDS[b]} package: "
+                                 f"pip install 'troupe[{b}]'")
+        return list(dict.fromkeys(["jsonl", *backends]))
 
 
 class MetricsLog:
     """Appends one JSON object per line to ``path``. ``truncate_after(step)`` drops records
-    past a step, so a resumed run continues the file where its checkpoint left off."""
+    past a step, so a resumed run continues the file where its checkpoint left off. With
+    ``logging`` (a recipe's LoggingConfig) each record also goes to its other backends, which
+    start here (``run_config``: the recipe, as the run's parameters) and end at ``close``."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, logging: LoggingConfig | None = None,
+                 run_config: dict | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.backends = []
+        for name in (logging.backends if logging is not None else []):
+            if name != "jsonl":
+                self.backends.append(_OPEN[name](self.path.parent, logging, run_config or {}))
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.backends:
+            kind, step = str(record.get("kind", "metrics")), int(record.get("step", 0))
+            values = {f"{kind}/{k}": float(v) for k, v in record.items()
+                      if k not in ("kind", "step") and isinstance(v, (int, float))
+                      and not isinstance(v, bool) and math.isfinite(v)}
+            for b in self.backends:
+                b.write(kind, step, values)
+
+    def close(self) -> None:
+        """Flush and end the other backends' runs (metrics.jsonl needs no closing)."""
+        for b in self.backends:
+            b.close()
+        self.backends = []
 
     def records(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -33,6 +90,59 @@ class MetricsLog:
         kept = [r for r in self.records() if r.get("step", 0) <= step
                 or (kinds is not None and r.get("kind") not in kinds)]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+class _TensorBoard:
+    def __init__(self, out: Path, cfg: LoggingConfig, run_config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(out / "tensorboard"))
+        self.writer.add_text("config", "```\n" + json.dumps(run_config, indent=1) + "\n```")
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        for key, v in values.items():
+            self.writer.add_scalar(key, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    def __init__(self, out: Path, cfg: LoggingConfig, run_config: dict):
+        import wandb
+        self.run = wandb.init(project=cfg.project, name=cfg.run_name or out.resolve().name,
+                              dir=str(out), mode=cfg.wandb_mode, config=run_config)
+        self.kinds: set[str] = set()
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        if kind not in self.kinds:  # each kind of record on its own step axis
+            self.run.define_metric(f"{kind}/step")
+            self.run.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
+            self.kinds.add(kind)
+        self.run.log({**values, f"{kind}/step": step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    def __init__(self, out: Path, cfg: LoggingConfig, run_config: dict):
+        import mlflow
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(cfg.mlflow_tracking_uri
+                                or f"sqlite:///{(out / 'mlflow.db').resolve()}")
+        mlflow.set_experiment(cfg.project)
+        self.run = mlflow.start_run(run_name=cfg.run_name or out.resolve().name)
+        mlflow.log_dict(run_config, "config.json")
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+_OPEN = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 
 
 def peak_memory_mb() -> float:
