@@ -52,7 +52,8 @@ SIZE = {
     "rlhf": ["sft.steps=2", "reward.steps=2", "step3.iterations=1", "step3.eval_every=1",
              "step3.checkpoint_every=1", "dpo.steps=2", "dpo.eval_every=1", "task.eval_examples=8",
              "step3.prompts_per_iter=4", "sft.batch_size=4", "reward.batch_size=4",
-             "dpo.batch_size=4"],
+             "dpo.batch_size=4", "workers=1"],  # one rank a role (5-6 s less a command); the
+    # newcomer's first command keeps the recipe's two (with_sizes' keep), as the driver tests do
     "pretrain": ["train.steps=2", "train.eval_every=2", "train.eval_batches=1",
                  "train.checkpoint_every=2"],
     "serve": [],
@@ -135,13 +136,14 @@ def shell_lines(text: str) -> list[str]:
     return out
 
 
-def with_sizes(line: str) -> str:
-    """``line`` with its app command's size overrides appended (the keys it sets kept)."""
+def with_sizes(line: str, keep: tuple[str, ...] = ()) -> str:
+    """``line`` with its app command's size overrides appended (the keys it sets, and the
+    keys ``keep`` names, kept)."""
     m = APP.search(line)
     if not m or "--print-config" in line or "--help" in line:
         return line
     app = next(g for g in m.groups() if g)
-    given = set(re.findall(r"(?:^|\s)([\w.]+)=", line[m.end():]))
+    given = set(re.findall(r"(?:^|\s)([\w.]+)=", line[m.end():])) | set(keep)
     extra = [o for o in SIZE[app] if o.split("=")[0] not in given]
     return " ".join([line, *extra])
 
@@ -242,8 +244,8 @@ def run_block(section: Section, block: Block) -> None:
     for line in shell_lines(block.text):
         if block.not_here is not None:
             check_not_here(section, line, what)
-        elif "-m venv" in line:
-            section.run(with_sizes(line), what, timeout=1800)
+        elif "-m venv" in line:  # a newcomer's first run: the recipe's data-parallel ranks
+            section.run(with_sizes(line, keep=("workers",)), what, timeout=1800)
         elif re.search(r"\bpip install\b", line):
             text = section.run(re.sub(r"\bpip install\b", "pip install --dry-run", line), what)
             assert "Would install" not in text, f"{what}: the suite's environment lacks " \

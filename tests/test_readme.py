@@ -41,6 +41,7 @@ def test_the_size_overrides_keep_what_a_line_sets():
     assert sized.startswith(line) and "step3.prompts_per_iter=4" not in sized
     assert "sft.steps=2" in sized and readme.with_sizes("troupe serve --help") == \
         "troupe serve --help"
+    assert "workers=1" in sized and "workers" not in readme.with_sizes(line, keep=("workers",))
 
 
 @pytest.mark.slow

@@ -78,8 +78,8 @@ def test_kept_weights_refresh_in_place_after_a_change():
     with torch.no_grad():
         for p in lm.parameters():
             p.mul_(1.5)
-    kept = lm.generate(prompts, params, 256, keep_packed=True)
+    kept = lm.generate(prompts, params, 256, keep_packed=True)[0]
     assert {id(t) for t in lm._packed.layers.values()} == buffers
     fresh = small_gemm.DecodeWeights(lm.gpt)
     assert all(torch.equal(lm._packed.layers[m], fresh.layers[m]) for m in fresh.layers)
-    assert kept == lm.generate(prompts, params, 256)
+    assert kept == lm.generate(prompts, params, 256)[0]

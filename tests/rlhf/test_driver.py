@@ -46,6 +46,8 @@ def test_three_steps_end_to_end(cluster, tmp_path):
            if '"kind": "step3"' in line]
     assert [r["step"] for r in ppo] == [1, 2, 3]
     assert all(r["generate_s"] > 0 and r["score_s"] > 0 and r["train_s"] > 0 for r in ppo)
+    # fp32 policy and engine: the trainer's log-probabilities are the engine's
+    assert all(r["logprob_mismatch_max"] < 1e-3 and r["tis_truncated"] == 0 for r in ppo)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
              if '"kind": "step3_eval"' in line and '"peak_memory_mb"' in line]
     assert evals and set(evals[-1]["peak_memory_mb"]) == set(rlhf.roles(cfg))

@@ -3,6 +3,7 @@
 import concurrent.futures as cf
 import json
 import os
+import threading
 import urllib.error
 import urllib.request
 
@@ -290,9 +291,16 @@ def test_a_burst_of_150_requests_never_has_more_than_max_concurrent_in_flight(ap
             with urllib.request.urlopen(app["url"] + "/health", timeout=30) as r:
                 seen.append(json.loads(r.read())["in_flight"])
 
+    start = threading.Barrier(150)  # every client sends at once (a pool's threads start
+    # one by one: on 2 busy cores the first ones could be answered before the last one sent)
+
+    def send(_):
+        start.wait(timeout=60)
+        return post(app["url"], body)
+
     with cf.ThreadPoolExecutor(151) as pool:
         watcher = pool.submit(watch)
-        statuses = [code for code, _ in pool.map(lambda _: post(app["url"], body), range(150))]
+        statuses = [code for code, _ in pool.map(send, range(150))]
         stop = True
         watcher.result()
     assert max(seen) <= 16 and max(seen) > 0, seen

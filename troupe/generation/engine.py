@@ -123,13 +123,23 @@ class ContinuousBatcher:
         """Step until every queued sequence has finished; the tokens each one chose (its eos
         included), by sequence id. The batch form the RLHF rollouts use: a sequence that
         fails (non-finite logits) raises RuntimeError naming it."""
+        return self.run_with_logprobs()[0]
+
+    def run_with_logprobs(self) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+        """``run``, and the log-probability of each chosen token under the model's own
+        distribution (softmax of the logits: no temperature, top-p or penalty) for the
+        sequences whose parameters ask for logprobs (empty lists for the others)."""
         out: dict[str, list[int]] = {}
+        logp: dict[str, list[float]] = {}
         while self.has_work():
             for ev in self.step():
                 if ev.error is not None:
                     raise RuntimeError(f"sequence {ev.seq_id}: {ev.error}")
                 out.setdefault(ev.seq_id, []).append(ev.token)
-        return out
+                lp = logp.setdefault(ev.seq_id, [])
+                if ev.logprob is not None:
+                    lp.append(ev.logprob)
+        return out, logp
 
     def reset(self) -> list[str]:
         """Drop every sequence, running or waiting, and the cache (after a failed step, whose

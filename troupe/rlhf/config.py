@@ -182,7 +182,14 @@ class Step3Config(Config):
     update. release_memory: the policy gives its gradient buffer back while it generates (made
     again, zeroed, at its next backward) and returns the CUDA allocator's cached blocks to the
     device, as DeepSpeed-Chat's hybrid engine frees training memory for the KV cache: a
-    model's worth of fp32 bytes less during rollouts, for one allocation per update."""
+    model's worth of fp32 bytes less during rollouts, for one allocation per update.
+    tis_cap: truncated importance sampling between the trainer and the rollout engine (which
+    may differ in precision, kernels or weights: int8_generation, bf16): each response token's
+    advantage is weighted by min(p_trainer / p_engine, tis_cap), the trainer's probability
+    taken at the sampling weights (None: off). Whether on or not, every step-3 record carries
+    the mismatch: the mean and max |log p_trainer - log p_engine| over the response tokens
+    (logprob_mismatch_mean, _max) and the share of tokens whose ratio was truncated
+    (tis_truncated)."""
 
     iterations: int = Field(default=120, ge=0)
     threads: int = Field(default=1, ge=1)
@@ -205,6 +212,7 @@ class Step3Config(Config):
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    tis_cap: float | None = Field(default=None, ge=1)
     ppo_epochs: int = Field(default=1, ge=1)
     kl_coef: float | None = Field(default=None, ge=0)
     clip_reward: float = Field(default=5.0, gt=0)

@@ -53,6 +53,8 @@ class Rollout:
     seconds: float = 0.0   # generation time on the rank
     prompt_len: int = 0    # the first prompt_len columns are the (left-padded) prompts
     groups: list[int] | None = None  # as in the request
+    engine_logp: torch.Tensor | None = None  # (B, S-1) the engine's log-prob of each sampled
+    # token, where ``action`` is 1 (the distribution it sampled from, before temperature)
 
     def split(self, n: int) -> list[Rollout]:
         return _split_rows(self, n)
@@ -63,7 +65,8 @@ class Rollout:
         return Rollout(self.ids[pick], self.valid[pick], self.action[pick],
                        [self.prompts[i] for i in index], [self.responses[i] for i in index],
                        self.seconds, self.prompt_len,
-                       None if self.groups is None else [self.groups[i] for i in index])
+                       None if self.groups is None else [self.groups[i] for i in index],
+                       None if self.engine_logp is None else self.engine_logp[pick])
 
     @staticmethod
     def concat(parts: list[Rollout], pad_id: int = 0) -> Rollout:
@@ -81,7 +84,9 @@ class Rollout:
                        [x for r in parts for x in r.responses],
                        sum(r.seconds for r in parts), P,
                        None if any(r.groups is None for r in parts)
-                       else [g for r in parts for g in r.groups])
+                       else [g for r in parts for g in r.groups],
+                       None if any(r.engine_logp is None for r in parts)
+                       else torch.cat([pad(r.engine_logp, r, 0.0) for r in parts]))
 
 
 @dataclass
@@ -100,6 +105,7 @@ class Experience:
     old_values: torch.Tensor | None = None  # (B, S-1) the critic's values then
     returns: torch.Tensor | None = None     # (B, S-1) value targets
     prompt_len: int = 0                     # as in the rollout
+    engine_logp: torch.Tensor | None = None  # (B, S-1) as in the rollout
 
     def split(self, n: int) -> list[Experience]:
         return _split_rows(self, n)
@@ -146,6 +152,8 @@ class PolicyStats:
     entropy: float = 0.0           # mean per-token entropy of the policy on its responses
     clip_fraction: float = 0.0     # share of response tokens whose ratio was clipped
     tokens: int = 0                # response tokens these means are over
+    mismatch: tuple[float, float, float] = (0.0, 0.0, 0.0)  # over the tokens with an engine
+    # log-prob: (sum and max of |trainer - engine| log-prob, how many were truncated)
     padding: tuple[int, int, int] = (0, 0, 0)  # GPTLM.padding over the update's forwards
 
 

@@ -126,11 +126,12 @@ class GPTLM(nn.Module):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
-                 keep_packed: bool = False) -> list[list[int]]:
+                 keep_packed: bool = False) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), through
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
         engine and sampler, so a prompt, seed and sampling parameters give the server's
-        tokens. ``keep_packed``: keep the weights packed for decoding between calls (refreshed
+        tokens; and, where a prompt's parameters ask for logprobs, each sampled token's
+        log-probability under the engine's own distribution (else an empty list). ``keep_packed``: keep the weights packed for decoding between calls (refreshed
         in place each call: no fresh 0.5 GB a call, held all along)."""
         packed = True
         if keep_packed:  # the packed copy stays between calls, refreshed in place
@@ -144,8 +145,9 @@ class GPTLM(nn.Module):
                                    packed_decode=packed)
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)
-        out = engine.run()
-        return [out.get(str(i), []) for i in range(len(prompts))]
+        out, logp = engine.run_with_logprobs()
+        return ([out.get(str(i), []) for i in range(len(prompts))],
+                [logp.get(str(i), []) for i in range(len(prompts))])
 
 
 class ValueModel(nn.Module):

@@ -126,13 +126,17 @@ class Policy:
         clip, clip_high = cfg.clip()
         total, tokens = alg.loss_units(exp.action).clamp_min(1), exp.action.sum().clamp_min(1)
         policy_loss, kl_sum, ent_sum, clip_sum, ptx_loss = 0.0, 0.0, 0.0, 0.0, None
+        mismatch = [0.0, 0.0, 0.0]
         for s in self.lm.micro_batches(exp.valid, p.micro_batch_size):
             mask = exp.action[s]
             logp, ent = self.lm.token_logprobs(exp.ids[s], exp.valid[s], mask, entropy=True,
                                                prompt_len=exp.prompt_len)
             old = exp.old_logp[s] if exp.old_logp is not None else logp.detach()
-            surrogate, clipped = alg.policy_loss(logp, old, exp.advantages[s], mask, clip,
-                                                 clip_high)
+            adv = exp.advantages[s]
+            if exp.engine_logp is not None:
+                adv = _engine_correction(old, exp.engine_logp[s], mask, adv, p.tis_cap,
+                                         mismatch)
+            surrogate, clipped = alg.policy_loss(logp, old, adv, mask, clip, clip_high)
             loss = alg.loss_units(mask) / total * surrogate  # its share of the batch's mean
             policy_loss += loss.item()
             if kl_coef > 0:
@@ -150,7 +154,8 @@ class Policy:
             algorithms.ema_update(self.ema, self.lm, self.cfg.step3.ema_beta)
         n = int(tokens.item())
         return PolicyStats(policy_loss, ptx_loss, kl_sum if kl_coef > 0 else None,
-                           ent_sum / n, clip_sum / n, n, tuple(self.lm.padding))
+                           ent_sum / n, clip_sum / n, n, mismatch=tuple(mismatch),
+                           padding=tuple(self.lm.padding))
 
     # DPO ------------------------------------------------------------------------------------
     def dpo_step(self, batch: PreferenceBatch, step: int) -> DPOStats:
@@ -411,6 +416,25 @@ class Critic:
     def load(self, path: str) -> None:
         with self.train.writable():
             load_module(path, self.model)
+
+
+@torch.no_grad()
+def _engine_correction(trainer_logp: torch.Tensor, engine_logp: torch.Tensor,
+                       mask: torch.Tensor, adv: torch.Tensor, cap: float | None,
+                       mismatch: list[float]) -> torch.Tensor:
+    """The advantages weighted by truncated importance sampling, min(p_trainer / p_engine,
+    ``cap``) per response token (unchanged when ``cap`` is None), and the mismatch counted
+    into ``mismatch`` (sum and max of |log-ratio|, tokens truncated). A weight w > 0 on the
+    advantage is a weight on the token's clipped surrogate: -min(rwA, clip(r)wA) =
+    w * -min(rA, clip(r)A)."""
+    log_ratio = (trainer_logp - engine_logp) * mask
+    mismatch[0] += log_ratio.abs().sum().item()
+    mismatch[1] = max(mismatch[1], log_ratio.abs().max().item() if mask.any() else 0.0)
+    if cap is None:
+        return adv
+    ratio = log_ratio.exp()
+    mismatch[2] += ((ratio > cap) & mask.bool()).sum().item()
+    return adv * ratio.clamp(max=cap)
 
 
 @torch.no_grad()

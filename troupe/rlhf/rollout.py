@@ -40,19 +40,22 @@ class RolloutEngine:
             temp = p.temperature if request.temperature is None else request.temperature
             engine = self._int8_engine(model) if p.int8_generation else model
             params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp,
-                                     top_p=p.top_p, seed=seed) for seed in request.seeds]
-            tokens = engine.generate([self.tok.prompt(t) for t in request.prompts], params,
-                                     self.tok.eos_id, p.generation_batch,
-                                     keep_packed=p.keep_decode_weights and engine is model)
+                                     top_p=p.top_p, seed=seed, logprobs=0)
+                      for seed in request.seeds]
+            tokens, logprobs = engine.generate(
+                [self.tok.prompt(t) for t in request.prompts], params, self.tok.eos_id,
+                p.generation_batch, keep_packed=p.keep_decode_weights and engine is model)
         finally:
             if fused:
                 unfuse_lora(model)
-        rollout = self._rollout(request.prompts, tokens)
+        rollout = self._rollout(request.prompts, tokens, logprobs)
         rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
         return rollout
 
-    def _rollout(self, texts: list, tokens: list[list[int]]) -> Rollout:
-        """Prompts and sampled tokens as left-padded sequences with their masks."""
+    def _rollout(self, texts: list, tokens: list[list[int]],
+                 logprobs: list[list[float]]) -> Rollout:
+        """Prompts and sampled tokens as left-padded sequences with their masks, and the
+        engine's log-probability of each sampled token where its target is (as ``action``)."""
         eos, N = self.tok.eos_id, self.cfg.step3.max_new_tokens
         p_ids, p_valid = prompts(self.tok, texts)
         resp = torch.tensor([t + [eos] * (N - len(t)) for t in tokens],  # host: a rollout
@@ -63,8 +66,12 @@ class RolloutEngine:
         P = p_ids.shape[1]
         action = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=ids.device)
         action[:, P - 1:] = rmask  # target t+1 predicted at t
+        engine_logp = torch.zeros_like(action)
+        for i, lp in enumerate(logprobs):
+            engine_logp[i, P - 1:P - 1 + len(lp)] = torch.tensor(lp)  # host: a rollout
         responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
-        return Rollout(ids, valid, action, list(texts), responses, prompt_len=P)
+        return Rollout(ids, valid, action, list(texts), responses, prompt_len=P,
+                       engine_logp=engine_logp * action)
 
     def _int8_engine(self, model: torch.nn.Module) -> torch.nn.Module:
         """The inference layout with INT8 weights: a copy whose linear layers run W8A8 (the

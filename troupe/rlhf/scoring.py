@@ -156,7 +156,7 @@ def make_experience(graph: Graph, cfg: RLHFConfig, batch: Batch,
                        ref_logp=ref[r] if ref and cfg.kl_in_loss() else None,
                        old_values=out["values"][r] if "values" in out else None,
                        returns=made.returns[r] if made.returns else None,
-                       prompt_len=ro.prompt_len)
+                       prompt_len=ro.prompt_len, engine_logp=ro.engine_logp)
             for r, ro in enumerate(rollouts)]
     if ref and logp:
         kl = torch.cat([((lp - rf) * ro.action).sum(1) for lp, rf, ro in zip(logp, ref, rollouts)])

@@ -108,6 +108,10 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
            "response_length": lengths.mean().item(),
            "generate_s": t1 - t0, "score_s": t2 - t1, "train_s": time.perf_counter() - t2,
            "generated_tokens_per_s": lengths.sum().item() / max(t1 - t0, 1e-9)}
+    # the trainer against the rollout engine, on the response tokens (tis_cap: truncated)
+    rec["logprob_mismatch_mean"] = sum(s.mismatch[0] for s in pstats) / max(tokens, 1)
+    rec["logprob_mismatch_max"] = max(s.mismatch[1] for s in pstats)
+    rec["tis_truncated"] = sum(s.mismatch[2] for s in pstats) / max(tokens, 1)
     real, padded, computed = (sum(c) for c in zip(*(s.padding for s in pstats)))
     if padded:  # the policy update's share of padding, in the padded rows and as computed
         rec["padding"], rec["padding_computed"] = 1 - real / padded, 1 - real / computed
