@@ -1,17 +1,13 @@
-"""A ternary model directory behind the OpenAI API: a two-block ternary student of
-SmolLM2-135M-Instruct (the blocks apps/compress.py would start from, quantized as its export
-quantizes them: troupe.compression.artifact), held by the server as written (1.6-bit blocks,
-INT4 embedding), answers the official client, streamed as not. (The README's XTC section runs
-apps/compress.py itself and serves what it exported.)"""
+"""A distilled ternary model behind the OpenAI API: apps/compress.py distils a two-block
+ternary student of SmolLM2-135M-Instruct for a few steps, and the server holds the directory
+it exported as written (1.6-bit blocks, INT4 embedding) and answers the official client,
+streamed as not."""
 
 import openai
 import pytest
 
-from troupe.compression import quantize_model
-from troupe.compression.artifact import save_quantized
-from troupe.compression.student import reduce_layers
 from troupe.config import load_app_config
-from troupe.models import from_pretrained
+from troupe.pretrain.compress import CompressConfig, run
 from troupe.serving import deploy as serve
 from troupe.serving.protocol import ServeConfig
 
@@ -19,10 +15,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def distilled(smollm2, tmp_path_factory):
-    student = reduce_layers(from_pretrained(smollm2), [0, 29]).eval().requires_grad_(False)
-    quantize_model(student, {"blocks.*": "ternary"}, embedding="int4")
-    return save_quantized(student, tmp_path_factory.mktemp("xtc") / "quantized", smollm2)
+def distilled(cluster, smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("xtc")
+    cfg = load_app_config(CompressConfig, "apps/configs/xtc-smollm2.yaml", [
+        f"model.pretrained={smollm2}", "model.seq_len=32", "model.keep_layers=[0,29]",
+        "train.steps=2", "train.batch_size=2", "train.eval_every=2", "train.eval_batches=1",
+        "train.checkpoint_every=0", "workers=1", "precision=fp32", f"out_dir={out}"])
+    records = run(cfg, resume=None, progress=False)
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]
+    return out / "quantized"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def client(distilled, serve_port):
     serve.shutdown()
 
 
-def test_a_ternary_model_answers_streamed_as_not(client):
+def test_a_distilled_ternary_model_answers_streamed_as_not(client):
     assert [m.id for m in client.models.list().data] == ["xtc"]
     messages = [{"role": "user", "content": "Name the capital of France."}]
     whole = client.chat.completions.create(model="xtc", messages=messages, max_tokens=12,
