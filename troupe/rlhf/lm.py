@@ -23,9 +23,9 @@ class GPTLM(nn.Module):
     ``precision`` "bf16": every forward but generation (training, log-probabilities, values)
     runs under bf16 autocast, the weights staying fp32; log-softmax in fp32. ``packing``:
     ``hidden`` runs the rows' real tokens packed (troupe.models.packing), and with
-    ``packing_tokens`` the roles' micro-batches hold that many real tokens (``micro_batches``). ``padding`` counts
-    (real tokens, positions of the padded rows, positions computed) over the training forwards
-    (those with gradients) so far."""
+    ``packing_tokens`` the roles' micro-batches hold that many real tokens
+    (``micro_batches``). ``padding`` counts (real tokens, positions of the padded rows,
+    positions computed) over the training forwards (those with gradients) so far."""
 
     def __init__(self, gpt: GPT, precision: str = "fp32", packing: bool = False,
                  packing_tokens: int | None = None):
@@ -131,8 +131,9 @@ class GPTLM(nn.Module):
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
         engine and sampler, so a prompt, seed and sampling parameters give the server's
         tokens; and, where a prompt's parameters ask for logprobs, each sampled token's
-        log-probability under the engine's own distribution (else an empty list). ``keep_packed``: keep the weights packed for decoding between calls (refreshed
-        in place each call: no fresh 0.5 GB a call, held all along)."""
+        log-probability under the engine's own distribution (else an empty list).
+        ``keep_packed``: keep the weights packed for decoding between calls (refreshed in
+        place each call: no fresh 0.5 GB a call, held all along)."""
         packed = True
         if keep_packed:  # the packed copy stays between calls, refreshed in place
             if getattr(self, "_packed", None) is None:

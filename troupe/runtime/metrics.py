@@ -16,8 +16,6 @@ from pydantic import field_validator
 
 from troupe.config import Config
 
-BACKENDS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-
 
 class LoggingConfig(Config):
     """Where a run's metric records go. ``backends``: any of
@@ -41,10 +39,9 @@ class LoggingConfig(Config):
     @field_validator("backends")
     @classmethod
     def _installed(cls, backends: list[str]) -> list[str]:
-        for b in backends:
-            if BACKENDS[b] and importlib.util.find_spec(BACKENDS[b]) is None:
-                raise ValueError(f"{b} needs the {BACKENDS[b]} package: "
-                                 f"pip install 'troupe[{b}]'")
+        for b in backends:  # each optional backend is the package of its name
+            if b != "jsonl" and importlib.util.find_spec(b) is None:
+                raise ValueError(f"{b} needs the {b} package: pip install 'troupe[{b}]'")
         return list(dict.fromkeys(["jsonl", *backends]))
 
 
