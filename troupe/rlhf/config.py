@@ -151,6 +151,31 @@ class LoRAConfig(Config):
     alpha: float = Field(default=16.0, gt=0)
 
 
+class RolloutConfig(Config):
+    """Where step 3's rollouts are generated. replicas: 0 (the default) has the policy's own
+    workers generate, between its updates; N >= 1 starts a ``rollout`` role of N engine
+    replicas (the server's continuous batcher, int8_generation and generation_batch as the
+    policy's) on their own actors and resources (num_cpus, num_gpus each; threads: torch
+    threads of each, None: step3.threads), fed prompts by the driver and weights by the
+    policy after each update (troupe.parallel.weight_sync: buckets of ``bucket_mb``, a
+    version, a checksum per bucket; a sync not finished within ``sync_timeout_s`` fails naming
+    the replica). max_staleness: how many updates older than the policy the weights that
+    generated a batch may be: 0 generates each batch after the update before it (the
+    synchronous order); 1 generates the next batch while the policy trains on this one
+    (one-step-off); k keeps up to k batches in flight. Off-policy tokens are corrected by
+    step3.tis_cap (2 when left None with max_staleness > 0). max_restarts: how often a dead
+    replica is restarted, re-synced and its prompts re-issued before the run fails."""
+
+    replicas: int = Field(default=0, ge=0)
+    max_staleness: int = Field(default=0, ge=0)
+    num_cpus: float = Field(default=0.25, gt=0)
+    num_gpus: float | None = Field(default=None, gt=0)
+    threads: int | None = Field(default=None, ge=1)
+    bucket_mb: float = Field(default=64.0, gt=0)
+    sync_timeout_s: float = Field(default=120.0, gt=0)
+    max_restarts: int = Field(default=4, ge=0)
+
+
 class Step3Config(Config):
     """Step 3 of the online algorithms (ppo, grpo, rloo, reinforce_pp, dapo, gspo; the section
     was called ``ppo``, which is still read as ``step3``). micro_batch_size: sequences per forward (scoring) and forward/backward (policy
@@ -226,6 +251,7 @@ class Step3Config(Config):
     ptx_coef: float = Field(default=0.0, ge=0)
     lora: LoRAConfig = LoRAConfig()
     int8_generation: bool = False
+    rollout: RolloutConfig = RolloutConfig()
     checkpoint_every: int = Field(default=40, ge=0)
     eval_every: int = Field(default=20, ge=1)
 
@@ -326,7 +352,21 @@ class RLHFConfig(AppConfig):
                              "partitioned model must run the same number of micro-batches, "
                              "and a token budget gives each rank its own; use "
                              "micro_batch_size (packed rows) or zero_stage=1")
+        r = self.step3.rollout
+        if r.max_staleness > 0 and r.replicas == 0:
+            raise ValueError(f"step3.rollout.max_staleness={r.max_staleness} overlaps "
+                             "generation with training, which needs rollout actors of their "
+                             "own: set step3.rollout.replicas >= 1")
+        if r.max_staleness > 0 and self.dynamic_sampling():
+            raise ValueError(f"step3.rollout.max_staleness={r.max_staleness} with dynamic "
+                             "sampling: its extra rounds wait for rewards before the batch "
+                             "is known; set step3.dynamic_sampling=false or max_staleness=0")
         return self
+
+    def tis_cap(self) -> float | None:
+        """step3.tis_cap, or 2 when batches come off-policy (max_staleness > 0)."""
+        cap = self.step3.tis_cap
+        return 2.0 if cap is None and self.step3.rollout.max_staleness > 0 else cap
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------
     def algo(self) -> algorithms.Algorithm:

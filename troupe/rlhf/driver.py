@@ -19,7 +19,13 @@ from troupe.rlhf.plots import plot
 from troupe.rlhf.step3 import run_step3, setup_roles
 from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
-from troupe.rlhf.workers import CriticActor, PolicyActor, ReferenceActor, RewardActor
+from troupe.rlhf.workers import (
+    CriticActor,
+    PolicyActor,
+    ReferenceActor,
+    RewardActor,
+    RolloutActor,
+)
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
@@ -50,12 +56,16 @@ def gpus_per_worker(cfg: RLHFConfig, device: str) -> float:
     return 1.0 / len(roles(cfg)) if cfg.colocate else 1.0
 
 
-def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
+def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
+                steps: tuple[str, ...] = STEPS) -> Graph:
     """The roles of ``roles(cfg)``, ``cfg.workers`` each; colocated on the policy's bundles
     unless ``cfg.colocate`` is off; data-parallel groups for the roles that train
-    (RLHFTopology)."""
+    (RLHFTopology); and the rollout replicas of ``step3.rollout`` on their own, when step 3
+    is one of ``steps`` and asks for them."""
     info = init()
-    needed = cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+    r = cfg.step3.rollout
+    needed = (cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+              + r.replicas * (r.num_gpus or 1.0))
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
     g, W = ActorGraph("rlhf"), cfg.workers
     conf = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
@@ -66,7 +76,11 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0) -> Graph:
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
-    topology = RLHFTopology.of(roles(cfg), W, cfg.zero_stage)
+    if r.replicas and STEP3 in steps and cfg.algo().online:  # engines on their own actors
+        g.role("rollout", RolloutActor, r.replicas, num_cpus=r.num_cpus, config=conf,
+               num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
+               max_restarts=r.max_restarts)
+    topology = RLHFTopology.of(list(g.roles), W, cfg.zero_stage, r.replicas)
     topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
     try:
@@ -107,7 +121,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
     if STEP3 in steps:
         _check_inputs(cfg, steps, sft_path, reward_path)
     summary: dict = {"algorithm": cfg.algorithm}
-    graph = build_graph(cfg)
+    graph = build_graph(cfg, steps=steps)
     log = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
     try:
         if "sft" in steps:

@@ -55,6 +55,8 @@ class Rollout:
     groups: list[int] | None = None  # as in the request
     engine_logp: torch.Tensor | None = None  # (B, S-1) the engine's log-prob of each sampled
     # token, where ``action`` is 1 (the distribution it sampled from, before temperature)
+    versions: list[int] | None = None  # the policy version (updates done) whose weights
+    # generated each row, every token of it (rollout replicas; None: the policy's own, current)
 
     def split(self, n: int) -> list[Rollout]:
         return _split_rows(self, n)
@@ -66,7 +68,8 @@ class Rollout:
                        [self.prompts[i] for i in index], [self.responses[i] for i in index],
                        self.seconds, self.prompt_len,
                        None if self.groups is None else [self.groups[i] for i in index],
-                       None if self.engine_logp is None else self.engine_logp[pick])
+                       None if self.engine_logp is None else self.engine_logp[pick],
+                       None if self.versions is None else [self.versions[i] for i in index])
 
     @staticmethod
     def concat(parts: list[Rollout], pad_id: int = 0) -> Rollout:
@@ -86,7 +89,9 @@ class Rollout:
                        None if any(r.groups is None for r in parts)
                        else [g for r in parts for g in r.groups],
                        None if any(r.engine_logp is None for r in parts)
-                       else torch.cat([pad(r.engine_logp, r, 0.0) for r in parts]))
+                       else torch.cat([pad(r.engine_logp, r, 0.0) for r in parts]),
+                       None if any(r.versions is None for r in parts)
+                       else [v for r in parts for v in r.versions])
 
 
 @dataclass

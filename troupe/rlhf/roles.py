@@ -26,7 +26,8 @@ from troupe.data import micro_batches
 from troupe.devices import move, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
 from troupe.models.io import load_module, save_module
-from troupe.models.lora import inject_lora, merged_state_dict
+from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
+from troupe.parallel import weight_sync
 from troupe.rlhf import algorithms
 from troupe.rlhf.batch import completions
 from troupe.rlhf.common import Trainable, build_lm, build_trainable
@@ -106,6 +107,23 @@ class Policy:
         with self.train.gathered():  # a partitioned policy: gathered once per rollout
             return self.engine.generate(model, request)
 
+    def send_weights(self, group: Communicator | None, version: int) -> dict | None:
+        """The current weights, as ``version``, to the rollout replicas of ``group`` (rank 0
+        sends; every rank calls: a partitioned policy gathers once for the whole sync); LoRA
+        adapters are folded in for the sync and taken out after. Returns rank 0's report."""
+        r = self.cfg.step3.rollout
+        with self.train.gathered():
+            if self.rank != 0 or group is None:
+                return None
+            fused = fuse_lora(self.lm)
+            try:
+                report = weight_sync.send(group, weight_sync.sync_tensors(self.lm.gpt), version,
+                                          int(r.bucket_mb * 2**20), r.sync_timeout_s)
+            finally:
+                if fused:
+                    unfuse_lora(self.lm)
+        return vars(report)
+
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:
         out = action_logprobs(self.lm, ids, valid, action, self.cfg.step3.micro_batch_size,
@@ -134,7 +152,7 @@ class Policy:
             old = exp.old_logp[s] if exp.old_logp is not None else logp.detach()
             adv = exp.advantages[s]
             if exp.engine_logp is not None:
-                adv = _engine_correction(old, exp.engine_logp[s], mask, adv, p.tis_cap,
+                adv = _engine_correction(old, exp.engine_logp[s], mask, adv, cfg.tis_cap(),
                                          mismatch)
             surrogate, clipped = alg.policy_loss(logp, old, adv, mask, clip, clip_high)
             loss = alg.loss_units(mask) / total * surrogate  # its share of the batch's mean

@@ -4,9 +4,11 @@ INT8 weights when the recipe asks), through troupe.generation's continuous batch
 
 The trained model (troupe.rlhf.roles.Policy) owns the weights and hands them to the engine at
 each rollout; the engine owns what only sampling needs (the tokenizer's prompt rendering, the
-INT8 copy, the sampling settings), as verl separates an actor from its rollout. Today both
-live in the policy's worker processes; an engine of its own on other actors would receive the
-weights instead of sharing them.
+INT8 copy, the sampling settings), as verl separates an actor from its rollout. By default both
+live in the policy's worker processes. With ``step3.rollout.replicas``, engines run on actors
+of their own (``RolloutReplica``, the ``rollout`` role) with a copy of the weights that the
+policy sends after each update (troupe.parallel.weight_sync); each rollout says which version
+of the weights generated it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import time
 
 import torch
 
+from troupe.collectives import Communicator
 from troupe.compression import quantize_model, requantize
+from troupe.devices import worker_device
 from troupe.generation import SamplingParams
 from troupe.models.lora import fuse_lora, unfuse_lora
+from troupe.parallel import weight_sync
 from troupe.rlhf.batch import prompts, response_mask
+from troupe.rlhf.common import build_lm
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import Rollout, RolloutRequest
 
@@ -85,3 +91,35 @@ class RolloutEngine:
         else:
             requantize(self._int8[1], model)
         return self._int8[1]
+
+
+class RolloutReplica:
+    """One engine replica of the ``rollout`` role: the policy's architecture in the inference
+    layout, its weights whatever version the policy last sent (none until the first sync:
+    it refuses to generate before), and the engine that samples from them."""
+
+    def __init__(self, cfg: RLHFConfig, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.device = worker_device(cfg.device)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
+        self.lm.eval().requires_grad_(False)
+        self.engine = RolloutEngine(cfg, self.tok)
+        self.version: int | None = None
+
+    def receive(self, group: Communicator, version: int) -> dict:
+        """The policy's weights of ``version`` (troupe.parallel.weight_sync.receive); a sync
+        that fails leaves this replica without a usable version until the next one."""
+        r = self.cfg.step3.rollout
+        self.version = None
+        report = weight_sync.receive(group, weight_sync.sync_tensors(self.lm.gpt), version,
+                                     int(r.bucket_mb * 2**20), r.sync_timeout_s)
+        self.version = version
+        return vars(report)
+
+    def generate(self, request: RolloutRequest) -> Rollout:
+        if self.version is None:
+            raise RuntimeError(f"rollout replica {self.rank} has no weights: its last sync "
+                               "failed or none has happened yet")
+        rollout = self.engine.generate(self.lm, request)
+        rollout.versions = [self.version] * len(rollout.responses)
+        return rollout

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -84,20 +86,24 @@ def rewards(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
 
 
 def sample(graph: Graph, cfg: RLHFConfig, data: Data, rng: random.Random,
-           reward_fn: RewardFunction | None) -> Batch:
+           reward_fn: RewardFunction | None,
+           generate: Callable[[RolloutRequest], list[Rollout]] | None = None) -> Batch:
     """The iteration's rollouts. Without dynamic sampling: one draw, its rewards left to
     ``make_experience`` (scored at once with the other roles' work). With it: rounds of draws
     (at most ``step3.sample_rounds``), each scored, keeping the groups the algorithm keeps, until
     ``prompts_per_iter`` are kept; if the rounds run out first, dropped groups fill the batch
-    (their advantages are zero: they add no gradient)."""
+    (their advantages are zero: they add no gradient). ``generate(request)`` answers a request
+    with one rollout per policy rank (default: the policy's own workers generate)."""
+    if generate is None:
+        generate = partial(graph["policy"].invoke, PolicyActor.generate)
     if not cfg.dynamic_sampling():
         request, fields = draw(cfg, data, rng, 0)
-        return Batch(graph["policy"].invoke(PolicyActor.generate, request), fields)
+        return Batch(generate(request), fields)
     alg, want = cfg.algo(), cfg.step3.prompts_per_iter
     kept, dropped, stats = [], [], {"groups_sampled": 0, "reward_failures": 0}
     for round_ in range(cfg.step3.sample_rounds):
         request, fields = draw(cfg, data, rng, round_ * want)
-        parts = graph["policy"].invoke(PolicyActor.generate, request)
+        parts = generate(request)
         reward, more = rewards(graph, cfg, parts, reward_fn, fields)
         rollout = Rollout.concat(parts)
         keep = alg.keep(reward, torch.tensor(rollout.groups))  # host: ids

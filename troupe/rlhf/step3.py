@@ -30,7 +30,8 @@ from troupe.checkpoint import read_manifest
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
 from troupe.rlhf.rewards import RewardFunction
-from troupe.rlhf.scoring import make_experience, sample
+from troupe.rlhf.replicas import Replicas, per_rank
+from troupe.rlhf.scoring import Batch, draw, make_experience, sample
 from troupe.rlhf.stages import evaluate_policy
 from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.workers import (
@@ -40,6 +41,7 @@ from troupe.rlhf.workers import (
     ReferenceCalls,
     RewardActor,
     RewardCalls,
+    RolloutActor,
     reference_of,
     reward_of,
 )
@@ -79,12 +81,21 @@ def role_memory(graph: Graph) -> dict[str, float]:
 
 
 def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: random.Random,
-                  reward_fn: RewardFunction | None = None) -> dict:
-    """Generate, score, and update the policy (and critic) ``ppo_epochs`` times; returns the
-    metrics (the losses averaged over the epochs)."""
+                  reward_fn: RewardFunction | None = None,
+                  replicas: Replicas | None = None) -> dict:
+    """Generate (on the policy's workers, or on the rollout ``replicas``), score, and update
+    the policy (and critic) ``ppo_epochs`` times; returns the metrics (the losses averaged
+    over the epochs)."""
     p, W = cfg.step3, cfg.workers
     t0 = time.perf_counter()
-    batch = sample(graph, cfg, data, rng, reward_fn)
+    if replicas is None:
+        batch = sample(graph, cfg, data, rng, reward_fn)
+    elif p.rollout.max_staleness == 0:  # the synchronous order: drawn and generated now
+        batch = sample(graph, cfg, data, rng, reward_fn, generate=lambda request: per_rank(
+            replicas.collect(replicas.submit(request), it), W))
+    else:
+        parts, fields = replicas.batch(it, p.iterations, lambda: draw(cfg, data, rng, 0))
+        batch = Batch(per_rank(parts, W), fields)
     t1 = time.perf_counter()
     exps, stats = make_experience(graph, cfg, batch, reward_fn)
     t2 = time.perf_counter()
@@ -124,6 +135,10 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     if data.gold is not None:
         golds = [data.gold(q, r) for ro in rollouts for q, r in zip(ro.prompts, ro.responses)]
         rec["gold"] = sum(golds) / len(golds)
+    if rollouts[0].versions is not None:  # updates between the generating weights and these
+        stale = [it - 1 - v for ro in rollouts for v in ro.versions]
+        rec["staleness_mean"], rec["staleness_max"] = sum(stale) / len(stale), max(stale)
+        rec["rollout_s"] = max(ro.seconds for ro in rollouts)
     return rec
 
 
@@ -179,7 +194,8 @@ def save_checkpoint(graph: Graph, root: Path, out: Path, state: Step3State) -> N
 
 
 _SETUP = {"policy": PolicyActor.setup, "reference": ReferenceActor.setup,
-          "reward": RewardActor.setup, "critic": CriticActor.setup}
+          "reward": RewardActor.setup, "critic": CriticActor.setup,
+          "rollout": RolloutActor.setup}
 
 
 def setup_roles(graph: Graph, topology: RLHFTopology) -> None:
@@ -193,7 +209,8 @@ def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
              reward_path: Path | None, resume: bool) -> Step3State:
     """After the failure policy brought the workers back: every role built afresh, then
     ``restore``."""
-    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage))
+    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
+                                       cfg.step3.rollout.replicas))
     return restore(graph, cfg, root, sft_path, reward_path, resume)
 
 
@@ -218,21 +235,27 @@ def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: P
     if not resume and root.exists():  # a fresh run must never go back to an older run's state
         shutil.rmtree(root)
     reward_fn = reward_function(cfg)  # fails here, before any work, if it cannot be imported
+    replicas = Replicas(graph, cfg, log) if "rollout" in graph.roles else None
     try:
         state = restore(graph, cfg, root, sft_path, reward_path, resume)
+        if replicas is not None:  # the replicas start from the policy's weights
+            replicas.sync(state.iteration, state.iteration)
         if state.before is None:
             state.before = evaluate_policy(graph, data, cfg.seed + 99)
             log.write({"kind": "step3_eval", "step": 0, **state.before})
         policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
 
         def step(it: int) -> None:
-            _iterate(graph, cfg, data, log, out, root, state, it, reward_fn)
+            _iterate(graph, cfg, data, log, out, root, state, it, reward_fn, replicas)
 
         def back() -> int:  # every role built afresh, at the last checkpoint
             nonlocal state
             before, state = state.before, _restart(graph, cfg, root, sft_path, reward_path,
                                                    resume)
             state.before = state.before or before
+            if replicas is not None:
+                replicas.reset()
+                replicas.sync(state.iteration, state.iteration)
             return state.iteration
 
         bar = tqdm(total=p.iterations, initial=state.iteration,
@@ -246,16 +269,25 @@ def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: P
             reward_fn.close()
     after = evaluate_policy(graph, data, cfg.seed + 99)
     summary = {"before": state.before, "after": after, "restarts": policy.restarts}
+    if replicas is not None:
+        summary["rollout_restarts"] = replicas.restarts
     if reward_fn is not None:
         summary["reward_failures"] = reward_fn.failures
     return summary
 
 
 def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Path, root: Path,
-             state: Step3State, it: int, reward_fn: RewardFunction | None) -> None:
-    """Iteration ``it``, then the evaluation and checkpoint it is due."""
+             state: Step3State, it: int, reward_fn: RewardFunction | None,
+             replicas: Replicas | None = None) -> None:
+    """Iteration ``it`` (and the weights it made sent to the rollout replicas, unless it is
+    the last), then the evaluation and checkpoint it is due."""
     p = cfg.step3
-    log.write(run_iteration(graph, cfg, data, it, state.rng, reward_fn))
+    rec = run_iteration(graph, cfg, data, it, state.rng, reward_fn, replicas)
+    if replicas is not None:
+        if it < p.iterations:
+            rec.update(replicas.sync(it, it))
+        rec["rollout_restarts"] = replicas.restarts
+    log.write(rec)
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:
         log.write({"kind": "step3_eval", "step": it,

@@ -27,6 +27,7 @@ from troupe.rlhf.experience import (
     SFTStats,
 )
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
+from troupe.rlhf.rollout import RolloutReplica
 from troupe.rlhf.topology import RLHFTopology
 from troupe.runtime.topology import communicator
 from troupe.runtime.metrics import peak_memory_mb
@@ -150,6 +151,12 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     def generate(self, request: RolloutRequest) -> Rollout:
         return self.role.generate(request)
 
+    @dispatch(Dispatch.ALL)
+    def send_weights(self, topology: RLHFTopology, version: int) -> dict | None:
+        """The weights as ``version`` to the rollout replicas (rank 0's report; None on the
+        other ranks)."""
+        return self.role.send_weights(communicator(topology.weights), version)
+
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) log-probabilities of the rollout's response tokens (0 elsewhere)."""
@@ -265,3 +272,30 @@ class CriticActor(_TrainedShell, RewardCalls):
     def save(self, path: str) -> str:
         """Rank 0 writes; every rank takes part (a partitioned critic gathers)."""
         return self.role.save(path)
+
+
+class RolloutActor(_Shell):
+    """A replica of the ``rollout`` role (step3.rollout.replicas): generates what the driver
+    asks with the weights the policy last sent it."""
+
+    def __init__(self, config: dict | RLHFConfig):
+        super().__init__(config)
+        torch.set_num_threads(self.cfg.step3.rollout.threads or self.cfg.step3.threads)
+
+    @dispatch(Dispatch.ALL)
+    def setup(self, topology: RLHFTopology) -> None:
+        self.role = RolloutReplica(self.cfg, get_context().rank)
+
+    @dispatch(Dispatch.ALL)
+    def receive_weights(self, topology: RLHFTopology, version: int) -> dict:
+        """The policy's weights as ``version`` (this replica's report of the sync)."""
+        return self.role.receive(communicator(topology.weights), version)
+
+    @dispatch(Dispatch.SHARD)
+    def generate(self, request: RolloutRequest) -> Rollout:
+        return self.role.generate(request)
+
+    @dispatch(Dispatch.ALL)
+    def version(self) -> int | None:
+        """The version of the weights this replica holds (None: none usable)."""
+        return self.role.version

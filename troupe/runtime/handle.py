@@ -42,6 +42,13 @@ class RoleGroup:
         that several roles can work at once."""
         return self._start(self._method_name(method), mode_of(method), args, kwargs)
 
+    def invoke_on(self, rank: int, method: Callable[..., Any], *args: Any,
+                  **kwargs: Any) -> "Call":
+        """``invoke_async`` on worker ``rank`` alone, with the arguments its dispatch gives
+        that rank (a SHARD method gets its slice of the batch): for a driver that follows
+        each worker's work apart, e.g. to redo one worker's share after it restarts."""
+        return self._start(self._method_name(method), mode_of(method), args, kwargs, rank=rank)
+
     def _start(self, name: str, mode: Dispatch, args: tuple, kwargs: dict,
                rank: int | None = None) -> "Call":
         """The one way a call leaves the driver: ``name`` on the ranks ``mode`` names (or on

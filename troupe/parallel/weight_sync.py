@@ -1,0 +1,236 @@
+"""Weights from one trainer to inference replicas over a collective group: bucketed,
+versioned and checksummed, with a deadline that names who did not come.
+
+Group rank 0 is the trainer; group rank r >= 1 is replica r - 1. Both sides hold a model of
+the same architecture and lay its parameters (shared ones once, adapters folded in and left
+out: ``sync_tensors``) into the same byte buckets of at most ``bucket_bytes``; one broadcast
+per bucket carries the bucket with its checksum in its last 16 bytes. A sync is:
+
+1. a barrier (every member there, or the deadline names who is not), then a header
+   (version, number of buckets, bytes, a hash of every tensor's name, shape and dtype): a
+   replica whose model differs says which of these differs;
+2. the buckets; each replica checks each bucket's checksum against the one the trainer
+   wrote and copies a bucket into its weights only if it holds (a corrupted bucket is never
+   applied, and its replica holds no usable version until the next good sync);
+3. an all-gather of every member's verdict, so the trainer's call fails too, naming the
+   replica and bucket at fault.
+
+Every collective operation of the sync runs under ``timeout_s``: a member that does not
+arrive makes the others raise WeightSyncError naming it as "replica k" (the communicator's
+own diagnosis, troupe.collectives.straggler, finds who it was). The checksum is two int64 sums
+over the bucket's 64-bit words, plain and position-weighted (so a flipped bit and a swapped
+pair of words both show), computed where the bucket lives (host or GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from troupe.collectives import Communicator
+from troupe.errors import CollectiveTimeoutError, TroupeError
+
+_ALIGN = 8       # every tensor starts on an 8-byte boundary of its bucket
+_TRAILER = 16    # the checksum: two int64 words after the payload
+
+
+class WeightSyncError(TroupeError):
+    """A weight sync that failed: a member that did not arrive within the deadline, a
+    checksum that does not match, or a replica whose model differs from the trainer's.
+    ``replicas`` are the replica indices at fault (group rank - 1; -1 for the trainer)."""
+
+    def __init__(self, message: str, version: int, replicas: list[int]):
+        self.version, self.replicas = version, replicas
+        super().__init__(message)
+
+
+def who(group_rank: int) -> str:
+    return "the trainer" if group_rank == 0 else f"replica {group_rank - 1}"
+
+
+def sync_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a sync carries, in a fixed order: every parameter once (tied ones under
+    their first name), LoRA adapters left out and the adapted layer under its plain name (the
+    caller folds the adapters in first: troupe.models.lora.fuse_lora)."""
+    out = []
+    for name, p in model.named_parameters():
+        if ".lora_a" in name or ".lora_b" in name:
+            continue
+        out.append((name.replace(".base.", "."), p.detach()))
+    return out
+
+
+@dataclass
+class Layout:
+    """Where each tensor lies: bucket, byte offset and byte length, by tensor index."""
+
+    buckets: list[int]                       # each bucket's payload bytes
+    places: list[tuple[int, int, int]]       # (bucket, offset, nbytes) per tensor
+    signature: int                           # crc32 of the names, shapes and dtypes
+
+    @classmethod
+    def of(cls, tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> "Layout":
+        buckets, places, used = [], [], None
+        sig = zlib.crc32(b"")
+        for name, t in tensors:
+            n = t.numel() * t.element_size()
+            step = -(-n // _ALIGN) * _ALIGN
+            if used is None or (used + step > bucket_bytes and used > 0):
+                buckets.append(0)
+                used = 0
+            places.append((len(buckets) - 1, used, n))
+            used += step
+            buckets[-1] = used
+            sig = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype};".encode(), sig)
+        return cls(buckets, places, sig)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.buckets)
+
+
+def checksum(payload: torch.Tensor) -> torch.Tensor:
+    """(2,) int64: the sum of the payload's 64-bit words and their sum weighted by position
+    (1, 2, ...), both wrapping; ``payload`` is uint8 of a multiple of 8 bytes."""
+    words = payload.view(torch.int64)
+    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
+    return torch.stack([words.sum(), (words * weights).sum()])
+
+
+@contextlib.contextmanager
+def deadline(comm: Communicator, timeout_s: float):
+    """Run the enclosed operations of ``comm`` under ``timeout_s`` (communicators that keep
+    an operation timeout: gloo and ucc; NCCL's wait has none, the caller's own call timeout
+    covers it)."""
+    old = getattr(comm, "timeout_s", None)
+    if old is None:
+        yield
+        return
+    from datetime import timedelta
+    comm.timeout_s, comm.timeout = timeout_s, timedelta(seconds=timeout_s)
+    try:
+        yield
+    finally:
+        comm.timeout_s, comm.timeout = old, timedelta(seconds=old)
+
+
+@dataclass
+class SyncReport:
+    """What one sync moved: its version, buckets and bytes, and its seconds on this member."""
+
+    version: int
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+def send(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version: int,
+         bucket_bytes: int, timeout_s: float) -> SyncReport:
+    """The trainer's side (group rank 0): every tensor to every replica of ``comm``."""
+    t0 = time.perf_counter()
+    layout = Layout.of(tensors, bucket_bytes)
+    device = tensors[0][1].device
+    with _translated(comm, version), deadline(comm, timeout_s):
+        comm.barrier()  # every member here, or the deadline names who is not
+        _header(comm, layout, version, device)
+        buf = torch.empty(max(layout.buckets) + _TRAILER, dtype=torch.uint8, device=device)
+        for b, size in enumerate(layout.buckets):
+            for (_, t), (bucket, off, n) in zip(tensors, layout.places):
+                if bucket == b:
+                    buf[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+                    buf[off + n:-(-(off + n) // _ALIGN) * _ALIGN].zero_()
+            part = buf[:size + _TRAILER]
+            part[size:].view(torch.int64).copy_(checksum(part[:size]))
+            comm.broadcast(part, src=0)
+        _verdicts(comm, version, ok=True, bad_bucket=-1, device=device)
+    return SyncReport(version, len(layout.buckets), layout.nbytes, time.perf_counter() - t0)
+
+
+def receive(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version: int,
+            bucket_bytes: int, timeout_s: float) -> SyncReport:
+    """A replica's side: the trainer's tensors copied into ``tensors`` (its own model's, as
+    ``sync_tensors`` gives them), each bucket only once its checksum holds. Raises
+    WeightSyncError (after every member has finished the sync's operations, so none is left
+    waiting) when the model differs or a bucket arrived corrupted; the weights may then be
+    partly updated, and the caller must not use them until a sync succeeds."""
+    t0 = time.perf_counter()
+    layout = Layout.of(tensors, bucket_bytes)
+    device = tensors[0][1].device
+    me = who(comm.rank)
+    with _translated(comm, version), deadline(comm, timeout_s):
+        comm.barrier()
+        theirs = _header(comm, layout, version, device)
+        problem, bad = None, -1
+        mine = (version, len(layout.buckets), layout.nbytes, layout.signature)
+        if tuple(theirs[:4]) != mine:
+            what = ["version", "number of buckets", "bytes", "tensor names/shapes/dtypes"]
+            diff = [f"{w} {t} (here {m})" for w, t, m in zip(what, theirs, mine) if t != m]
+            problem = (f"weight sync: {me}'s model differs from the trainer's: the trainer "
+                       f"sends {', '.join(diff)}")
+        sizes = theirs[4:]  # what the trainer sends, whatever this side expected
+        buf = torch.empty(max(sizes, default=0) + _TRAILER, dtype=torch.uint8, device=device)
+        differs = problem is not None
+        for b, size in enumerate(sizes):
+            part = comm.broadcast(buf[:size + _TRAILER], src=0)
+            if differs:
+                continue
+            got, want = checksum(part[:size]), part[size:].view(torch.int64)
+            if not torch.equal(got, want):
+                if problem is None:
+                    problem, bad = (f"weight sync to version {version}: bucket {b} of "
+                                    f"{len(sizes)} arrived at {me} with checksum "
+                                    f"{got.tolist()}, the trainer's is {want.tolist()}; "
+                                    "it was not applied"), b
+                continue
+            for (_, t), (bucket, off, n) in zip(tensors, layout.places):
+                if bucket == b:
+                    t.view(-1).view(torch.uint8).copy_(part[off:off + n])
+        _verdicts(comm, version, ok=problem is None, bad_bucket=bad, device=device)
+    if problem:
+        raise WeightSyncError(problem, version, [comm.rank - 1])
+    return SyncReport(version, len(layout.buckets), layout.nbytes, time.perf_counter() - t0)
+
+
+def _header(comm: Communicator, layout: Layout, version: int, device) -> list[int]:
+    """Rank 0's header (version, buckets, bytes, signature, then each bucket's size) to every
+    member; returns it. Its length goes first, so a replica whose own layout has another
+    number of buckets still takes part in every operation."""
+    n = torch.tensor([len(layout.buckets)], dtype=torch.int64, device=device)
+    n = int(comm.broadcast(n, src=0).item())
+    head = torch.zeros(4 + n, dtype=torch.int64, device=device)
+    if comm.rank == 0:
+        head.copy_(torch.tensor([version, n, layout.nbytes, layout.signature, *layout.buckets],
+                                dtype=torch.int64))
+    return comm.broadcast(head, src=0).tolist()
+
+
+def _verdicts(comm: Communicator, version: int, ok: bool, bad_bucket: int,
+              device) -> None:
+    """Every member's verdict to every member; the trainer raises for the replicas at fault
+    (each replica raises its own)."""
+    mine = torch.tensor([int(ok), bad_bucket], dtype=torch.int64, device=device)
+    all_ = comm.all_gather(mine).view(comm.world_size, 2).tolist()
+    bad = [(r, b) for r, (good, b) in enumerate(all_) if not good]
+    if bad and comm.rank == 0:
+        raise WeightSyncError(
+            f"weight sync to version {version} failed at "
+            + ", ".join(f"{who(r)} (bucket {b})" if b >= 0 else who(r) for r, b in bad),
+            version, [r - 1 for r, _ in bad])
+
+
+@contextlib.contextmanager
+def _translated(comm: Communicator, version: int):
+    """A member that did not arrive, said in the sync's terms (replica k, not group rank)."""
+    try:
+        yield
+    except CollectiveTimeoutError as e:
+        names = ", ".join(who(r) for r in e.missing)
+        raise WeightSyncError(
+            f"weight sync to version {version}: {names} did not arrive within "
+            f"{e.timeout_s:g}s (group {comm.name!r} rank(s) {e.missing}; {who(comm.rank)} "
+            f"waited)\n{e}", version, [r - 1 for r in e.missing]) from e
