@@ -31,6 +31,7 @@ from troupe.errors import WorkerCallError, WorkerDiedError
 from troupe.parallel.weight_sync import WeightSyncError
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import Rollout, RolloutRequest
+from troupe.rlhf.rollout import ReplicaRestarted
 from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.workers import PolicyActor, RolloutActor
 from troupe.runtime.graph import rewire
@@ -64,7 +65,7 @@ class Replicas:
         self.restarts = 0
         self.last_sync: dict = {}
         self._rewired = 0
-        self._last_death: WorkerDiedError | None = None
+        self._last_death: WorkerDiedError | WorkerCallError | None = None
 
     # weights --------------------------------------------------------------------------------
     def sync(self, version: int, step: int) -> dict:
@@ -78,6 +79,10 @@ class Replicas:
     def _send(self, version: int, step: int) -> dict:
         r = self.cfg.step3.rollout
         for _ in range(r.max_restarts + 2):
+            lost = self._lost()  # a replica known gone now is not waited for until the deadline
+            if lost:
+                self._restart(sorted(lost), step, self._last_death)
+                continue
             t0 = time.perf_counter()
             self.version = None
             recv = self.group.invoke_async(RolloutActor.receive_weights, self.topology, version)
@@ -90,10 +95,9 @@ class Replicas:
                     sent = got[0] if call is send else sent
                 except (WorkerDiedError, WorkerCallError) as e:
                     errors.append(e)
-            dead = sorted({e.rank for e in errors
-                           if isinstance(e, WorkerDiedError) and e.role == "rollout"})
+            dead = sorted({e.rank for e in errors if _lost(e)})
             if dead:
-                self._restart(dead, step, next(e for e in errors if isinstance(e, WorkerDiedError)))
+                self._restart(dead, step, next(e for e in errors if _lost(e)))
                 continue
             if errors:
                 cause = next((e.cause for e in errors
@@ -148,8 +152,8 @@ class Replicas:
             try:
                 pending.results[r] = call.result()[0]
                 pending.calls[r] = None
-            except WorkerDiedError as e:
-                if e.role != "rollout":
+            except (WorkerDiedError, WorkerCallError) as e:
+                if not _lost(e):
                     raise
                 self._last_death = e
                 dead.add(r)
@@ -178,7 +182,21 @@ class Replicas:
                                                                 pending.request)
             dead = set()
 
-    def _restart(self, ranks: list[int], step: int, error: WorkerDiedError) -> None:
+    def _lost(self) -> set[int]:
+        """The replicas that are dead or restarted (not set up) now."""
+        lost = set()
+        for r in range(self.n):
+            try:
+                self.group.invoke_on(r, RolloutActor.version).result(60)
+            except (WorkerDiedError, WorkerCallError) as e:
+                if not _lost(e):
+                    raise
+                self._last_death = e
+                lost.add(r)
+        return lost
+
+    def _restart(self, ranks: list[int], step: int,
+                 error: WorkerDiedError | WorkerCallError) -> None:
         """Replicas ``ranks`` after their death: waited for while Ray restarts them, set up,
         the weights group rewired. Past max_restarts the death is raised (to the run's
         failure policy)."""
@@ -186,7 +204,7 @@ class Replicas:
         if self.restarts > self.cfg.step3.rollout.max_restarts:
             raise error
         logger.warning("step 3: rollout replica(s) %s died (%s); restart %d of %d", ranks,
-                       error.cause, self.restarts, self.cfg.step3.rollout.max_restarts)
+                       _cause(error), self.restarts, self.cfg.step3.rollout.max_restarts)
         self.group.wait_ready(300)
         for r in ranks:
             self.group.invoke_on(r, RolloutActor.setup, self.topology).result()
@@ -194,7 +212,7 @@ class Replicas:
         rewire(self.graph, _GENERATION + self._rewired, roles={"rollout"})
         for r in ranks:
             self.log.write({"kind": "rollout_restart", "step": step, "replica": r,
-                            "cause": str(error.cause).splitlines()[0][:300],
+                            "cause": _cause(error),
                             "version": self.version, "restarts": self.restarts})
 
     def reset(self) -> None:
@@ -202,6 +220,17 @@ class Replicas:
         version held (the next ``sync`` brings one)."""
         self.queue.clear()
         self.version = None
+
+
+def _lost(e: WorkerDiedError | WorkerCallError) -> bool:
+    """Whether ``e`` says a rollout replica is gone: dead, or restarted and not set up."""
+    if e.role != "rollout":
+        return False
+    return isinstance(e, WorkerDiedError) or isinstance(e.cause, ReplicaRestarted)
+
+
+def _cause(e: WorkerDiedError | WorkerCallError) -> str:
+    return (str(e.cause).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def per_rank(parts: list[Rollout], workers: int) -> list[Rollout]:

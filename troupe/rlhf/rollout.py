@@ -21,6 +21,7 @@ import torch
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model, requantize
 from troupe.devices import worker_device
+from troupe.errors import TroupeError
 from troupe.generation import SamplingParams
 from troupe.models.lora import fuse_lora, unfuse_lora
 from troupe.parallel import weight_sync
@@ -91,6 +92,16 @@ class RolloutEngine:
         else:
             requantize(self._int8[1], model)
         return self._int8[1]
+
+
+class ReplicaRestarted(TroupeError):
+    """A call reached a rollout replica that Ray restarted and the driver has not set up yet
+    (a call sent while it was restarting runs on the new process): the driver treats it as
+    the replica's death."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        super().__init__(f"rollout replica {rank} was restarted and is not set up yet")
 
 
 class RolloutReplica:

@@ -27,7 +27,7 @@ from troupe.rlhf.experience import (
     SFTStats,
 )
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
-from troupe.rlhf.rollout import RolloutReplica
+from troupe.rlhf.rollout import ReplicaRestarted, RolloutReplica
 from troupe.rlhf.topology import RLHFTopology
 from troupe.runtime.topology import communicator
 from troupe.runtime.metrics import peak_memory_mb
@@ -286,16 +286,21 @@ class RolloutActor(_Shell):
     def setup(self, topology: RLHFTopology) -> None:
         self.role = RolloutReplica(self.cfg, get_context().rank)
 
+    def _replica(self) -> RolloutReplica:
+        if self.role is None:  # Ray restarted this process; the driver has not set it up
+            raise ReplicaRestarted(get_context().rank)
+        return self.role
+
     @dispatch(Dispatch.ALL)
     def receive_weights(self, topology: RLHFTopology, version: int) -> dict:
         """The policy's weights as ``version`` (this replica's report of the sync)."""
-        return self.role.receive(communicator(topology.weights), version)
+        return self._replica().receive(communicator(topology.weights), version)
 
     @dispatch(Dispatch.SHARD)
     def generate(self, request: RolloutRequest) -> Rollout:
-        return self.role.generate(request)
+        return self._replica().generate(request)
 
     @dispatch(Dispatch.ALL)
     def version(self) -> int | None:
         """The version of the weights this replica holds (None: none usable)."""
-        return self.role.version
+        return self._replica().version
