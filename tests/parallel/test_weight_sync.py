@@ -103,7 +103,8 @@ def test_buckets_carry_every_weight_bit_for_bit(members):
     [sent], got = t.result(), r.result()
     want = trainer.call("state")[0]
     n = sum(p.numel() * 4 for p in _model(0).parameters())  # tied weight once
-    assert sent["version"] == 3 and sent["buckets"] > 3 and sent["bytes"] == n
+    assert sent["version"] == 3 and sent["buckets"] > 3
+    assert n <= sent["bytes"] < n + sent["buckets"] * 4096  # whole checksum rows
     assert all(g["buckets"] == sent["buckets"] for g in got)
     for state in replicas.call("state"):
         assert state.keys() == want.keys()
@@ -142,16 +143,16 @@ def test_a_corrupted_bucket_is_caught_and_not_applied(members):
 
 def test_a_replica_that_does_not_come_is_named_within_the_deadline(members):
     trainer, replicas = members
-    sleeper = replicas.invoke_on(1, Member.sleep, 20.0)
-    late = replicas.invoke_on(1, Member.receive, 6, 1024, 3.0)  # after its sleep
-    on_time = replicas.invoke_on(0, Member.receive, 6, 1024, 3.0)
+    sleeper = replicas.invoke_on(1, Member.sleep, 8.0)
+    late = replicas.invoke_on(1, Member.receive, 6, 1024, 2.0)  # after its sleep
+    on_time = replicas.invoke_on(0, Member.receive, 6, 1024, 2.0)
     t0 = time.monotonic()
     with pytest.raises(WorkerCallError) as e:
-        trainer.call("send", 6, 1024, 3.0)
-    assert time.monotonic() - t0 < 15
+        trainer.call("send", 6, 1024, 2.0)
+    assert time.monotonic() - t0 < 7
     err = e.value.cause
     assert isinstance(err, WeightSyncError) and err.replicas == [1]
-    assert "replica 1 did not arrive within 3s" in str(err)
+    assert "replica 1 did not arrive within 2s" in str(err)
     sleeper.result()
     for call in (late, on_time):  # neither is left waiting
         with pytest.raises(WorkerCallError):
@@ -176,12 +177,15 @@ def test_a_replica_whose_model_differs_says_what_differs(cluster):
 
 
 def test_the_checksum_sees_a_flipped_bit_and_a_swap():
-    x = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    x = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8)
     base = weight_sync.checksum(x)
     flipped = x.clone()
     flipped[100] ^= 1
     swapped = x.clone().view(torch.int64)
-    swapped[[3, 7]] = swapped[[7, 3]]
+    swapped[[3, 7]] = swapped[[7, 3]]  # one row
+    across = x.clone().view(torch.int64)
+    across[[3, 515]] = across[[515, 3]]  # one column
     assert not torch.equal(weight_sync.checksum(flipped), base)
     assert not torch.equal(weight_sync.checksum(swapped.view(torch.uint8)), base)
+    assert not torch.equal(weight_sync.checksum(across.view(torch.uint8)), base)
     assert torch.equal(weight_sync.checksum(x.clone()), base)

@@ -56,7 +56,8 @@ def _numbers(records: list[dict]) -> list[dict]:
     """The records without timings and without what only replicas report."""
     skip = {"sync_s", "sync_bytes", "sync_buckets", "weight_version", "staleness_mean",
             "staleness_max", "rollout_s", "rollout_restarts", "peak_memory_mb", *_TIMINGS}
-    return [{k: v for k, v in r.items() if k not in skip} for r in records]
+    return [{k: v for k, v in r.items() if k not in skip and not k.endswith("_s")}
+            for r in records]
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])

@@ -4,7 +4,7 @@ versioned and checksummed, with a deadline that names who did not come.
 Group rank 0 is the trainer; group rank r >= 1 is replica r - 1. Both sides hold a model of
 the same architecture and lay its parameters (shared ones once, adapters folded in and left
 out: ``sync_tensors``) into the same byte buckets of at most ``bucket_bytes``; one broadcast
-per bucket carries the bucket with its checksum in its last 16 bytes. A sync is:
+per bucket carries the bucket with its checksum in its last 24 bytes. A sync is:
 
 1. a barrier (every member there, or the deadline names who is not), then a header
    (version, number of buckets, bytes, a hash of every tensor's name, shape and dtype): a
@@ -17,9 +17,12 @@ per bucket carries the bucket with its checksum in its last 16 bytes. A sync is:
 
 Every collective operation of the sync runs under ``timeout_s``: a member that does not
 arrive makes the others raise WeightSyncError naming it as "replica k" (the communicator's
-own diagnosis, troupe.collectives.straggler, finds who it was). The checksum is two int64 sums
-over the bucket's 64-bit words, plain and position-weighted (so a flipped bit and a swapped
-pair of words both show), computed where the bucket lives (host or GPU).
+own diagnosis, troupe.collectives.straggler, finds who it was). The checksum reads the bucket
+as a grid of 64-bit words, 512 to a row: the sum of all words, and the sums of the row sums
+and of the column sums each weighted by position (1, 2, ...), wrapping. A flipped bit changes
+the first; two different words swapped change the second (other rows) or the third (same
+row). Three memory-bound reductions, where the bucket lives (host or GPU): 0.03 s for
+512 MB on one core here, where a position-weighted sum over every word took 0.7 s.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from troupe.collectives import Communicator
 from troupe.errors import CollectiveTimeoutError, TroupeError
 
 _ALIGN = 8       # every tensor starts on an 8-byte boundary of its bucket
-_TRAILER = 16    # the checksum: two int64 words after the payload
+_ROW = 512       # the checksum reads a bucket as rows of 512 int64 words
+_TRAILER = 24    # the checksum: three int64 words after the payload
 
 
 class WeightSyncError(TroupeError):
@@ -87,7 +91,8 @@ class Layout:
             used += step
             buckets[-1] = used
             sig = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype};".encode(), sig)
-        return cls(buckets, places, sig)
+        row = _ROW * 8  # whole rows of the checksum's grid, the tail zeros
+        return cls([-(-b // row) * row for b in buckets], places, sig)
 
     @property
     def nbytes(self) -> int:
@@ -95,11 +100,13 @@ class Layout:
 
 
 def checksum(payload: torch.Tensor) -> torch.Tensor:
-    """(2,) int64: the sum of the payload's 64-bit words and their sum weighted by position
-    (1, 2, ...), both wrapping; ``payload`` is uint8 of a multiple of 8 bytes."""
-    words = payload.view(torch.int64)
-    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device)
-    return torch.stack([words.sum(), (words * weights).sum()])
+    """(3,) int64: the sum of the payload's 64-bit words, and the position-weighted sums of
+    its row sums and column sums (rows of 512 words; see the module doc). ``payload`` is
+    uint8, whole rows of 4096 bytes."""
+    grid = payload.view(torch.int64).view(-1, _ROW)
+    rows, cols = grid.sum(1), grid.sum(0)
+    at = torch.arange(1, max(rows.numel(), _ROW) + 1, dtype=torch.int64, device=grid.device)
+    return torch.stack([rows.sum(), (rows * at[:rows.numel()]).sum(), (cols * at[:_ROW]).sum()])
 
 
 @contextlib.contextmanager
@@ -140,10 +147,13 @@ def send(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version: i
         _header(comm, layout, version, device)
         buf = torch.empty(max(layout.buckets) + _TRAILER, dtype=torch.uint8, device=device)
         for b, size in enumerate(layout.buckets):
+            end = 0
             for (_, t), (bucket, off, n) in zip(tensors, layout.places):
                 if bucket == b:
+                    buf[end:off].zero_()  # the alignment gap before it
                     buf[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-                    buf[off + n:-(-(off + n) // _ALIGN) * _ALIGN].zero_()
+                    end = off + n
+            buf[end:size].zero_()
             part = buf[:size + _TRAILER]
             part[size:].view(torch.int64).copy_(checksum(part[:size]))
             comm.broadcast(part, src=0)

@@ -281,12 +281,13 @@ def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pa
              replicas: Replicas | None = None) -> None:
     """Iteration ``it`` (and the weights it made sent to the rollout replicas, unless it is
     the last), then the evaluation and checkpoint it is due."""
-    p = cfg.step3
+    p, t0 = cfg.step3, time.perf_counter()
     rec = run_iteration(graph, cfg, data, it, state.rng, reward_fn, replicas)
     if replicas is not None:
         if it < p.iterations:
             rec.update(replicas.sync(it, it))
         rec["rollout_restarts"] = replicas.restarts
+    rec["iteration_s"] = time.perf_counter() - t0  # the whole iteration, its sync included
     log.write(rec)
     state.iteration = it
     if it % p.eval_every == 0 or it == p.iterations:

@@ -1,0 +1,128 @@
+"""Synchronous GRPO against one-step-off and max_staleness=2 rollouts on SmolLM2-135M-Instruct,
+in one run: the same prompts per iteration, group, new tokens, iterations and seed
+(apps/configs/grpo-smollm2.yaml, the sorting task with its gold reward function).
+
+    python benchmarks/async_rl.py [--steps 16] [--prompts 2] [--group 4] [--new-tokens 16]
+                                  [--seeds 3]
+
+Runs, each `python apps/rlhf.py` in its own process tree, one after the other:
+- sync-2t (seeds 0..S-1): today's order, the policy's worker generating, 2 threads;
+- sync-1t: the same at 1 thread (each phase's time when it has one core);
+- packed: sync-2t with model.packing (the padding share before and after packing);
+- one-step-off: a rollout replica of 1 thread beside the policy of 1 thread, max_staleness 1;
+- staleness-2: the same, max_staleness 2.
+
+Prints one JSON line per run (samples per second over the iterations after the first two,
+while the pipeline fills; each phase's median seconds; held-out gold at the end; weight-sync
+seconds and bytes per version; padding shares) and one summary line: each run's samples per
+second against sync-2t's, the bound one-step-off has on this machine (max of the 1-thread
+generation and the 1-thread score + train, plus the sync: on 2 cores the two sides each get
+one), one-step-off's share of it, and whether each run's gold lies within the synchronous
+seeds' spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import machine  # noqa: E402  benchmarks/machine.py, beside this script
+
+RUNS = {
+    "sync-2t": ["step3.threads=2"],
+    "sync-1t": ["step3.threads=1"],
+    "packed": ["step3.threads=2", "model.packing=true"],
+    "one-step-off": ["step3.threads=1", "step3.rollout.replicas=1",
+                     "step3.rollout.max_staleness=1", "step3.rollout.threads=1"],
+    "staleness-2": ["step3.threads=1", "step3.rollout.replicas=1",
+                    "step3.rollout.max_staleness=2", "step3.rollout.threads=1"],
+}
+
+
+def run(a, name: str, extra: list[str], seed: int, tmp: Path) -> dict:
+    out = tmp / f"{name}-{seed}"
+    cmd = [sys.executable, str(ROOT / "apps" / "rlhf.py"), "--config",
+           str(ROOT / "apps" / "configs" / "grpo-smollm2.yaml"), f"model.pretrained={a.model}",
+           f"step3.iterations={a.steps}", f"step3.prompts_per_iter={a.prompts}",
+           f"step3.samples_per_prompt={a.group}", f"step3.max_new_tokens={a.new_tokens}",
+           "step3.checkpoint_every=0", f"step3.eval_every={a.steps}",
+           f"task.eval_examples={a.eval_examples}", f"seed={seed}", f"out_dir={out}", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} (seed {seed}) failed:\n{done.stderr[-4000:]}")
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step3"]
+    steady = steps[2:]  # the pipeline fills in the first two
+    samples = a.prompts * a.group
+    med = lambda k: statistics.median(r[k] for r in steady) if k in steady[0] else None
+    syncs = [r for r in steps if "sync_s" in r]
+    return {"run": name, "seed": seed, "cmd": " ".join(cmd[1:]),
+            "samples_per_s": samples * len(steady) / sum(r["iteration_s"] for r in steady),
+            "iteration_s": med("iteration_s"), "generate_s": med("generate_s"),
+            "score_s": med("score_s"), "train_s": med("train_s"),
+            "rollout_s": med("rollout_s"),
+            "sync_s": statistics.median(r["sync_s"] for r in syncs) if syncs else None,
+            "sync_mb": syncs[0]["sync_bytes"] / 2**20 if syncs else None,
+            "staleness_mean": med("staleness_mean"),
+            "padding": med("padding"), "padding_computed": med("padding_computed"),
+            "logprob_mismatch_mean": med("logprob_mismatch_mean"),
+            "tis_truncated": med("tis_truncated"),
+            "reward": [round(r["reward"], 3) for r in steps],
+            "gold": [r for r in recs if r["kind"] == "step3_eval"][-1].get("gold")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=str(Path("~/.cache/troupe/smollm2-135m-instruct")
+                                          .expanduser()))
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--eval-examples", type=int, default=32)
+    p.add_argument("--seeds", type=int, default=3, help="synchronous runs, for the gold spread")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results-async_rl.jsonl"))
+    a = p.parse_args()
+    head = {"bench": "async_rl", "machine": machine(), "steps": a.steps, "prompts": a.prompts,
+            "group": a.group, "new_tokens": a.new_tokens}
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="async-rl-") as tmp, open(a.out, "a") as f:
+        for name, extra in RUNS.items():
+            for seed in range(a.seeds if name == "sync-2t" else 1):
+                r = run(a, name, extra, seed, Path(tmp))
+                results.setdefault(name, []).append(r)
+                line = json.dumps({**head, **r})
+                print(line, flush=True)
+                f.write(line + "\n")
+        base = results["sync-2t"][0]
+        one = results["sync-1t"][0]
+        off = results["one-step-off"][0]
+        samples = a.prompts * a.group
+        period = max(one["generate_s"], one["score_s"] + one["train_s"]) + (off["sync_s"] or 0)
+        bound = samples / period
+        golds = [r["gold"] for r in results["sync-2t"]]
+        lo, hi = min(golds), max(golds)
+        summary = {**head, "run": "summary",
+                   "speedup_vs_sync": {n: round(rs[0]["samples_per_s"] / base["samples_per_s"], 3)
+                                       for n, rs in results.items()},
+                   "one_step_off_bound_samples_per_s": round(bound, 3),
+                   "one_step_off_share_of_bound": round(off["samples_per_s"] / bound, 3),
+                   "sync_gold_spread": [lo, hi],
+                   "gold_within_spread": {n: lo <= rs[0]["gold"] <= hi
+                                          for n, rs in results.items() if n != "sync-2t"},
+                   "padding_before_after_packing": [results["packed"][0]["padding"],
+                                                    results["packed"][0]["padding_computed"]]}
+        print(json.dumps(summary), flush=True)
+        f.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
