@@ -51,9 +51,9 @@ def test_packed_forwards_give_the_padded_loss_and_gradients(head):
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-6, atol=1e-6, msg=name)
     real = int(valid.sum())
-    assert out[False][2] == [real, 8 * 24, 8 * 24]
+    assert out[False][2] == [real, 8 * 24, 8 * 24, real]
     # first-fit decreasing: 24 | 20 4 | 15 9 | 12 12 | 8: five rows instead of eight
-    assert out[True][2] == [real, 8 * 24, 5 * 24]
+    assert out[True][2] == [real, 8 * 24, 5 * 24, real]
 
 
 def test_nothing_is_counted_without_gradients():
@@ -61,7 +61,7 @@ def test_nothing_is_counted_without_gradients():
     lm = GPTLM(GPT(CFG, seed=0), packing=True)
     with torch.no_grad():
         lm.token_logprobs(ids, valid, where)
-    assert lm.padding == [0, 0, 0]
+    assert lm.padding == [0, 0, 0, 0]
 
 
 def test_token_budget_micro_batches():

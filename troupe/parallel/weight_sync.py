@@ -215,7 +215,7 @@ def _header(comm: Communicator, layout: Layout, version: int, device) -> list[in
     head = torch.zeros(4 + n, dtype=torch.int64, device=device)
     if comm.rank == 0:
         head.copy_(torch.tensor([version, n, layout.nbytes, layout.signature, *layout.buckets],
-                                dtype=torch.int64))
+                                dtype=torch.int64, device=device))
     return comm.broadcast(head, src=0).tolist()
 
 

@@ -208,6 +208,10 @@ class Step3Config(Config):
     again, zeroed, at its next backward) and returns the CUDA allocator's cached blocks to the
     device, as DeepSpeed-Chat's hybrid engine frees training memory for the KV cache: a
     model's worth of fp32 bytes less during rollouts, for one allocation per update.
+    prefix_cache_mb: a rollout keeps its prompts' keys and values (troupe.generation.
+    prefix_cache; 0: off), so that the samples of a prompt admitted at different steps of the
+    engine run it once (samples admitted together share it anyway); each record says how many
+    prompt tokens the engine ran (prefill_tokens, of prompt_tokens).
     tis_cap: truncated importance sampling between the trainer and the rollout engine (which
     may differ in precision, kernels or weights: int8_generation, bf16): each response token's
     advantage is weighted by min(p_trainer / p_engine, tis_cap), the trainer's probability
@@ -251,6 +255,7 @@ class Step3Config(Config):
     ptx_coef: float = Field(default=0.0, ge=0)
     lora: LoRAConfig = LoRAConfig()
     int8_generation: bool = False
+    prefix_cache_mb: float = Field(default=256.0, ge=0)
     rollout: RolloutConfig = RolloutConfig()
     checkpoint_every: int = Field(default=40, ge=0)
     eval_every: int = Field(default=20, ge=1)

@@ -57,6 +57,8 @@ class Rollout:
     # token, where ``action`` is 1 (the distribution it sampled from, before temperature)
     versions: list[int] | None = None  # the policy version (updates done) whose weights
     # generated each row, every token of it (rollout replicas; None: the policy's own, current)
+    prompt_tokens: tuple[int, int] = (0, 0)  # (the rows' prompt tokens, those the engine ran;
+    # not kept by ``rows``: a subset's share of what the engine ran is not known)
 
     def split(self, n: int) -> list[Rollout]:
         return _split_rows(self, n)
@@ -91,7 +93,8 @@ class Rollout:
                        None if any(r.engine_logp is None for r in parts)
                        else torch.cat([pad(r.engine_logp, r, 0.0) for r in parts]),
                        None if any(r.versions is None for r in parts)
-                       else [v for r in parts for v in r.versions])
+                       else [v for r in parts for v in r.versions],
+                       tuple(sum(c) for c in zip(*(r.prompt_tokens for r in parts))))
 
 
 @dataclass
@@ -159,7 +162,7 @@ class PolicyStats:
     tokens: int = 0                # response tokens these means are over
     mismatch: tuple[float, float, float] = (0.0, 0.0, 0.0)  # over the tokens with an engine
     # log-prob: (sum and max of |trainer - engine| log-prob, how many were truncated)
-    padding: tuple[int, int, int] = (0, 0, 0)  # GPTLM.padding over the update's forwards
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)  # GPTLM.padding over the update's forwards
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from torch import nn
 
 from troupe.data import micro_batches, token_micro_batches
 from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.generation.prefix_cache import PrefixCache
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, SharedPrefix
 from troupe.models.packing import Packing
@@ -25,14 +26,16 @@ class GPTLM(nn.Module):
     ``hidden`` runs the rows' real tokens packed (troupe.models.packing), and with
     ``packing_tokens`` the roles' micro-batches hold that many real tokens
     (``micro_batches``). ``padding`` counts (real tokens, positions of the padded rows,
-    positions computed) over the training forwards (those with gradients) so far."""
+    positions computed, real tokens among them) over the training forwards (those with
+    gradients) so far; a prompt shared by a group's rows (``shared_hidden``) is computed, and
+    counted in the last two, once."""
 
     def __init__(self, gpt: GPT, precision: str = "fp32", packing: bool = False,
                  packing_tokens: int | None = None):
         super().__init__()
         self.gpt, self.precision, self.packing = gpt, precision, packing
         self.packing_tokens = packing_tokens
-        self.padding = [0, 0, 0]
+        self.padding = [0, 0, 0, 0]
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
         # run a prompt shared by consecutive rows once (off for a partitioned model, whose
         # ranks must run the same blocks whatever their data: troupe.rlhf.common)
@@ -54,11 +57,11 @@ class GPTLM(nn.Module):
         zeros at padding when packed."""
         real, (B, S) = int(valid_BS.sum()), valid_BS.shape
         if not self.packing:
-            self._count(real, B * S, B * S)
+            self._count(real, B * S, B * S, real)
             with self.autocast():
                 return self.gpt.hidden(ids_BS, valid_BS=valid_BS)[0]
         packing = Packing.of(valid_BS)
-        self._count(real, B * S, packing.segments_PT.numel())
+        self._count(real, B * S, packing.segments_PT.numel(), real)
         with self.autocast():
             h = self.gpt.hidden(packing.pack(ids_BS), segments_BT=packing.segments_PT)[0]
         return packing.unpack(h)
@@ -70,9 +73,10 @@ class GPTLM(nn.Module):
             return token_micro_batches(valid_BS.sum(1).tolist(), self.packing_tokens)
         return micro_batches(len(valid_BS), size)
 
-    def _count(self, real: int, padded: int, computed: int) -> None:
+    def _count(self, real: int, padded: int, computed: int, real_computed: int) -> None:
         if torch.is_grad_enabled():  # training forwards only
-            self.padding = [a + b for a, b in zip(self.padding, (real, padded, computed))]
+            self.padding = [a + b for a, b in zip(self.padding,
+                                                  (real, padded, computed, real_computed))]
 
     def token_logprobs(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
                        where_BR: torch.Tensor, entropy: bool = False, prompt_len: int = 0):
@@ -115,7 +119,8 @@ class GPTLM(nn.Module):
         first = torch.cat([same.new_ones(1), ~same])  # (B,) a row that starts a new prompt
         rows = first.long().cumsum(0) - 1             # (B,) its prompt's index
         B, S = ids_BS.shape
-        self._count(int(valid_BS.sum()), B * S, int(first.sum()) * P + B * (S - P))
+        self._count(int(valid_BS.sum()), B * S, int(first.sum()) * P + B * (S - P),
+                    int(prompt_valid[first].sum()) + int(valid_BS[:, P:].sum()))
         prefix = SharedPrefix(rows)
         with self.autocast():
             h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],
@@ -126,14 +131,18 @@ class GPTLM(nn.Module):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
-                 keep_packed: bool = False) -> tuple[list[list[int]], list[list[float]]]:
+                 keep_packed: bool = False, prefix_cache_mb: float = 0
+                 ) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), through
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
         engine and sampler, so a prompt, seed and sampling parameters give the server's
         tokens; and, where a prompt's parameters ask for logprobs, each sampled token's
         log-probability under the engine's own distribution (else an empty list).
         ``keep_packed``: keep the weights packed for decoding between calls (refreshed in
-        place each call: no fresh 0.5 GB a call, held all along)."""
+        place each call: no fresh 0.5 GB a call, held all along). ``prefix_cache_mb``: keep
+        prompts' keys and values for the call (troupe.generation.prefix_cache), so that the
+        samples of a prompt admitted at different steps run it once; ``prefill_tokens`` then
+        says how many prompt tokens the call ran."""
         packed = True
         if keep_packed:  # the packed copy stays between calls, refreshed in place
             if getattr(self, "_packed", None) is None:
@@ -143,10 +152,13 @@ class GPTLM(nn.Module):
             packed = self._packed
         engine = ContinuousBatcher(self.gpt, eos_id,
                                    max_batch=max(min(len(prompts), max_batch or len(prompts)), 1),
-                                   packed_decode=packed)
+                                   packed_decode=packed,
+                                   prefix_cache=(PrefixCache(int(prefix_cache_mb * 2**20))
+                                                 if prefix_cache_mb else None))
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)
         out, logp = engine.run_with_logprobs()
+        self.prefill_tokens = engine.prefill_tokens
         return ([out.get(str(i), []) for i in range(len(prompts))],
                 [logp.get(str(i), []) for i in range(len(prompts))])
 

@@ -138,7 +138,7 @@ class Policy:
         on-policy epoch), plus the KL to the reference when it is a loss term, averaged over
         the batch's units (tokens, or sequences for a sequence-level loss)."""
         self.lm.train()
-        self.lm.padding = [0, 0, 0]
+        self.lm.padding = [0, 0, 0, 0]
         p, cfg, alg = self.cfg.step3, self.cfg, self.algorithm
         kl_coef = cfg.kl_coef() if cfg.kl_in_loss() else 0.0
         clip, clip_high = cfg.clip()

@@ -49,14 +49,17 @@ class RolloutEngine:
             params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp,
                                      top_p=p.top_p, seed=seed, logprobs=0)
                       for seed in request.seeds]
+            prompt_ids = [self.tok.prompt(t) for t in request.prompts]
             tokens, logprobs = engine.generate(
-                [self.tok.prompt(t) for t in request.prompts], params, self.tok.eos_id,
-                p.generation_batch, keep_packed=p.keep_decode_weights and engine is model)
+                prompt_ids, params, self.tok.eos_id, p.generation_batch,
+                keep_packed=p.keep_decode_weights and engine is model,
+                prefix_cache_mb=p.prefix_cache_mb)
         finally:
             if fused:
                 unfuse_lora(model)
         rollout = self._rollout(request.prompts, tokens, logprobs)
         rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
+        rollout.prompt_tokens = (sum(map(len, prompt_ids)), engine.prefill_tokens)
         return rollout
 
     def _rollout(self, texts: list, tokens: list[list[int]],

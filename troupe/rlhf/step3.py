@@ -123,9 +123,10 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     rec["logprob_mismatch_mean"] = sum(s.mismatch[0] for s in pstats) / max(tokens, 1)
     rec["logprob_mismatch_max"] = max(s.mismatch[1] for s in pstats)
     rec["tis_truncated"] = sum(s.mismatch[2] for s in pstats) / max(tokens, 1)
-    real, padded, computed = (sum(c) for c in zip(*(s.padding for s in pstats)))
+    real, padded, computed, real_computed = (sum(c) for c in zip(*(s.padding for s in pstats)))
     if padded:  # the policy update's share of padding, in the padded rows and as computed
-        rec["padding"], rec["padding_computed"] = 1 - real / padded, 1 - real / computed
+        rec["padding"] = 1 - real / padded
+        rec["padding_computed"] = 1 - real_computed / computed
     if cstats:
         rec["value_loss"] = sum(s.value_loss for s in cstats) / len(cstats)
     if pstats[0].kl is not None:
@@ -135,6 +136,9 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     if data.gold is not None:
         golds = [data.gold(q, r) for ro in rollouts for q, r in zip(ro.prompts, ro.responses)]
         rec["gold"] = sum(golds) / len(golds)
+    prompt_tokens, prefill_tokens = (sum(c) for c in zip(*(ro.prompt_tokens for ro in rollouts)))
+    if prompt_tokens:  # what the rollout engine ran of the prompts (its prefix cache)
+        rec["prompt_tokens"], rec["prefill_tokens"] = prompt_tokens, prefill_tokens
     if rollouts[0].versions is not None:  # updates between the generating weights and these
         stale = [it - 1 - v for ro in rollouts for v in ro.versions]
         rec["staleness_mean"], rec["staleness_max"] = sum(stale) / len(stale), max(stale)
