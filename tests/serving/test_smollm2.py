@@ -50,3 +50,4 @@ def test_chat_without_max_tokens_answers_to_the_end(client):
         messages=[{"role": "user", "content": "Name the seven days of the week."}])
     assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
     assert out.usage.completion_tokens > 16, out.choices[0].message.content
+

@@ -41,7 +41,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         """The ids a task's prompt is given to the model as (a chat turn, or plain text);
@@ -66,8 +66,11 @@ class ByteTokens:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if tools:
+            raise ValueError("tools: this model reads bytes and has no chat template to "
+                             "render tools with")
+        lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
         return self.encode("\n".join(lines) + "\nassistant:")
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
@@ -136,10 +139,11 @@ _SPECIALS = threading.Lock()
 
 class HFTokens:
     """The tokenizer of a Hugging Face model directory (tokenizer.json and its config), with
-    the model's chat template. ``use_chat``: a task's prompts go in as a user turn through
-    the chat template (when the tokenizer has one), as instruction-tuned models expect."""
+    the model's chat template (or ``template``, a Jinja chat template in its place).
+    ``use_chat``: a task's prompts go in as a user turn through the chat template (when the
+    tokenizer has one), as instruction-tuned models expect."""
 
-    def __init__(self, path: str | Path, use_chat: bool = True):
+    def __init__(self, path: str | Path, use_chat: bool = True, template: str | None = None):
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -155,6 +159,8 @@ class HFTokens:
         self.eos_id = self.hf.eos_token_id
         self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self.hf)
+        if template is not None:  # a chat template in place of the tokenizer's own
+            self.hf.chat_template = template
         self.path, self.use_chat = path, use_chat and bool(self.hf.chat_template)
 
     def encode(self, text: str) -> list[int]:
@@ -164,8 +170,9 @@ class HFTokens:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The ids of ``messages`` through the model's chat template, ready for the reply.
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of ``messages`` through the model's chat template, ready for the reply
+        (``tools``: function specs the template renders, for templates that take them).
 
         Only the template's own markers are control tokens: each message's content is
         tokenized as text, so a user who writes ``<|im_end|>\n<|im_start|>system\n...``
@@ -173,19 +180,22 @@ class HFTokens:
         a placeholder for each content; the text between placeholders is tokenized with its
         special tokens, each content without. A template that does not keep the
         placeholders as they are (one that edits content) falls back to rendering the
-        contents themselves, and then refuses a content that holds a special token's text."""
+        contents themselves, and then refuses a content that holds a special token's text.
+        A message without text content (an assistant turn of tool calls) has none."""
         if not self.hf.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
-        text = self.hf.apply_chat_template([{**m, "content": mark} for m, mark in
-                                            zip(messages, marks)],
-                                           tokenize=False, add_generation_prompt=True)
+        texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+        marks = {i: f"\ue000{i}\ue001" for i in texts}  # private-use characters
+        extra = {"tools": tools} if tools else {}
+        text = self.hf.apply_chat_template(
+            [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
+            tokenize=False, add_generation_prompt=True, **extra)
         parts, rest = [], text
-        for m, mark in zip(messages, marks):
-            before, found, rest = rest.partition(mark)
-            if not found or mark in rest:
-                return self._chat_whole(messages)
-            parts += [(before, False), (m["content"], True)]
+        for i in texts:
+            before, found, rest = rest.partition(marks[i])
+            if not found or marks[i] in rest:
+                return self._chat_whole(messages, tools)
+            parts += [(before, False), (messages[i]["content"], True)]
         ids: list[int] = []
         with _SPECIALS:
             for piece, is_content in [*parts, (rest, False)]:
@@ -194,17 +204,18 @@ class HFTokens:
                                           split_special_tokens=is_content)
         return ids
 
-    def _chat_whole(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat_whole(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
                     if t]
         for i, m in enumerate(messages):
-            found = next((t for t in specials if t in m["content"]), None)
+            found = next((t for t in specials if t in (m.get("content") or "")), None)
             if found is not None:
                 raise ValueError(f"message {i}: its content holds the control token {found!r}, "
                                  "which this model's chat template cannot keep as text")
         with _SPECIALS:
             ids = self.hf.apply_chat_template(messages, tokenize=True,
-                                              add_generation_prompt=True)
+                                              add_generation_prompt=True,
+                                              **({"tools": tools} if tools else {}))
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
@@ -213,7 +224,9 @@ class HFTokens:
         return self.chat([{"role": "user", "content": text}]) if self.use_chat else self.encode(text)
 
 
-def load_tokenizer(pretrained: str | Path | None, use_chat: bool = True) -> ByteTokens | HFTokens:
-    """The tokenizer of the Hugging Face model directory ``pretrained``, or troupe's byte
-    tokenizer for troupe's own models (None)."""
-    return ByteTokens() if pretrained is None else HFTokens(pretrained, use_chat)
+def load_tokenizer(pretrained: str | Path | None, use_chat: bool = True,
+                   template: str | None = None) -> ByteTokens | HFTokens:
+    """The tokenizer of the Hugging Face model directory ``pretrained`` (``template``: a chat
+    template in place of its own), or troupe's byte tokenizer for troupe's own models
+    (None)."""
+    return ByteTokens() if pretrained is None else HFTokens(pretrained, use_chat, template)

@@ -13,6 +13,7 @@ when the columns run out, the ones that no sequence uses any more are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,9 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
+from troupe.generation.grammar import Grammars, Matcher
+from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, draw, finite_rows
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, KVCache
+from troupe.models.adapters import Adapters
 
 
 @dataclass
@@ -38,6 +42,8 @@ class Event:
     error: str | None = None
     logprob: float | None = None  # of ``token``, when the sequence asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token, log-probability), likeliest first
+    masked_logprob: float | None = None  # under a constraint: of ``token`` in the masked
+    # distribution it was sampled from (``logprob`` is the model's own)
 
 
 @dataclass
@@ -50,6 +56,7 @@ class _Sequence:
     out: list[int] = field(default_factory=list)
     text: str = ""      # decoded output so far
     sent: int = 0       # characters of ``text`` already handed out
+    matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
 
 
 class ContinuousBatcher:
@@ -61,6 +68,19 @@ class ContinuousBatcher:
     without one, from bytes (troupe's ByteTokenizer); ``eos_id`` ends a sequence (None: only
     max_tokens and stop strings do, as benchmarks want).
 
+    With a ``prefix_cache`` (troupe.generation.prefix_cache), a prompt that begins as an
+    earlier one did runs only from where the cached prefix ends; set ``cache_namespace`` when
+    the weights change (a new version, another adapter), so that nothing computed under other
+    weights is reused. ``prefill_tokens`` counts the prompt tokens the model ran.
+
+    A sequence whose parameters name an ``adapter`` runs with that LoRA adapter of
+    ``adapters`` (troupe.models.adapters: applied per row, so sequences of different adapters
+    share the batch).
+
+    A sequence whose parameters carry a ``constraint`` samples only the tokens its grammar
+    allows (``grammars``: troupe.generation.grammar.Grammars for the tokenizer) and ends when
+    the grammar is complete.
+
     With ``lockstep`` every step runs exactly two forward passes (the decode and the prefill,
     a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
     whose MoE layers exchange tokens with all_to_all, must all run the same passes.
@@ -68,8 +88,16 @@ class ContinuousBatcher:
 
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
                  lockstep: bool = False, tokenizer=None,
-                 packed_decode: "bool | DecodeWeights" = True):
-        self.lockstep, self.tokenizer = lockstep, tokenizer
+                 packed_decode: "bool | DecodeWeights" = True, grammars: Grammars | None = None,
+                 prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None):
+        self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
+        self.adapters = adapters
+        if prefix_cache is not None and lockstep:
+            raise ValueError("prefix_cache: a lockstep engine runs one prefill pass a step on "
+                             "every rank; a cache hit would add one on its rank alone")
+        self.prefix_cache = prefix_cache
+        self.cache_namespace = ""  # what the cached keys were computed under (weights, adapter)
+        self.prefill_tokens = 0    # prompt tokens run through the model
         self.model = model.eval()
         # decode steps multiply a few rows by every weight: fp32 CPU weights packed for that
         # (troupe.kernels.small_gemm; a copy of the linear weights while the engine lives, or
@@ -104,8 +132,20 @@ class ContinuousBatcher:
                                                 else torch.seed())
         detok = (ByteDetokenizer() if self.tokenizer is None
                  else TextDetokenizer(self.tokenizer, list(prompt)))
+        if params.adapter is not None and (self.adapters is None
+                                           or params.adapter not in self.adapters.slots):
+            raise ValueError(f"adapter: {params.adapter!r} is not loaded"
+                             + (f" (loaded: {sorted(self.adapters.slots)})" if self.adapters
+                                else ""))
+        matcher = None
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("constraint: this engine has no grammar support (it needs "
+                                 "the model's Hugging Face tokenizer)")
+            matcher = self.grammars.matcher(params.constraint)  # GrammarError, a ValueError
         with self._lock:
-            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok))
+            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok,
+                                           matcher=matcher))
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence (its client went away); it frees its slot at the next step."""
@@ -127,8 +167,9 @@ class ContinuousBatcher:
 
     def run_with_logprobs(self) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
         """``run``, and the log-probability of each chosen token under the model's own
-        distribution (softmax of the logits: no temperature, top-p or penalty) for the
-        sequences whose parameters ask for logprobs (empty lists for the others)."""
+        distribution (softmax of the logits: no temperature, top-p or penalty; under a
+        constraint, of the masked logits it was sampled from) for the sequences whose
+        parameters ask for logprobs (empty lists for the others)."""
         out: dict[str, list[int]] = {}
         logp: dict[str, list[float]] = {}
         while self.has_work():
@@ -137,8 +178,9 @@ class ContinuousBatcher:
                     raise RuntimeError(f"sequence {ev.seq_id}: {ev.error}")
                 out.setdefault(ev.seq_id, []).append(ev.token)
                 lp = logp.setdefault(ev.seq_id, [])
-                if ev.logprob is not None:
-                    lp.append(ev.logprob)
+                if ev.logprob is not None:  # under a constraint, the distribution sampled
+                    lp.append(ev.masked_logprob if ev.masked_logprob is not None
+                              else ev.logprob)
         return out, logp
 
     def reset(self) -> list[str]:
@@ -211,12 +253,48 @@ class ContinuousBatcher:
             self._retire(gone)
 
     def _prefill(self, seqs: list[_Sequence]) -> list[Event]:
-        """Run the newcomers' prompts (left-padded together; a prompt that several of them
-        share, e.g. GRPO's samples or a request's n choices, once), choose their first tokens,
-        and merge their keys and values into the batch's cache."""
-        first: dict[tuple[int, ...], int] = {}
-        rows = [first.setdefault(tuple(s.prompt), len(first)) for s in seqs]
-        prompts = list(first)
+        """Run the newcomers' prompts and choose their first tokens. A prompt that several of
+        them share (GRPO's samples, a request's n choices) runs once; with a prefix cache, a
+        prompt whose start is cached runs from there (``_prefill_hit``), the others together,
+        left-padded (``_prefill_cold``), except those that begin as one of them does (requests
+        over one system prompt arriving together): they wait until it is cached, then hit."""
+        groups: dict[tuple, list[_Sequence]] = {}
+        for s in seqs:
+            groups.setdefault((tuple(s.prompt), s.params.adapter), []).append(s)
+        if self.prefix_cache is None:
+            return self._prefill_cold(seqs)
+        B = self.prefix_cache.block
+        cold, later, starts, events = [], [], set(), []
+        for (prompt, adapter), group in groups.items():
+            n, blocks = self.prefix_cache.lookup(list(prompt), self._namespace(adapter),
+                                                 count=False)
+            start = (prompt[:B], adapter) if len(prompt) > B else None
+            if n:
+                self._count_lookup(len(prompt), n)
+                events += self._prefill_hit(list(prompt), n, blocks, group)
+            elif start is not None and start in starts:
+                later += group  # its first block is a newcomer's too: after that one is cached
+            else:
+                self._count_lookup(len(prompt), 0)
+                starts.add(start)
+                cold += group
+        if cold:
+            events += self._prefill_cold(cold)
+        if later:
+            events += self._prefill(later)
+        return events
+
+    def _count_lookup(self, tokens: int, hit: int) -> None:
+        self.prefix_cache.lookup_tokens += tokens
+        self.prefix_cache.hit_tokens += hit
+
+    def _prefill_cold(self, seqs: list[_Sequence]) -> list[Event]:
+        """Prompts run together (left-padded), their keys and values merged into the batch's
+        cache (and kept in the prefix cache)."""
+        first: dict[tuple, int] = {}
+        rows = [first.setdefault((tuple(s.prompt), s.params.adapter), len(first)) for s in seqs]
+        prompts = [p for p, _ in first]
+        adapters = [a for _, a in first]
         P = max(len(x) for x in prompts)
         # filled from Python lists in host memory, then moved to the model's device in one copy
         idx = torch.full((len(prompts), P), self.eos_id or 0, dtype=torch.long)  # host: padding
@@ -228,10 +306,45 @@ class ContinuousBatcher:
         # room for the prompt and a few tokens; decoding grows it (see _make_room)
         cache = KVCache.empty(self.cfg, len(prompts), min(P + 16, self.cfg.seq_len),
                               device=self.device, dtype=self._dtype())
-        h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
+        with self._routed(adapters):
+            h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
+        self.prefill_tokens += int(valid.sum())
         logits = self.model.logits(h[:, -1])
+        if self.prefix_cache is not None:
+            for i, x in enumerate(prompts):
+                self.prefix_cache.insert(list(x), [t[i, :, P - len(x):P] for t in cache.k],
+                                         [t[i, :, P - len(x):P] for t in cache.v],
+                                         self._namespace(adapters[i]))
         if len(prompts) < len(seqs):  # each sequence gets its own copy of its prompt's cache
             index = torch.tensor(rows, device=self.device)
+            cache = KVCache([t.index_select(0, index) for t in cache.k],
+                            [t.index_select(0, index) for t in cache.v], cache.length)
+            valid, logits = valid.index_select(0, index), logits.index_select(0, index)
+        self._merge(cache, valid, seqs)
+        return self._choose(seqs, logits)
+
+    def _prefill_hit(self, prompt: list[int], n: int, blocks: list, seqs: list[_Sequence]
+                     ) -> list[Event]:
+        """A prompt whose first ``n`` tokens' keys and values are cached (``blocks``): those
+        copied in, the rest run, for ``seqs`` (the sequences of this prompt)."""
+        T = len(prompt)
+        cache = KVCache.empty(self.cfg, 1, min(T + 16, self.cfg.seq_len), device=self.device,
+                              dtype=self._dtype())
+        for layer in range(self.cfg.n_layer):
+            cache.k[layer][0, :, :n] = torch.cat([b.k[layer] for b in blocks], 1)
+            cache.v[layer][0, :, :n] = torch.cat([b.v[layer] for b in blocks], 1)
+        cache.length = n
+        valid = torch.ones(1, T, dtype=torch.bool, device=self.device)
+        idx = torch.tensor([prompt[n:]], device=self.device)
+        adapter = seqs[0].params.adapter
+        with self._routed([adapter]):
+            h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
+        self.prefill_tokens += T - n
+        logits = self.model.logits(h[:, -1])
+        self.prefix_cache.insert(prompt, [t[0, :, :T] for t in cache.k],
+                                 [t[0, :, :T] for t in cache.v], self._namespace(adapter))
+        if len(seqs) > 1:
+            index = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
             cache = KVCache([t.index_select(0, index) for t in cache.k],
                             [t.index_select(0, index) for t in cache.v], cache.length)
             valid, logits = valid.index_select(0, index), logits.index_select(0, index)
@@ -242,12 +355,23 @@ class ContinuousBatcher:
         self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
-        if self.packed:
-            with self.packed.active():
-                h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
-            return self._choose(seqs, self.packed.logits(h[:, -1]))
-        h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
+        with self._routed([s.params.adapter for s in seqs]):
+            if self.packed:
+                with self.packed.active():
+                    h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
+                return self._choose(seqs, self.packed.logits(h[:, -1]))
+            h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, self.model.logits(h[:, -1]))
+
+    def _routed(self, adapters: list[str | None]):
+        """Rows of the enclosed forwards run with their sequences' adapters."""
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.routed(adapters)
+
+    def _namespace(self, adapter: str | None) -> str:
+        """The prefix cache's namespace for a sequence: the weights' and its adapter's."""
+        return self.cache_namespace if adapter is None else f"{self.cache_namespace}|{adapter}"
 
     def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
         events = []
@@ -256,11 +380,17 @@ class ContinuousBatcher:
         finite = finite_rows(logits_BV).tolist()
         greedy = logits_BV.argmax(-1).tolist()
         for i, (s, logits) in enumerate(zip(seqs, logits_BV)):
+            masked = None
             try:
                 if not finite[i]:
                     raise FloatingPointError(NON_FINITE)
+                if s.matcher is not None:  # only what the grammar allows
+                    masked = logits.masked_fill(~s.matcher.allowed(), float("-inf"))
+                    greedy[i] = int(masked.argmax())
                 token = greedy[i] if s.params.temperature <= 0 else \
-                    draw(logits, s.params, s.generator)
+                    draw(logits if masked is None else masked, s.params, s.generator)
+                if s.matcher is not None:
+                    s.matcher.accept(token)
             except Exception as e:  # this sequence ends; the others go on
                 events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
                 continue
@@ -269,6 +399,8 @@ class ContinuousBatcher:
             if s.params.logprobs is not None:
                 logp = torch.log_softmax(logits, -1)
                 ev.logprob = float(logp[token])
+                if masked is not None:
+                    ev.masked_logprob = float(torch.log_softmax(masked, -1)[token])
                 if s.params.logprobs:
                     top = logp.topk(s.params.logprobs)
                     ev.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
@@ -283,6 +415,8 @@ class ContinuousBatcher:
             finish = "stop"
         else:
             s.text += s.detok.add(token)
+            if s.matcher is not None and s.matcher.done:  # the grammar's output is complete
+                finish = "stop"
         stops = s.params.stop
         cut = min((i for i in (s.text.find(x) for x in stops) if i >= 0), default=-1)
         if cut >= 0:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from troupe.generation.grammar import Constraint
 
 
 @dataclass(frozen=True)
@@ -15,7 +19,10 @@ class SamplingParams:
     the smallest set of tokens whose probability adds up to it; seed makes sampling
     repeatable; stop: strings that end the text (not included in it); logprobs: report each
     chosen token's log-probability under the model (the log-softmax of its logits, before
-    temperature and top-p) and that many of the most likely tokens beside it (None: none)."""
+    temperature and top-p) and that many of the most likely tokens beside it (None: none);
+    constraint: what the output must be (troupe.generation.grammar: a JSON schema, any JSON
+    object, a regex, a Lark grammar), enforced by masking the logits at every token; adapter:
+    the LoRA adapter this sequence runs with (troupe.models.adapters; None: the base model)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -23,6 +30,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    constraint: "Constraint | None" = None
+    adapter: str | None = None
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead

@@ -1,6 +1,6 @@
 """The replica's /metrics in Prometheus' text format (version 0.0.4): requests running and
 waiting, prompt and generated tokens, time to first token and time per output token as
-histograms, and how full the KV cache is. Written by hand (a few counters need no client
+histograms, how full the KV cache is, and what the prefix cache served. Written by hand (a few counters need no client
 library); tests parse it with prometheus_client's parser."""
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ class ServerMetrics:
         key = (route, outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
 
-    def render(self, running: int, waiting: int, kv_used: int, kv_capacity: int) -> str:
+    def render(self, running: int, waiting: int, kv_used: int, kv_capacity: int,
+               prefix: tuple[int, int, int] = (0, 0, 0)) -> str:
+        """``prefix``: the prefix cache's (prompt tokens looked up, tokens it served, prompt
+        tokens the model ran)."""
         lines = ["# HELP troupe_requests_total Requests answered, by route and outcome.",
                  "# TYPE troupe_requests_total counter"]
         lines += [f'troupe_requests_total{{route="{r}",outcome="{o}"}} {n}'
@@ -64,6 +67,16 @@ class ServerMetrics:
                  self.generated_tokens),
                 ("troupe_kv_cache_usage_ratio", "gauge",
                  "Positions of the KV cache in use over the batch's capacity.",
-                 kv_used / kv_capacity if kv_capacity else 0.0)):
+                 kv_used / kv_capacity if kv_capacity else 0.0),
+                ("troupe_prefix_cache_queries_total", "counter",
+                 "Prompt tokens looked up in the prefix cache.", prefix[0]),
+                ("troupe_prefix_cache_hits_total", "counter",
+                 "Prompt tokens whose keys and values came from the prefix cache.", prefix[1]),
+                ("troupe_prefix_cache_hit_ratio", "gauge",
+                 "Prompt tokens served from the prefix cache over those looked up.",
+                 prefix[1] / prefix[0] if prefix[0] else 0.0),
+                ("troupe_prefill_tokens_total", "counter",
+                 "Prompt tokens the model ran (the others came from the prefix cache).",
+                 prefix[2])):
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines + self.ttft.lines() + self.tpot.lines()) + "\n"

@@ -24,6 +24,7 @@ from troupe.models.hf_config import read_config
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import checkpoint_model, load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
+from troupe.serving.tools import template_text
 
 FORMAT = "troupe-model/1"
 
@@ -121,12 +122,15 @@ def check_source(cfg: ServeConfig) -> None:
 def source_tokenizer(src: ModelSource) -> Tokenizer:
     """The tokenizer of the model ``src`` names: a Hugging Face directory's own; for a
     pretraining checkpoint the one its model record names (the directory the run started
-    from, or troupe's byte tokenizer); troupe's byte tokenizer for a model file."""
+    from, or troupe's byte tokenizer); troupe's byte tokenizer for a model file. With
+    ``src.template``, that chat template in place of the tokenizer's own."""
+    template = template_text(src.template) if src.template else None
     if src.pretrained is not None:
-        return load_tokenizer(src.pretrained)
+        return load_tokenizer(src.pretrained, template=template)
     if src.checkpoint is not None:
         path = locate(src)
-        return load_tokenizer(checkpoint_model(ckpt.read_manifest(path), path).tokenizer)
+        return load_tokenizer(checkpoint_model(ckpt.read_manifest(path), path).tokenizer,
+                              template=template)
     return load_tokenizer(None)
 
 

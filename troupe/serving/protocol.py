@@ -4,6 +4,7 @@ an HTTP status in the 4xx range."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from troupe.devices import Device, Precision
 
 
 from troupe.generation import SamplingParams
+from troupe.generation.grammar import Constraint
+from troupe.serving.tools import NamedChoice, Tool, ToolCall, call_constraint, choice_name
 
 
 class ModelSource(Config):
@@ -31,6 +34,8 @@ class ModelSource(Config):
     checkpoint: str | None = None
     file: str | None = None
     name: str = "troupe-gpt"
+    template: str | None = None  # a chat template in place of the tokenizer's own: a name
+    # troupe ships (hermes_tools: tool calls for templates without them) or a .jinja file
 
     @model_validator(mode="before")
     @classmethod
@@ -85,7 +90,13 @@ class ServeConfig(AppConfig):
     GPUs, else cpu); num_gpus: GPUs each of them asks Ray for on cuda.
     metrics_open: /metrics answers without the API key (for a scraper that cannot send one;
     it shows counts and timings, no content); by default it is behind the key like the API,
-    and /health alone is open (GET)."""
+    and /health alone is open (GET). prefix_cache_mb: the keys and values of prompt prefixes
+    kept between requests (troupe.generation.prefix_cache; 0: none), so that a prompt that
+    begins as an earlier one (a shared system prompt, a conversation's earlier turns) runs
+    only what follows. adapters: LoRA adapters served over the model, name -> a Hugging Face
+    PEFT directory (troupe.models.adapters: applied per row, so requests for different
+    adapters share a batch); a request picks one by ``model``, /v1/models lists them, and
+    POST /v1/load_lora_adapter adds one to a running replica."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -100,6 +111,8 @@ class ServeConfig(AppConfig):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key_env: str = "TROUPE_API_KEY"
     metrics_open: bool = False
+    prefix_cache_mb: float = Field(default=512.0, ge=0)
+    adapters: dict[str, str] = Field(default_factory=dict)
     expert_parallel: int = Field(default=1, ge=1)
     precision: Precision = "fp32"
     device: Device = "auto"
@@ -130,7 +143,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the output must validate against (``strict``
+    is accepted either way: the output is held to the schema token by token regardless)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is 'json_schema'")
+        return self
+
+
 class _Request(BaseModel):
+    """A request's common fields. Structured outputs: ``response_format`` (OpenAI's), or one of
+    the extension fields ``guided_regex`` (the whole output matches the regular expression)
+    and ``guided_grammar`` (a Lark grammar, its ``start`` rule), as vLLM names them."""
+
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
     model: str
@@ -142,6 +187,34 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "_Request":
+        given = [name for name, on in (
+            ("response_format", self.response_format is not None
+             and self.response_format.type != "text"),
+            ("guided_regex", self.guided_regex is not None),
+            ("guided_grammar", self.guided_grammar is not None)) if on]
+        if len(given) > 1:
+            raise ValueError(f"give one of {', '.join(given)}: each constrains the whole output")
+        return self
+
+    def constraint(self) -> tuple[Constraint, str] | None:
+        """The output's constraint and the field that gave it (None: free text)."""
+        f = self.response_format
+        if f is not None and f.type == "json_object":
+            return Constraint("json_object"), "response_format"
+        if f is not None and f.type == "json_schema":
+            return (Constraint("json_schema", json.dumps(f.json_schema.schema_, sort_keys=True)),
+                    "response_format.json_schema.schema")
+        if self.guided_regex is not None:
+            return Constraint("regex", self.guided_regex), "guided_regex"
+        if self.guided_grammar is not None:
+            return Constraint("grammar", self.guided_grammar), "guided_grammar"
+        return None
 
     def top_logprobs_wanted(self) -> int | None:
         """How many top log-probabilities each token reports (0: the chosen token's only;
@@ -167,8 +240,10 @@ class _Request(BaseModel):
             raise RequestError(400, f"max_tokens={n} exceeds this server's limit of "
                                f"{limits.max_tokens}", "max_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        constraint = self.constraint()
         return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop=stop, logprobs=self.top_logprobs_wanted())
+                              seed=self.seed, stop=stop, logprobs=self.top_logprobs_wanted(),
+                              constraint=constraint and constraint[0])
 
 
 class CompletionRequest(_Request):
@@ -188,15 +263,37 @@ class CompletionRequest(_Request):
         return v
 
 
-class ChatMessage(BaseModel):
-    """One message. ``content`` is a string, or OpenAI's array of content parts, of which
-    this server takes the text parts (``{"type": "text", "text": ...}``), joined by newlines
-    as vLLM joins them; another part type is refused naming it."""
+class CallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back with the conversation)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class ChatMessage(BaseModel):
+    """One message. ``content`` is a string, or OpenAI's array of content parts, of which
+    this server takes the text parts (``{"type": "text", "text": ...}``), joined by newlines
+    as vLLM joins them; another part type is refused naming it. An assistant turn that
+    called tools has ``tool_calls`` (and may have no content); a ``tool`` message carries a
+    call's result."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -214,12 +311,34 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant turn with tool_calls may "
+                             "leave it null)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has them")
+        return self
+
+    def chars(self) -> int:
+        calls = sum(len(c.function.name) + len(c.function.arguments)
+                    for c in self.tool_calls or [])
+        return len(self.content or "") + len(self.role) + 1 + calls
+
 
 class ChatRequest(_Request):
+    """A chat request. ``tools`` and ``tool_choice`` (troupe.serving.tools): "auto" (the
+    default with tools) lets the model call any of them or answer, "none" renders none,
+    "required" or a named function makes the answer one call whose arguments follow the
+    function's parameters."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
@@ -227,12 +346,54 @@ class ChatRequest(_Request):
             raise ValueError("top_logprobs: needs logprobs=true")
         return self
 
+    @model_validator(mode="after")
+    def _tools_agree(self) -> "ChatRequest":
+        mode = choice_name(self.tool_choice)
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions have the same name")
+        if mode in ("required", "function") and not names:
+            raise ValueError("tool_choice: needs tools")
+        if mode == "function" and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} "
+                             f"(tools: {names})")
+        if mode in ("required", "function") and (
+                self.guided_regex or self.guided_grammar or (
+                    self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice: a forced call and a response format both constrain "
+                             "the whole output; give one")
+        return self
+
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def uses_tools(self) -> bool:
+        """Tools rendered and calls parsed (there are tools, and tool_choice is not none)."""
+        return bool(self.tools) and choice_name(self.tool_choice) != "none"
+
+    def tool_specs(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.uses_tools() else None
+
+    def constraint(self) -> tuple[Constraint, str] | None:
+        if self.uses_tools():
+            forced = call_constraint(self.tools, self.tool_choice)
+            if forced is not None:
+                return forced, "tool_choice"
+        return super().constraint()
+
+    def conversation(self) -> list[dict[str, Any]]:
         """The messages as the tokenizer's chat template takes them."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
 
     def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
         if self.max_completion_tokens is not None and self.max_tokens is None:
@@ -262,10 +423,11 @@ class Choice:
     """One choice's text, finish reason, token count and (when asked) log-probabilities: per
     token (text, log-probability, [(text, log-probability)] of the likeliest)."""
 
-    text: str = ""
+    text: str | None = ""
     finish: str | None = None
     tokens: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 def logprobs_body(items, chat: bool, offset: int = 0) -> dict[str, Any] | None:
@@ -294,6 +456,8 @@ def completion(rid: str, model: str, choices: list[Choice], prompt_tokens: int,
                                   "logprobs": logprobs_body(c.logprobs, chat)}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
+            if c.tool_calls:
+                choice["message"]["tool_calls"] = [call.body() for call in c.tool_calls]
         else:
             choice["text"] = c.text
         out.append(choice)
@@ -310,12 +474,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
           first: bool = False, index: int = 0, logprobs=None,
-          offset: int = 0) -> dict[str, Any]:
+          offset: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "finish_reason": finish,
                               "logprobs": logprobs_body(logprobs, chat, offset)}
     if chat:
         choice["delta"] = ({"role": "assistant"} if first else {}) | (
-            {"content": text} if text or first else {})
+            {"content": text} if text or first else {}) | (
+            {"tool_calls": tool_calls} if tool_calls else {})
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -330,6 +495,9 @@ def usage_chunk(rid: str, model: str, chat: bool, prompt_tokens: int,
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def models(name: str, created: int) -> dict[str, Any]:
+def models(name: str, created: int, adapters: list[str] = ()) -> dict[str, Any]:
+    """The base model and the LoRA adapters over it (each with ``parent``: the base)."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                        "owned_by": "troupe"}]}
+                                        "owned_by": "troupe"}] + [
+        {"id": a, "object": "model", "created": created, "owned_by": "troupe", "parent": name}
+        for a in adapters]}

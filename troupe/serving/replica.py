@@ -23,8 +23,12 @@ import torch
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation.grammar import Constraint, GrammarError, Grammars
+from troupe.generation.prefix_cache import PrefixCache
+from troupe.models.adapters import Adapters, load_peft
 from troupe.parallel import apply_expert_parallel
 from troupe.runtime.topology import Group, Topology
+from troupe.serving import tools
 from troupe.serving.admission import Admission, Place
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
@@ -74,13 +78,20 @@ class ServeReplica:
         # loop, the event loop and the proxy leave, and queue behind each other
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare",
                                                 initializer=_lower_priority)
+        self._grammars_lock = threading.Lock()
         self.metrics = ServerMetrics()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
         model, modes = load_served_model(self.cfg, self.tok)
+        mb = self.cfg.prefix_cache_mb
+        adapters = Adapters(model)
+        for name, path in self.cfg.adapters.items():
+            adapters.add(load_peft(path, model, name))
         batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch,
-                                    tokenizer=self.tok.hf)
+                                    tokenizer=self.tok.hf,
+                                    prefix_cache=PrefixCache(int(mb * 2**20)) if mb else None,
+                                    adapters=adapters)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,
                          "device": str(model.device)}
@@ -90,8 +101,11 @@ class ServeReplica:
 
         waiting = getattr(self.batcher, "waiting", lambda: 0)()
         used, capacity = getattr(self.batcher, "kv_usage", lambda: (0, 0))()
+        cache = getattr(self.batcher, "prefix_cache", None)
+        prefix = ((cache.lookup_tokens, cache.hit_tokens, self.batcher.prefill_tokens)
+                  if cache is not None else (0, 0, getattr(self.batcher, "prefill_tokens", 0)))
         return PlainTextResponse(self.metrics.render(self.admission.in_flight, waiting, used,
-                                                     capacity),
+                                                     capacity, prefix),
                                  media_type="text/plain; version=0.0.4")
 
     def info(self) -> dict[str, Any]:
@@ -153,12 +167,17 @@ class ServeReplica:
                 return self._metrics()
             if path == "/v1/models":
                 self._method(request, "GET")
-                return JSONResponse(models(self.cfg.model.name, self.created))
+                return JSONResponse(models(self.cfg.model.name, self.created,
+                                           list(self.adapter_names())))
+            if path == "/v1/load_lora_adapter":
+                self._method(request, "POST")
+                return await self._load_adapter(request)
             if path in (COMPLETIONS, CHAT):
                 self._method(request, "POST")
                 return await self._complete(request, chat=path == CHAT)
             raise RequestError(404, f"no route {path}; this server has /v1/completions, "
-                               "/v1/chat/completions, /v1/models, /health and /metrics")
+                               "/v1/chat/completions, /v1/models, /v1/load_lora_adapter, "
+                               "/health and /metrics")
         except RequestError as e:
             headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401 else
                        {"Retry-After": "1"} if e.status in (429, 503) else None)
@@ -178,19 +197,53 @@ class ServeReplica:
         if request.method != allowed:
             raise RequestError(405, f"{request.url.path} takes {allowed}, not {request.method}")
 
+    def adapter_names(self) -> list[str]:
+        adapters = getattr(self.batcher, "adapters", None)
+        return list(adapters.slots) if adapters is not None else []
+
+    async def _load_adapter(self, request):
+        """POST /v1/load_lora_adapter {"lora_name", "lora_path"} (vLLM's route): a PEFT
+        directory on this replica's machine, served from then on as model ``lora_name``.
+        Loaded off the event loop and added between two decode steps."""
+        from starlette.responses import JSONResponse
+
+        body = await self.admission.body(request.receive)
+        try:
+            spec = json.loads(body)
+            name, path = spec["lora_name"], spec["lora_path"]
+        except (ValueError, KeyError, TypeError):
+            raise RequestError(400, 'the body must be {"lora_name": ..., "lora_path": ...}')
+        adapters = getattr(self.batcher, "adapters", None)
+        if adapters is None:
+            raise RequestError(400, "this server's engine (expert-parallel) takes no adapters")
+        if not isinstance(name, str) or not name or name == self.cfg.model.name \
+                or name in adapters.slots:
+            raise RequestError(400, f"lora_name: {name!r} is taken or empty", "lora_name")
+        loop = asyncio.get_running_loop()
+        try:
+            adapter = await loop.run_in_executor(self._prepare_pool, load_peft, path,
+                                                 self.batcher.model, name)
+        except (OSError, ValueError) as e:
+            raise RequestError(400, f"lora_path: {e}", "lora_path") from None
+        await self.engine.between_steps(adapters.add, adapter)
+        return JSONResponse({"status": "ok", "lora_name": name})
+
     def _prompt(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
         lim = self.cfg.limits
+        adapter = None
         if req.model != self.cfg.model.name:
-            raise RequestError(404, f"model {req.model!r} is not served here; GET /v1/models "
-                               f"lists {self.cfg.model.name!r}", "model", "model_not_found")
+            if req.model not in self.adapter_names():
+                served = [self.cfg.model.name, *self.adapter_names()]
+                raise RequestError(404, f"model {req.model!r} is not served here; GET "
+                                   f"/v1/models lists {served}", "model", "model_not_found")
+            adapter = req.model
         field = "messages" if chat else "prompt"
-        chars = (sum(len(m.content) + len(m.role) + 1 for m in req.messages) if chat
-                 else len(req.prompt))
+        chars = sum(m.chars() for m in req.messages) if chat else len(req.prompt)
         if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
             raise RequestError(400, f"{field}: {chars} characters; this server accepts at most "
                                f"{lim.max_prompt_tokens} tokens (and at most {CHARS_PER_TOKEN} "
                                "characters a token before tokenizing)", field)
-        texts = [m.content for m in req.messages] if chat else [req.prompt]
+        texts = [m.content or "" for m in req.messages] if chat else [req.prompt]
         for i, text in enumerate(texts):
             over = self._over_limit(text, lim.max_prompt_tokens)
             if over is not None:
@@ -198,7 +251,10 @@ class ServeReplica:
                 raise RequestError(400, f"{where}: more than {over} tokens; this server "
                                    f"accepts at most {lim.max_prompt_tokens}", where)
         try:
-            ids = self.tok.chat(req.conversation()) if chat else self.tok.encode(req.prompt)
+            tools = req.tool_specs() if chat else None
+            ids = (self.tok.encode(req.prompt) if not chat
+                   else self.tok.chat(req.conversation(), tools) if tools
+                   else self.tok.chat(req.conversation()))
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"{field}: {e}", field) from None
         if not ids:
@@ -211,12 +267,36 @@ class ServeReplica:
             raise RequestError(400, f"{field}: {len(ids)} tokens fill the model's context of "
                                f"{context} tokens", field)
         # a chat answer runs to the end of the context (or the limit), as OpenAI's does
-        params = req.sampling(context - len(ids) if chat else 16, lim)
+        params = replace(req.sampling(context - len(ids) if chat else 16, lim), adapter=adapter)
+        if params.constraint is not None:
+            self._check_constraint(*req.constraint())
         if len(ids) + params.max_tokens > context:
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
                                f"({params.max_tokens}) exceed the model's context of {context} "
                                "tokens", "max_tokens")
         return ids, params
+
+    def _check_constraint(self, constraint: Constraint, field: str) -> None:
+        """The request's constraint compiles for this model's tokenizer (compiled once and
+        cached; the engine's grammar support is made at the first one), or a 400 naming the
+        field and what the grammar library could not take."""
+        if getattr(self.batcher, "grammars", False) is None:  # a batcher that can have one
+            with self._grammars_lock:
+                if self.batcher.grammars is None:
+                    hf = getattr(self.tok, "hf", None)
+                    if hf is None:
+                        raise RequestError(400, f"{field}: structured outputs need a Hugging "
+                                           "Face tokenizer; this model reads bytes", field)
+                    self.batcher.grammars = Grammars(hf, self.batcher.cfg.vocab_size,
+                                                     self.tok.eos_id)
+        grammars = getattr(self.batcher, "grammars", None)
+        if grammars is None:
+            raise RequestError(400, f"{field}: this server's engine (expert-parallel) has no "
+                               "structured outputs", field)
+        try:
+            grammars.check(constraint)
+        except GrammarError as e:
+            raise RequestError(400, f"{field}: {e}", field) from None
 
     def _over_limit(self, text: str, limit: int) -> int | None:
         """For a text longer than 4 characters a token at the limit: the tokens of growing
@@ -263,7 +343,8 @@ class ServeReplica:
         samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
                                           else params.seed + i)) for i in range(req.n)]
         if req.stream:  # the stream holds the place until its last event (see _stream)
-            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, place)
+            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, place,
+                                chat and req.uses_tools())
             weakref.finalize(body, place.release, True)  # a stream dropped before it started
             place.handed_over = True
             return StreamingResponse(body, media_type="text/event-stream")
@@ -277,6 +358,10 @@ class ServeReplica:
             for t in tasks:
                 t.cancel()  # the other choices' sequences, when one failed
         self.metrics.finished(route, "ok")
+        if chat and req.uses_tools():  # the model's <tool_call> blocks become tool_calls
+            for c in choices:
+                c.text, c.tool_calls = tools.parse(c.text)
+                c.finish = "tool_calls" if c.tool_calls else c.finish
         return JSONResponse(completion(rid, self.cfg.model.name, choices, len(ids), chat))
 
     async def _timed(self, seq_id: str, ids: list[int], params: SamplingParams,
@@ -314,11 +399,13 @@ class ServeReplica:
 
     async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
                       chat: bool, include_usage: bool, start: float,
-                      place: Place) -> AsyncIterator[str]:
+                      place: Place, parse_tools: bool = False) -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
         carries the usage. It holds the request's place and gives it back at its end (one that
-        never starts, the client gone first, gives it back when it is dropped)."""
+        never starts, the client gone first, gives it back when it is dropped). With
+        ``parse_tools`` each choice's text goes through a troupe.serving.tools.ToolStream:
+        content as it comes, each call as one ``tool_calls`` delta once its block closes."""
         name = self.cfg.model.name
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -333,6 +420,8 @@ class ServeReplica:
 
         tasks = [asyncio.ensure_future(pump(i, sid, p)) for i, (sid, p) in enumerate(samples)]
         generated, offsets, open_ = 0, [0] * len(samples), len(samples)
+        splitters = [tools.ToolStream() for _ in samples]
+        called = [0] * len(samples)  # tool calls sent, per choice
         try:
             if chat:
                 for i in range(len(samples)):
@@ -348,11 +437,21 @@ class ServeReplica:
                     break
                 generated += 1
                 lp = [self._logprob(ev)] if self._reported(ev) else None
-                if ev.delta or ev.finish_reason or lp:
-                    yield _sse(chunk(rid, name, ev.delta, ev.finish_reason, chat, index=index,
+                text, finish, calls = ev.delta, ev.finish_reason, []
+                if parse_tools:
+                    text, calls = splitters[index].feed(text)
+                    if finish is not None:
+                        text += splitters[index].end()
+                        finish = "tool_calls" if splitters[index].calls else finish
+                for call in calls:
+                    yield _sse(chunk(rid, name, "", None, chat, index=index, tool_calls=[
+                        call.body(index=called[index])]))
+                    called[index] += 1
+                if text or finish or lp:
+                    yield _sse(chunk(rid, name, text, finish, chat, index=index,
                                      logprobs=lp if ev.logprob is not None else None,
                                      offset=offsets[index]))
-                    offsets[index] += len(ev.delta)
+                    offsets[index] += len(text)
             else:
                 self.metrics.finished(CHAT if chat else COMPLETIONS, "ok")
                 if include_usage:

@@ -60,6 +60,11 @@ class AsyncBatcher:
             if not done:
                 self.batcher.cancel(seq_id)
 
+    async def between_steps(self, fn, *args):
+        """``fn(*args)`` on the decode thread, between two steps (what must not change while a
+        step runs: the adapters' stacks)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()

@@ -1,0 +1,101 @@
+"""Keys and values of prompt prefixes kept between requests: a prompt that starts as an earlier
+one did (a long system prompt, the samples of one GRPO group admitted at different steps, a
+multi-turn conversation's earlier turns) runs only what follows the longest cached prefix.
+
+A prompt is cut into blocks of ``block`` tokens; a block's key hashes the key of the block
+before it with its own tokens, so a key names the whole prefix up to the block's end, and it
+starts from ``namespace`` (the weights' version, the adapter's name): nothing computed under
+other weights is ever reused. Each block holds its keys and values for every layer, (kv_heads,
+block, head_dim) each; blocks are evicted least recently used first once their bytes pass
+``budget_bytes``. A hit is copied into the newcomer's cache at admission (the batch's cache
+keeps one dense, right-aligned layout; see troupe.generation.engine), which costs a copy of
+the prefix's keys and values instead of its forward pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Block:
+    k: list[torch.Tensor]  # per layer (kv_heads, block, head_dim)
+    v: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int = 512 << 20, block: int = 16):
+        self.budget_bytes, self.block = budget_bytes, block
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()
+        self.nbytes = 0
+        self.hit_tokens = 0      # prompt tokens served from the cache
+        self.lookup_tokens = 0   # prompt tokens looked up
+        self._lock = threading.Lock()
+
+    def keys(self, tokens: list[int], namespace: str = "") -> list[bytes]:
+        """The key of each whole block of ``tokens``."""
+        out, h = [], hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        B = self.block
+        for i in range(len(tokens) // B):
+            chunk = ",".join(map(str, tokens[i * B:(i + 1) * B])).encode()
+            h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def lookup(self, tokens: list[int], namespace: str = "", count: bool = True
+               ) -> tuple[int, list[Block]]:
+        """The longest cached prefix of ``tokens`` that leaves at least one token to run (the
+        next token's logits come from the last one): its length and blocks (``count``: into
+        the hit statistics)."""
+        keys = self.keys(tokens[:-1], namespace)
+        found = []
+        with self._lock:
+            for key in keys:
+                b = self.blocks.get(key)
+                if b is None:
+                    break
+                found.append((key, b))
+            for key, _ in reversed(found):  # the first blocks become the most recent:
+                self.blocks.move_to_end(key)  # a prefix outlives what continues it
+            if count:
+                self.lookup_tokens += len(tokens)
+                self.hit_tokens += len(found) * self.block
+        return len(found) * self.block, [b for _, b in found]
+
+    def insert(self, tokens: list[int], k: list[torch.Tensor], v: list[torch.Tensor],
+               namespace: str = "") -> None:
+        """Keep the whole blocks of ``tokens`` whose keys and values are ``k``, ``v`` (per layer
+        (kv_heads, len(tokens), head_dim), or longer: the first positions are the prompt's)."""
+        B = self.block
+        keys = self.keys(tokens, namespace)
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self.blocks:
+                    continue
+                block = Block([t[:, i * B:(i + 1) * B].clone() for t in k],
+                              [t[:, i * B:(i + 1) * B].clone() for t in v])
+                self.blocks[key] = block
+                self.nbytes += block.nbytes
+            for key in reversed(keys):  # the first blocks the most recent: under pressure the
+                self.blocks.move_to_end(key)  # deepest go first, and what stays is a prefix
+            while self.nbytes > self.budget_bytes:
+                _, old = self.blocks.popitem(last=False)
+                self.nbytes -= old.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self.blocks.clear()
+            self.nbytes = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
