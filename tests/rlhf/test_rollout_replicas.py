@@ -1,7 +1,8 @@
 """Step 3 with rollout replicas of their own (step3.rollout): in the synchronous order they
-give today's runs to every digit; one-step-off batches are one update stale and corrected; a
-replica killed mid-run is restarted, re-synced and asked again, and the run completes; calls
-that reach a replica during a sync wait for it and carry the new version."""
+give today's runs to every digit (a stage-3 policy too); one-step-off batches are one update
+stale and corrected; a replica killed mid-run is restarted, re-synced and asked again, and the
+run completes; calls that reach a replica during a sync wait for it and carry the new
+version."""
 
 import json
 from pathlib import Path
@@ -11,7 +12,6 @@ import pytest
 from tests.runtime.helpers import kill_worker
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.replicas import Replicas
 from troupe.rlhf.topology import RLHFTopology
 from troupe.rlhf.workers import PolicyActor, RolloutActor
 from troupe.rlhf.config import RLHFConfig
@@ -60,10 +60,13 @@ def _numbers(records: list[dict]) -> list[dict]:
             for r in records]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_synchronous_replicas_give_todays_run_to_every_digit(base, tmp_path, algorithm):
-    today = _step3(base, tmp_path / "today", algorithm=algorithm, step3=dict(iterations=2))
-    got = _step3(base, tmp_path / "replicas", algorithm=algorithm,
+@pytest.mark.parametrize("algorithm,zero_stage", [("grpo", 1), ("ppo", 3)])
+def test_synchronous_replicas_give_todays_run_to_every_digit(base, tmp_path, algorithm,
+                                                             zero_stage):
+    """PPO with a stage-3 policy: its partitioned weights gathered once per sync."""
+    today = _step3(base, tmp_path / "today", algorithm=algorithm, zero_stage=zero_stage,
+                   step3=dict(iterations=2))
+    got = _step3(base, tmp_path / "replicas", algorithm=algorithm, zero_stage=zero_stage,
                  step3=dict(iterations=2, rollout=dict(replicas=2, max_staleness=0)))
     assert _numbers(got) == _numbers(today)
     steps = [r for r in got if r["kind"] == "step3"]
@@ -95,6 +98,7 @@ def test_one_step_off_with_a_replica_killed_mid_run(base, tmp_path, monkeypatch)
         res = rlhf.run_step3(graph, cfg, rlhf.prepare_data(cfg), log, out,
                              out / "sft" / "policy.trp", out / "reward" / "reward.trp",
                              on_iteration=hook)
+        calls_during_a_sync_wait_for_it(graph)
     finally:
         graph.shutdown()
     records = log.records()
@@ -109,24 +113,15 @@ def test_one_step_off_with_a_replica_killed_mid_run(base, tmp_path, monkeypatch)
     assert [r["weight_version"] for r in steps[:3]] == [1, 2, 3]
 
 
-def test_calls_during_a_sync_wait_for_it(base, tmp_path):
-    out = tmp_path / "during"
-    cfg = _cfg(out, algorithm="grpo", step3=dict(rollout=dict(replicas=2)))
-    graph = rlhf.build_graph(cfg, steps=("step3",))
-    try:
-        graph["policy"].invoke(PolicyActor.begin_step3, str(base / "sft" / "policy.trp"))
-        replicas = Replicas(graph, cfg, rlhf.MetricsLog(out / "metrics.jsonl"))
-        replicas.sync(0, 0)
-        topo = RLHFTopology.of(list(graph.roles), 2, 1, 2)
-        # a sync to version 7 and, sent while it runs, requests to both replicas
-        recv = graph["rollout"].invoke_async(RolloutActor.receive_weights, topo, 7)
-        send = graph["policy"].invoke_async(PolicyActor.send_weights, topo, 7)
-        asked = [graph["rollout"].invoke_async(
-            RolloutActor.generate, RolloutRequest([f"say {i}"] * 4, list(range(4))))
-            for i in range(3)]
-        send.result(), recv.result()
-        answers = [ro for call in asked for ro in call.result()]
-        assert len(answers) == 6 and all(len(ro.responses) == 2 for ro in answers)
-        assert all(ro.versions == [7, 7] for ro in answers)
-    finally:
-        graph.shutdown()
+def calls_during_a_sync_wait_for_it(graph):
+    """A sync to version 7 and, sent while it runs, requests to the replica: every one is
+    answered, with the new version."""
+    topo = RLHFTopology.of(list(graph.roles), 2, 1, 1)
+    recv = graph["rollout"].invoke_async(RolloutActor.receive_weights, topo, 7)
+    send = graph["policy"].invoke_async(PolicyActor.send_weights, topo, 7)
+    asked = [graph["rollout"].invoke_async(
+        RolloutActor.generate, RolloutRequest([f"say {i}"] * 4, list(range(4))))
+        for i in range(3)]
+    send.result(), recv.result()
+    answers = [ro for call in asked for ro in call.result()]
+    assert len(answers) == 3 and all(ro.versions == [7] * 4 for ro in answers)
