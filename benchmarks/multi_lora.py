@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from engine_rate import full_batch_rate  # noqa: E402  beside this script
 from machine import machine  # noqa: E402  benchmarks/machine.py, beside this script
 
 from troupe.compression import quantize_model  # noqa: E402
@@ -63,14 +63,7 @@ def rate(model, tok, adapters, names, tokens: int) -> float:
     prompt = tok.chat([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
     for i, name in enumerate(names):
         engine.add(str(i), prompt, SamplingParams(max_tokens=tokens, adapter=name))
-    engine.step()  # the prefill, not timed
-    n, seconds = 0, 0.0
-    while engine.has_work():
-        t0 = time.perf_counter()
-        events = engine.step()
-        if len(events) == len(names):
-            n, seconds = n + len(events), seconds + time.perf_counter() - t0
-    return n / seconds
+    return full_batch_rate(engine, len(names))
 
 
 def main() -> None:

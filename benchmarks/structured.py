@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from engine_rate import full_batch_rate  # noqa: E402  beside this script
 from machine import machine  # noqa: E402  benchmarks/machine.py, beside this script
 
 from troupe.data import load_tokenizer  # noqa: E402
@@ -123,14 +124,7 @@ def decode_rate(model, tok, grammars, batch: int, tokens: int, constrained: bool
     for i in range(batch):
         engine.add(str(i), prompt, SamplingParams(max_tokens=tokens, temperature=1.0,
                                                   seed=seed + i, constraint=c))
-    engine.step()  # the prefill and first token, not timed
-    n, seconds = 0, 0.0
-    while engine.has_work():  # steps of the whole batch only: constrained answers end sooner
-        t0 = time.perf_counter()
-        events = engine.step()
-        if len(events) == batch:
-            n, seconds = n + batch, seconds + time.perf_counter() - t0
-    return n / seconds
+    return full_batch_rate(engine, batch)
 
 
 def main() -> None:
