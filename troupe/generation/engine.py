@@ -258,24 +258,23 @@ class ContinuousBatcher:
         prompt whose start is cached runs from there (``_prefill_hit``), the others together,
         left-padded (``_prefill_cold``), except those that begin as one of them does (requests
         over one system prompt arriving together): they wait until it is cached, then hit."""
+        cache = self.prefix_cache
+        if cache is None:
+            return self._prefill_cold(seqs)
         groups: dict[tuple, list[_Sequence]] = {}
         for s in seqs:
             groups.setdefault((tuple(s.prompt), s.params.adapter), []).append(s)
-        if self.prefix_cache is None:
-            return self._prefill_cold(seqs)
-        B = self.prefix_cache.block
         cold, later, starts, events = [], [], set(), []
         for (prompt, adapter), group in groups.items():
-            n, blocks = self.prefix_cache.lookup(list(prompt), self._namespace(adapter),
-                                                 count=False)
-            start = (prompt[:B], adapter) if len(prompt) > B else None
+            n, blocks = cache.lookup(list(prompt), self._namespace(adapter))
+            start = (prompt[:cache.block], adapter) if len(prompt) > cache.block else None
             if n:
-                self._count_lookup(len(prompt), n)
+                cache.record(len(prompt), n)
                 events += self._prefill_hit(list(prompt), n, blocks, group)
             elif start is not None and start in starts:
                 later += group  # its first block is a newcomer's too: after that one is cached
             else:
-                self._count_lookup(len(prompt), 0)
+                cache.record(len(prompt), 0)
                 starts.add(start)
                 cold += group
         if cold:
@@ -283,10 +282,6 @@ class ContinuousBatcher:
         if later:
             events += self._prefill(later)
         return events
-
-    def _count_lookup(self, tokens: int, hit: int) -> None:
-        self.prefix_cache.lookup_tokens += tokens
-        self.prefix_cache.hit_tokens += hit
 
     def _prefill_cold(self, seqs: list[_Sequence]) -> list[Event]:
         """Prompts run together (left-padded), their keys and values merged into the batch's
@@ -315,13 +310,7 @@ class ContinuousBatcher:
                 self.prefix_cache.insert(list(x), [t[i, :, P - len(x):P] for t in cache.k],
                                          [t[i, :, P - len(x):P] for t in cache.v],
                                          self._namespace(adapters[i]))
-        if len(prompts) < len(seqs):  # each sequence gets its own copy of its prompt's cache
-            index = torch.tensor(rows, device=self.device)
-            cache = KVCache([t.index_select(0, index) for t in cache.k],
-                            [t.index_select(0, index) for t in cache.v], cache.length)
-            valid, logits = valid.index_select(0, index), logits.index_select(0, index)
-        self._merge(cache, valid, seqs)
-        return self._choose(seqs, logits)
+        return self._admit_rows(cache, valid, logits, rows, seqs)
 
     def _prefill_hit(self, prompt: list[int], n: int, blocks: list, seqs: list[_Sequence]
                      ) -> list[Event]:
@@ -343,8 +332,14 @@ class ContinuousBatcher:
         logits = self.model.logits(h[:, -1])
         self.prefix_cache.insert(prompt, [t[0, :, :T] for t in cache.k],
                                  [t[0, :, :T] for t in cache.v], self._namespace(adapter))
-        if len(seqs) > 1:
-            index = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        return self._admit_rows(cache, valid, logits, [0] * len(seqs), seqs)
+
+    def _admit_rows(self, cache: KVCache, valid: torch.Tensor, logits: torch.Tensor,
+                    rows: list[int], seqs: list[_Sequence]) -> list[Event]:
+        """Sequence i takes row ``rows[i]`` of a prefill's cache, valid mask and logits (its
+        own copy, when prompts were shared): merged into the batch, first tokens chosen."""
+        if len(rows) > cache.k[0].shape[0]:
+            index = torch.tensor(rows, device=self.device)
             cache = KVCache([t.index_select(0, index) for t in cache.k],
                             [t.index_select(0, index) for t in cache.v], cache.length)
             valid, logits = valid.index_select(0, index), logits.index_select(0, index)

@@ -51,11 +51,11 @@ class PrefixCache:
             out.append(h)
         return out
 
-    def lookup(self, tokens: list[int], namespace: str = "", count: bool = True
-               ) -> tuple[int, list[Block]]:
+    def lookup(self, tokens: list[int], namespace: str = "") -> tuple[int, list[Block]]:
         """The longest cached prefix of ``tokens`` that leaves at least one token to run (the
-        next token's logits come from the last one): its length and blocks (``count``: into
-        the hit statistics)."""
+        next token's logits come from the last one): its length and blocks. The caller
+        ``record``s what it makes of it (a prompt may be looked up again once a newcomer
+        ahead of it has been cached)."""
         keys = self.keys(tokens[:-1], namespace)
         found = []
         with self._lock:
@@ -66,10 +66,13 @@ class PrefixCache:
                 found.append((key, b))
             for key, _ in reversed(found):  # the first blocks become the most recent:
                 self.blocks.move_to_end(key)  # a prefix outlives what continues it
-            if count:
-                self.lookup_tokens += len(tokens)
-                self.hit_tokens += len(found) * self.block
         return len(found) * self.block, [b for _, b in found]
+
+    def record(self, tokens: int, hit: int) -> None:
+        """A prompt of ``tokens`` tokens admitted, ``hit`` of them from the cache."""
+        with self._lock:
+            self.lookup_tokens += tokens
+            self.hit_tokens += hit
 
     def insert(self, tokens: list[int], k: list[torch.Tensor], v: list[torch.Tensor],
                namespace: str = "") -> None:

@@ -37,14 +37,6 @@ class Adapter:
 
     name: str
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    rank: int
-
-    def merged_into(self, model: GPT) -> None:
-        """Add B A to the base weights of ``model`` (a plain copy: the merged reference)."""
-        layers = dict(model.named_modules())
-        with torch.no_grad():
-            for name, (A, B) in self.pairs.items():
-                layers[name].weight += (B @ A).to(layers[name].weight.dtype)
 
 
 def _parts(cfg: GPTConfig, proj: str) -> tuple[str, int, int]:
@@ -112,7 +104,7 @@ def load_peft(directory: str | Path, model: GPT, name: str | None = None) -> Ada
             B[lo:hi, at:at + a.shape[0]] = b
             at += a.shape[0]
         pairs[where] = (A.to(model.device), B.to(model.device))
-    return Adapter(name or d.name, pairs, r)
+    return Adapter(name or d.name, pairs)
 
 
 class AdaptedLinear(nn.Module):

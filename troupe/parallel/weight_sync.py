@@ -98,6 +98,13 @@ class Layout:
     def nbytes(self) -> int:
         return sum(self.buckets)
 
+    def by_bucket(self) -> list[list[tuple[int, int, int]]]:
+        """Each bucket's tensors as (tensor index, offset, nbytes), in order."""
+        out: list[list[tuple[int, int, int]]] = [[] for _ in self.buckets]
+        for i, (b, off, n) in enumerate(self.places):
+            out[b].append((i, off, n))
+        return out
+
 
 def checksum(payload: torch.Tensor) -> torch.Tensor:
     """(3,) int64: the sum of the payload's 64-bit words, and the position-weighted sums of
@@ -146,13 +153,12 @@ def send(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version: i
         comm.barrier()  # every member here, or the deadline names who is not
         _header(comm, layout, version, device)
         buf = torch.empty(max(layout.buckets) + _TRAILER, dtype=torch.uint8, device=device)
-        for b, size in enumerate(layout.buckets):
+        for size, members in zip(layout.buckets, layout.by_bucket()):
             end = 0
-            for (_, t), (bucket, off, n) in zip(tensors, layout.places):
-                if bucket == b:
-                    buf[end:off].zero_()  # the alignment gap before it
-                    buf[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
-                    end = off + n
+            for i, off, n in members:
+                buf[end:off].zero_()  # the alignment gap before it
+                buf[off:off + n].copy_(tensors[i][1].contiguous().view(-1).view(torch.uint8))
+                end = off + n
             buf[end:size].zero_()
             part = buf[:size + _TRAILER]
             part[size:].view(torch.int64).copy_(checksum(part[:size]))
@@ -185,6 +191,7 @@ def receive(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version
         sizes = theirs[4:]  # what the trainer sends, whatever this side expected
         buf = torch.empty(max(sizes, default=0) + _TRAILER, dtype=torch.uint8, device=device)
         differs = problem is not None
+        members = layout.by_bucket()  # this side's: used only when the layouts agree
         for b, size in enumerate(sizes):
             part = comm.broadcast(buf[:size + _TRAILER], src=0)
             if differs:
@@ -197,9 +204,8 @@ def receive(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version
                                     f"{got.tolist()}, the trainer's is {want.tolist()}; "
                                     "it was not applied"), b
                 continue
-            for (_, t), (bucket, off, n) in zip(tensors, layout.places):
-                if bucket == b:
-                    t.view(-1).view(torch.uint8).copy_(part[off:off + n])
+            for i, off, n in members[b]:
+                tensors[i][1].view(-1).view(torch.uint8).copy_(part[off:off + n])
         _verdicts(comm, version, ok=problem is None, bad_bucket=bad, device=device)
     if problem:
         raise WeightSyncError(problem, version, [comm.rank - 1])

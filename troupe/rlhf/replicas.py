@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
-from troupe.errors import WorkerCallError, WorkerDiedError
+from troupe.errors import WorkerCallError, WorkerDiedError, WorkerError
 from troupe.parallel.weight_sync import WeightSyncError
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import Rollout, RolloutRequest
@@ -51,7 +51,6 @@ class Pending:
     calls: list[Call | None]
     results: list[Rollout | None]
     fields: list[dict] | None = None
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 class Replicas:
@@ -63,9 +62,7 @@ class Replicas:
         self.version: int | None = None  # what every replica holds
         self.queue: deque[tuple[int, Pending]] = deque()  # (iteration, batch) in flight
         self.restarts = 0
-        self.last_sync: dict = {}
         self._rewired = 0
-        self._last_death: WorkerDiedError | WorkerCallError | None = None
 
     # weights --------------------------------------------------------------------------------
     def sync(self, version: int, step: int) -> dict:
@@ -73,15 +70,14 @@ class Replicas:
         have answered what they were given. Returns the sync's figures (seconds, bytes,
         buckets); raises WeightSyncError naming the replica at fault."""
         self._settle(step)
-        self.last_sync = self._send(version, step)
-        return self.last_sync
+        return self._send(version, step)
 
     def _send(self, version: int, step: int) -> dict:
         r = self.cfg.step3.rollout
         for _ in range(r.max_restarts + 2):
             lost = self._lost()  # a replica known gone now is not waited for until the deadline
             if lost:
-                self._restart(sorted(lost), step, self._last_death)
+                self._restart(lost, step)
                 continue
             t0 = time.perf_counter()
             self.version = None
@@ -95,9 +91,9 @@ class Replicas:
                     sent = got[0] if call is send else sent
                 except (WorkerDiedError, WorkerCallError) as e:
                     errors.append(e)
-            dead = sorted({e.rank for e in errors if _lost(e)})
+            dead = {e.rank: e for e in errors if _lost(e)}
             if dead:
-                self._restart(dead, step, next(e for e in errors if _lost(e)))
+                self._restart(dead, step)
                 continue
             if errors:
                 cause = next((e.cause for e in errors
@@ -143,36 +139,32 @@ class Replicas:
                 return pending.results
             self._settle(step, also=dead, more=[pending])
 
-    def _wait(self, pending: Pending, step: int) -> set[int]:
-        """Wait for ``pending``'s outstanding calls; the replicas found dead."""
-        dead = set()
+    def _wait(self, pending: Pending, step: int) -> dict[int, WorkerError]:
+        """Wait for ``pending``'s outstanding calls; the replicas found gone, with why."""
+        dead = {}
         for r, call in enumerate(pending.calls):
-            if call is None:
-                continue
-            try:
-                pending.results[r] = call.result()[0]
-                pending.calls[r] = None
-            except (WorkerDiedError, WorkerCallError) as e:
-                if not _lost(e):
-                    raise
-                self._last_death = e
-                dead.add(r)
+            if call is not None:
+                result, gone = _answer(call)
+                if gone is not None:
+                    dead[r] = gone
+                else:
+                    pending.results[r], pending.calls[r] = result, None
         return dead
 
-    def _settle(self, step: int, also: set[int] = frozenset(), more: list[Pending] = ()
-                ) -> None:
+    def _settle(self, step: int, also: dict[int, WorkerError] | None = None,
+                more: list[Pending] = ()) -> None:
         """Wait until the replicas have answered every batch in flight (and ``more``);
         restart the ones that died (with ``also``), bring them to the current version and
         ask their slices again, until none is missing."""
-        dead = set(also)
+        dead = dict(also or {})
         batches = [p for _, p in self.queue] + [p for p in more
                                                  if all(p is not q for _, q in self.queue)]
         while True:
             for pending in batches:
-                dead |= self._wait(pending, step)
+                dead.update(self._wait(pending, step))
             if not dead:
                 return
-            self._restart(sorted(dead), step, self._last_death)
+            self._restart(dead, step)
             if self.version is not None:
                 self._send(self.version, step)
             for pending in batches:
@@ -180,26 +172,20 @@ class Replicas:
                     if pending.results[r] is None:  # asked again, of the restarted replica
                         pending.calls[r] = self.group.invoke_on(r, RolloutActor.generate,
                                                                 pending.request)
-            dead = set()
+            dead = {}
 
-    def _lost(self) -> set[int]:
-        """The replicas that are dead or restarted (not set up) now."""
-        lost = set()
-        for r in range(self.n):
-            try:
-                self.group.invoke_on(r, RolloutActor.version).result(60)
-            except (WorkerDiedError, WorkerCallError) as e:
-                if not _lost(e):
-                    raise
-                self._last_death = e
-                lost.add(r)
-        return lost
+    def _lost(self) -> dict[int, WorkerError]:
+        """The replicas that are dead or restarted (not set up) now, with why."""
+        asked = {r: _answer(self.group.invoke_on(r, RolloutActor.version), 60)[1]
+                 for r in range(self.n)}
+        return {r: gone for r, gone in asked.items() if gone is not None}
 
-    def _restart(self, ranks: list[int], step: int,
-                 error: WorkerDiedError | WorkerCallError) -> None:
-        """Replicas ``ranks`` after their death: waited for while Ray restarts them, set up,
-        the weights group rewired. Past max_restarts the death is raised (to the run's
-        failure policy)."""
+    def _restart(self, dead: dict[int, WorkerError], step: int) -> None:
+        """The replicas ``dead`` names after their death: waited for while Ray restarts them,
+        set up, the weights group rewired. Past max_restarts the death is raised (to the
+        run's failure policy)."""
+        ranks = sorted(dead)
+        error = dead[ranks[0]]
         self.restarts += len(ranks)
         if self.restarts > self.cfg.step3.rollout.max_restarts:
             raise error
@@ -220,6 +206,17 @@ class Replicas:
         version held (the next ``sync`` brings one)."""
         self.queue.clear()
         self.version = None
+
+
+def _answer(call: Call, timeout_s: float | None = None) -> tuple[Any, WorkerError | None]:
+    """A one-worker call's result, or (None, why) when its replica is gone (any other error
+    is raised)."""
+    try:
+        return call.result(timeout_s)[0], None
+    except (WorkerDiedError, WorkerCallError) as e:
+        if not _lost(e):
+            raise
+        return None, e
 
 
 def _lost(e: WorkerDiedError | WorkerCallError) -> bool:

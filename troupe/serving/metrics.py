@@ -1,7 +1,7 @@
 """The replica's /metrics in Prometheus' text format (version 0.0.4): requests running and
 waiting, prompt and generated tokens, time to first token and time per output token as
-histograms, how full the KV cache is, and what the prefix cache served. Written by hand (a few counters need no client
-library); tests parse it with prometheus_client's parser."""
+histograms, how full the KV cache is, and what the prefix cache served. Written by hand (a
+few counters need no client library); tests parse it with prometheus_client's parser."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ class ServeReplica:
             if path == "/v1/models":
                 self._method(request, "GET")
                 return JSONResponse(models(self.cfg.model.name, self.created,
-                                           list(self.adapter_names())))
+                                           self.adapter_names()))
             if path == "/v1/load_lora_adapter":
                 self._method(request, "POST")
                 return await self._load_adapter(request)
@@ -251,9 +251,9 @@ class ServeReplica:
                 raise RequestError(400, f"{where}: more than {over} tokens; this server "
                                    f"accepts at most {lim.max_prompt_tokens}", where)
         try:
-            tools = req.tool_specs() if chat else None
+            specs = req.tool_specs() if chat else None
             ids = (self.tok.encode(req.prompt) if not chat
-                   else self.tok.chat(req.conversation(), tools) if tools
+                   else self.tok.chat(req.conversation(), specs) if specs
                    else self.tok.chat(req.conversation()))
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"{field}: {e}", field) from None
@@ -280,21 +280,19 @@ class ServeReplica:
         """The request's constraint compiles for this model's tokenizer (compiled once and
         cached; the engine's grammar support is made at the first one), or a 400 naming the
         field and what the grammar library could not take."""
-        if getattr(self.batcher, "grammars", False) is None:  # a batcher that can have one
-            with self._grammars_lock:
-                if self.batcher.grammars is None:
-                    hf = getattr(self.tok, "hf", None)
-                    if hf is None:
-                        raise RequestError(400, f"{field}: structured outputs need a Hugging "
-                                           "Face tokenizer; this model reads bytes", field)
-                    self.batcher.grammars = Grammars(hf, self.batcher.cfg.vocab_size,
-                                                     self.tok.eos_id)
-        grammars = getattr(self.batcher, "grammars", None)
-        if grammars is None:
+        if not hasattr(self.batcher, "grammars"):
             raise RequestError(400, f"{field}: this server's engine (expert-parallel) has no "
                                "structured outputs", field)
+        with self._grammars_lock:
+            if self.batcher.grammars is None:
+                hf = getattr(self.tok, "hf", None)
+                if hf is None:
+                    raise RequestError(400, f"{field}: structured outputs need a Hugging Face "
+                                       "tokenizer; this model reads bytes", field)
+                self.batcher.grammars = Grammars(hf, self.batcher.cfg.vocab_size,
+                                                 self.tok.eos_id)
         try:
-            grammars.check(constraint)
+            self.batcher.grammars.check(constraint)
         except GrammarError as e:
             raise RequestError(400, f"{field}: {e}", field) from None
 
@@ -421,7 +419,6 @@ class ServeReplica:
         tasks = [asyncio.ensure_future(pump(i, sid, p)) for i, (sid, p) in enumerate(samples)]
         generated, offsets, open_ = 0, [0] * len(samples), len(samples)
         splitters = [tools.ToolStream() for _ in samples]
-        called = [0] * len(samples)  # tool calls sent, per choice
         try:
             if chat:
                 for i in range(len(samples)):
@@ -443,10 +440,10 @@ class ServeReplica:
                     if finish is not None:
                         text += splitters[index].end()
                         finish = "tool_calls" if splitters[index].calls else finish
-                for call in calls:
-                    yield _sse(chunk(rid, name, "", None, chat, index=index, tool_calls=[
-                        call.body(index=called[index])]))
-                    called[index] += 1
+                sent = splitters[index].calls - len(calls)  # the choice's calls before these
+                for k, call in enumerate(calls):
+                    yield _sse(chunk(rid, name, "", None, chat, index=index,
+                                     tool_calls=[call.body(index=sent + k)]))
                 if text or finish or lp:
                     yield _sse(chunk(rid, name, text, finish, chat, index=index,
                                      logprobs=lp if ev.logprob is not None else None,
