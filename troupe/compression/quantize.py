@@ -140,6 +140,16 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
+    def rows_product(self):
+        """``forward`` for contiguous fp32 rows (rows, I) -> (rows, O) without its reshapes and
+        checks: what a decode step calls for each layer (troupe.kernels.decode_layers). The
+        weights are read at each call (``requantize`` replaces them between rollouts)."""
+        if not (self.mode == "w8a8" and self.lorc_down is None):
+            return self.forward
+        return lambda x: int8_linear(x, self.qw, self.bias, None if self.outliers is None
+                                     else (self.outliers, self.outlier_w))
+
+
 class QuantizedEmbedding(nn.Module):
     """A token embedding held as INT8 or INT4 rows with a scale per group of ``group_size``
     values along the model dimension (as w8a16 / w4a16 hold a Linear's rows); a lookup

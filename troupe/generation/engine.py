@@ -24,7 +24,8 @@ from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetok
 from troupe.generation.grammar import Grammars, Matcher
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, draw, finite_rows
-from troupe.kernels.small_gemm import DecodeWeights
+from troupe.generation.decode_layers import DecodeLayers
+from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT, KVCache
 from troupe.models.adapters import Adapters
 
@@ -104,6 +105,10 @@ class ContinuousBatcher:
         # the caller's DecodeWeights of this model, kept between engines)
         self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
                        else DecodeWeights(model) if packed_decode else None)
+        # and the layers' small ops in a few native calls (troupe.kernels.decode_layers; None
+        # for a model it does not cover; not used once adapters wrap the layers)
+        self.fused = (DecodeLayers.of(model, self.packed) if packed_decode and not lockstep
+                      and not self._adapted() else None)
         self.cfg = model.cfg
         self.device = model.device
         self.eos_id = eos_id
@@ -350,6 +355,11 @@ class ContinuousBatcher:
         self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
+        if self.fused is not None and len(seqs) <= MAX_ROWS and not self._adapted() \
+                and self.cache.k[0].dtype == torch.float32:
+            h = self.fused.hidden(idx, self.valid, self.cache)
+            return self._choose(seqs, self.packed.logits(h) if self.packed
+                                else self.model.logits(h))
         with self._routed([s.params.adapter for s in seqs]):
             if self.packed:
                 with self.packed.active():
@@ -357,6 +367,10 @@ class ContinuousBatcher:
                 return self._choose(seqs, self.packed.logits(h[:, -1]))
             h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, self.model.logits(h[:, -1]))
+
+    def _adapted(self) -> bool:
+        """Whether adapters wrap any of the model's layers (loaded at start or since)."""
+        return self.adapters is not None and bool(self.adapters.layers)
 
     def _routed(self, adapters: list[str | None]):
         """Rows of the enclosed forwards run with their sequences' adapters."""

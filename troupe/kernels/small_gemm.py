@@ -16,20 +16,37 @@ its engine once, RLHF's policy once per batch of rollouts (its weights change in
 copy is not checked against them). The C++
 source is compiled on first use (torch.utils.cpp_extension, cached); without a compiler, on
 a GPU, or with TROUPE_NATIVE=0 the model is left as it is.
+
+Which product is faster depends on the machine: on the 2-core EPYC the packed one is 2.5x
+MKL's at every decode shape, on an AMX Xeon the same benchmark gained far less. So each weight
+shape is measured once per machine (``choices``: both products at 1 and at 8 rows over copies
+of the weight larger than the caches, as a decode step streams them), and a layer keeps MKL for
+the rows where MKL won. The answers are cached beside the compiled kernels, keyed by the CPU
+model and flags, the threads, torch's version and the kernel's source;
+TROUPE_DECODE_PRODUCT=packed (or mkl) skips the measurement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import math
+import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from troupe.cache import cache_dir
+from troupe.devices import cpu_info
 from troupe.kernels import _native
+from troupe.kernels.memory import huge_page_empty
 
 MAX_ROWS = 16
+SMALL_ROWS = 4  # rows 1..4 follow the measurement at 1 row, 5..MAX_ROWS the one at 8
 
 
 def _extension():
@@ -59,21 +76,40 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int,
 
 class DecodeWeights:
     """A model's fp32 CPU linear layers (and tied output projection) packed for decoding;
-    ``active()`` switches them to the packed product (for few-row, no-grad inputs)."""
+    ``active()`` switches them to the packed product (for few-row, no-grad inputs).
+    ``huge_pages``: hold them on 2 MiB pages (for a copy that is kept: see the note below)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, huge_pages: bool = False):
         self.model, self.layers, self.logits_weight = model, {}, None
+        self.uses: dict = {}  # module (None: the logits) -> packed at (few rows, more rows)
         if not available():
             return
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if type(module) is nn.Linear and w.dtype == torch.float32 and w.device.type == "cpu":
-                self.layers[module] = pack(w)
+        weights = {module: module.weight for module in model.modules()
+                   if type(module) is nn.Linear and module.weight.dtype == torch.float32
+                   and module.weight.device.type == "cpu"}
         emb = getattr(model, "tok_emb", None)
         if getattr(getattr(model, "cfg", None), "tie_embeddings", False) and emb is not None \
                 and getattr(model, "lm_head", None) is None \
                 and emb.weight.dtype == torch.float32 and emb.weight.device.type == "cpu":
-            self.logits_weight = pack(emb.weight)
+            weights[None] = emb.weight
+        chosen = choices({tuple(w.shape) for w in weights.values()})
+        self.uses = {m: chosen[tuple(w.shape)] for m, w in weights.items()}
+        weights = {m: w for m, w in weights.items() if any(self.uses[m])}
+        # one buffer for all of them; on huge pages for a copy that lives long (a server's, or
+        # one kept between rollouts): ~20% faster reads, but the kernel may compact memory to
+        # find the pages, ~1 s for SmolLM2's 0.5 GB here (troupe.kernels.memory)
+        shapes = {m: (-(-w.shape[0] // 16), w.shape[1], 16) for m, w in weights.items()}
+        numel = sum(math.prod(s) for s in shapes.values())
+        arena = huge_page_empty(numel) if huge_pages else torch.empty(numel)
+        offset = 0
+        for module, w in weights.items():
+            packed = arena[offset:offset + math.prod(shapes[module])].view(shapes[module])
+            offset += packed.numel()
+            _pack_into(packed, w)
+            if module is None:
+                self.logits_weight = packed
+            else:
+                self.layers[module] = packed
 
     def __bool__(self) -> bool:  # a quantized model may have no fp32 layer but the logits
         return bool(self.layers) or self.logits_weight is not None
@@ -92,16 +128,35 @@ class DecodeWeights:
             yield
             return
         for module, packed in self.layers.items():
-            module.forward = functools.partial(_forward, module, packed)
+            module.forward = functools.partial(_forward, module, packed, self.uses[module])
         try:
             yield
         finally:
             for module in self.layers:
                 del module.forward  # back to the class's forward
 
+    def product(self, module: nn.Module):
+        """``module``'s product of a few contiguous rows (rows, K) without autograd: the
+        packed kernel for the rows it was chosen for, else the module's own forward (MKL, or a
+        quantized layer's kernel), called directly (no hooks)."""
+        packed = self.layers.get(module)
+        if packed is None:
+            return module.forward
+        ext, n, (small, large) = _extension(), module.out_features, self.uses[module]
+        pad = packed.shape[0] * 16 - n
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not (small if x.shape[0] <= SMALL_ROWS else large):
+                return F.linear(x, module.weight, module.bias)
+            # the bias read at each call: it is trained between engines
+            y = ext.linear(x, packed, None if module.bias is None else
+                           F.pad(module.bias.detach(), (0, pad)))
+            return y if pad == 0 else y[:, :n].contiguous()
+        return run
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's next-token logits of hidden states (..., C), packed when it can."""
-        if self.logits_weight is not None and _small(h):
+        if self.logits_weight is not None and _small(h, self.uses[None]):
             return linear(h, self.logits_weight, self.model.cfg.vocab_size)
         with self.active():
             return self.model.logits(h)
@@ -115,12 +170,71 @@ def _pack_into(packed: torch.Tensor, weight: torch.Tensor) -> None:
         packed[-1].copy_(pack(weight[whole:])[0])
 
 
-def _small(x: torch.Tensor) -> bool:
-    return x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and not (
+def _small(x: torch.Tensor, uses: tuple[bool, bool] = (True, True)) -> bool:
+    """Whether the packed product takes ``x``: few rows, no autograd, and the rows' bucket one
+    where it was measured faster (``uses``: at most SMALL_ROWS rows, more)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows <= MAX_ROWS and uses[rows > SMALL_ROWS] and not (
         torch.is_grad_enabled() and x.requires_grad)
 
 
-def _forward(module: nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if _small(x) and not (torch.is_grad_enabled() and module.weight.requires_grad):
+def _forward(module: nn.Linear, packed: torch.Tensor, uses: tuple[bool, bool],
+             x: torch.Tensor) -> torch.Tensor:
+    if _small(x, uses) and not (torch.is_grad_enabled() and module.weight.requires_grad):
         return linear(x, packed, module.out_features, module.bias)
     return F.linear(x, module.weight, module.bias)
+
+
+# ---- which product, per machine ----------------------------------------------------------
+def choices(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[bool, bool]]:
+    """For each weight shape (N, K): whether the packed product beats MKL's at few rows (1) and
+    at more (8) on this machine with the threads set; measured once and cached (see the
+    module's docstring)."""
+    forced = os.environ.get("TROUPE_DECODE_PRODUCT")
+    if forced in ("packed", "mkl"):
+        return {shape: (forced == "packed",) * 2 for shape in shapes}
+    path = _choices_file()
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in known]
+    for N, K in missing:
+        known[f"{N}x{K}"] = [_packed_wins(N, K, rows) for rows in (1, 8)]
+    if missing:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=0, sort_keys=True))
+        os.replace(tmp, path)  # whole, or not at all, for a process reading it meanwhile
+    return {s: tuple(bool(b) for b in known[f"{s[0]}x{s[1]}"]) for s in shapes}
+
+
+def _choices_file():
+    model, flags = cpu_info()
+    source = (_native._CSRC / "small_gemm.cpp").read_bytes()
+    key = hashlib.sha256(repr((model, sorted(flags or ()), torch.get_num_threads(),
+                               torch.__version__)).encode() + source).hexdigest()[:16]
+    return cache_dir("kernels") / f"decode-product-{key}.json"
+
+
+def _packed_wins(N: int, K: int, rows: int, stream_bytes: int = 64 << 20) -> bool:
+    """Time both products on ``rows`` rows over enough copies of an (N, K) weight to stream
+    ``stream_bytes`` from memory (at most 64 copies), as a decode step does."""
+    copies = max(1, min(64, stream_bytes // (N * K * 4)))
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(N, K, generator=g) for _ in range(copies)]
+    packed = [pack(w) for w in plain]
+    x = torch.randn(rows, K, generator=g)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    ours = best(lambda: [linear(x, p, N) for p in packed])
+    mkl = best(lambda: [F.linear(x, w) for w in plain])
+    return ours <= mkl

@@ -146,7 +146,7 @@ class GPTLM(nn.Module):
         packed = True
         if keep_packed:  # the packed copy stays between calls, refreshed in place
             if getattr(self, "_packed", None) is None:
-                self._packed = DecodeWeights(self.gpt)
+                self._packed = DecodeWeights(self.gpt, huge_pages=True)
             else:
                 self._packed.refresh()
             packed = self._packed

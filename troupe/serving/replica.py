@@ -25,6 +25,7 @@ from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.generation.grammar import Constraint, GrammarError, Grammars
 from troupe.generation.prefix_cache import PrefixCache
+from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models.adapters import Adapters, load_peft
 from troupe.parallel import apply_expert_parallel
 from troupe.runtime.topology import Group, Topology
@@ -90,6 +91,7 @@ class ServeReplica:
             adapters.add(load_peft(path, model, name))
         batcher = ContinuousBatcher(model, self.tok.eos_id, self.cfg.limits.max_batch,
                                     tokenizer=self.tok.hf,
+                                    packed_decode=DecodeWeights(model, huge_pages=True),
                                     prefix_cache=PrefixCache(int(mb * 2**20)) if mb else None,
                                     adapters=adapters)
         return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),

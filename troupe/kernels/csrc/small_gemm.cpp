@@ -41,6 +41,28 @@ static void blocks(const float *x, int64_t K, const float *wp, int64_t N, float 
   }
 }
 
+// one row (batch 1): a block at a time, so each thread streams one run of weights (the
+// hardware prefetcher follows one stream better than two: 86% of a sum's read bandwidth on
+// the 2-core EPYC against 82%), four accumulators over consecutive k hiding the FMA latency
+static void blocks1(const float *x, int64_t K, const float *wp, float *y, const float *bias,
+                    int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b++) {
+    const float *w = wp + b * K * 16;
+    v16 a0 = (v16){0}, a1 = (v16){0}, a2 = (v16){0}, a3 = (v16){0};
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+      a0 += ld(w + k * 16) * x[k];
+      a1 += ld(w + k * 16 + 16) * x[k + 1];
+      a2 += ld(w + k * 16 + 32) * x[k + 2];
+      a3 += ld(w + k * 16 + 48) * x[k + 3];
+    }
+    for (; k < K; k++) a0 += ld(w + k * 16) * x[k];
+    v16 c = (a0 + a1) + (a2 + a3);
+    if (bias) c += ld(bias + b * 16);
+    st(y + b * 16, c);
+  }
+}
+
 at::Tensor linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), N = NB * 16;
   auto y = at::empty({M, N}, x.options());
@@ -54,7 +76,7 @@ at::Tensor linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
       float *ym = yp + m0 * N;
       const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, NB);
       switch (rows) {
-        case 1: blocks<1>(xm, K, w, N, ym, bp, b0, b1); break;
+        case 1: blocks1(xm, K, w, ym, bp, b0, b1); break;
         case 2: blocks<2>(xm, K, w, N, ym, bp, b0, b1); break;
         case 3: blocks<3>(xm, K, w, N, ym, bp, b0, b1); break;
         case 4: blocks<4>(xm, K, w, N, ym, bp, b0, b1); break;

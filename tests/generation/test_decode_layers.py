@@ -1,0 +1,97 @@
+"""The decode step in a few native calls per layer (troupe.kernels.decode_layers) gives the
+hidden states of GPT.hidden for one new token per sequence, for fp32 packed and W8A8 layers,
+with grouped-query heads, a qkv bias and widths that are not multiples of 16, over left-padded
+rows; the engine's tokens are the same with it and without it."""
+
+import pytest
+import torch
+
+from troupe.compression.quantize import quantize_model
+from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.kernels import small_gemm
+from troupe.generation.decode_layers import DecodeLayers, _extension
+from troupe.models import GPT, GPTConfig, KVCache
+
+pytestmark = pytest.mark.skipif(_extension() is None or not small_gemm.available(),
+                                reason="no C++ compiler")
+
+
+
+@pytest.fixture(autouse=True, params=["packed", "mkl"])
+def product(request, monkeypatch):
+    """Both products a layer may have been given on a machine (small_gemm.choices)."""
+    monkeypatch.setenv("TROUPE_DECODE_PRODUCT", request.param)
+    return request.param
+
+
+LLAMA = dict(positions="rope", norm="rmsnorm", mlp="swiglu", out_bias=False, mlp_bias=False)
+
+
+def _model(seed=0, **kw):
+    cfg = dict(vocab_size=97, seq_len=64, n_layer=3, n_head=4, d_model=64, d_ff=88, **LLAMA)
+    return GPT(GPTConfig(**{**cfg, **kw}), seed=seed).eval()
+
+
+def _steps(model, fused, steps=5):
+    """Prefill three left-padded prompts, then ``steps`` decode steps; each step's hidden
+    states from GPT.hidden and from ``fused`` on copies of the same cache."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 5]
+    P = max(lengths)
+    idx = torch.randint(0, model.cfg.vocab_size, (3, P), generator=g)
+    valid = torch.tensor([[c >= P - n for c in range(P)] for n in lengths])
+    cache = KVCache.empty(model.cfg, 3, P + steps)
+    with torch.no_grad():
+        model.hidden(idx, valid_BS=valid, cache=cache)
+        twin = KVCache([t.clone() for t in cache.k], [t.clone() for t in cache.v], cache.length)
+        out = []
+        for _ in range(steps):
+            valid = torch.cat([valid, valid.new_ones(3, 1)], 1)
+            tok = torch.randint(0, model.cfg.vocab_size, (3, 1), generator=g)
+            want, _ = model.hidden(tok, valid_BS=valid, cache=cache)
+            got = fused.hidden(tok, valid, twin)
+            out.append((got, want[:, 0]))
+        assert twin.length == cache.length
+        for a, b in zip(twin.k + twin.v, cache.k + cache.v):
+            torch.testing.assert_close(a[:, :, :cache.length], b[:, :, :cache.length],
+                                       rtol=1e-5, atol=1e-5)
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(n_kv_head=2), dict(n_kv_head=1, qkv_bias=True),
+                                dict(n_kv_head=4, d_ff=40)])
+def test_fp32_packed_layers_give_the_hidden_states_of_the_model(kw):
+    model = _model(**kw)
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    assert fused is not None
+    for got, want in _steps(model, fused):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_layers_give_the_hidden_states_of_the_quantized_model():
+    model = _model(n_kv_head=2)
+    quantize_model(model, {"*": "w8a8"})
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    for got, want in _steps(model, fused):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_models_it_does_not_cover_get_none():
+    assert DecodeLayers.of(GPT(GPTConfig(vocab_size=97, seq_len=32, n_layer=1, n_head=2,
+                                         d_model=32)), None) is None          # GPT-2 style
+    assert DecodeLayers.of(_model(d_model=40, n_head=4), None) is None        # head size 10
+
+
+def test_engine_tokens_with_and_without_the_fused_step():
+    model = _model(seed=3, n_kv_head=2, vocab_size=257)
+    prompts = [list(b"sort 4213:"), list(b"hello"), list(b"a")]
+    out = []
+    for fused in (False, True):
+        engine = ContinuousBatcher(model, 256, max_batch=4)
+        assert engine.fused is not None
+        if not fused:
+            engine.fused = None
+        for i, p in enumerate(prompts):
+            engine.add(str(i), p, SamplingParams(max_tokens=24))
+        out.append(engine.run())
+    assert out[0] == out[1]
