@@ -6,7 +6,7 @@
 //
 // Work is split over (sequence, key/value head) pairs with torch's intra-op threads. GCC's
 // vector extensions (64-byte vectors) compile to AVX-512 where the CPU has it and to pairs of
-// AVX2 ops where not. exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative
+// AVX2 ops where not (vec16.h). exp is a degree-6 polynomial on [-ln2/2, ln2/2] scaled by 2^n (relative
 // error below 2e-7, as good as the fp32 division that follows it).
 // the headers this file uses, not <torch/extension.h>: half the compile time
 #include <ATen/core/Tensor.h>
@@ -18,15 +18,13 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 constexpr int64_t PF = 8;  // key rows prefetched ahead
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-inline v16 ld(const float *p) { v16 v; std::memcpy(&v, p, 64); return v; }
-inline void st(float *p, v16 v) { std::memcpy(p, &v, 64); }
-inline v16 splat(float x) { return (v16){0} + x; }
+using namespace troupe_vec;
 
 inline float hsum(v16 v) {
   float s = 0.0f;
@@ -62,25 +60,6 @@ inline v16 hsum16(const v16 *a) {
 #undef TROUPE_HALVES
   // back to lane order: lane t (t = 8 w + r) comes from lane 2 r(t mod 8) + t / 8
   return __builtin_shufflevector(w, w, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-// e^x for x <= 0 (scores minus their max); below -87 the result is 0
-inline v16 exp_nonpositive(v16 x) {
-  x = x < -87.0f ? splat(-87.0f) : x;
-  const v16 n = __builtin_convertvector(
-      __builtin_convertvector(x * 1.44269504088896341f + splat(-0.5f), i16v), v16);  // round
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;  // x - n ln2, in two parts
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, 64);
-  return p * scale;
 }
 
 // The G query heads of one key/value head of one sequence: the scores of every key (16 at
