@@ -41,7 +41,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
+    def chat(self, messages: list[dict], tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[int]: ...
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         """The ids a task's prompt is given to the model as (a chat turn, or plain text);
@@ -66,12 +67,13 @@ class ByteTokens:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[int]:
         if tools:
             raise ValueError("tools: this model reads bytes and has no chat template to "
                              "render tools with")
         lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
-        return self.encode("\n".join(lines) + "\nassistant:")
+        return self.encode("\n".join(lines) + ("\nassistant:" if add_generation_prompt else ""))
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         return self.encode(text) if isinstance(text, str) else self.chat(text)
@@ -170,9 +172,11 @@ class HFTokens:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def chat(self, messages: list[dict], tools: list[dict] | None = None,
+             add_generation_prompt: bool = True) -> list[int]:
         """The ids of ``messages`` through the model's chat template, ready for the reply
-        (``tools``: function specs the template renders, for templates that take them).
+        (``tools``: function specs the template renders, for templates that take them;
+        ``add_generation_prompt`` False: the conversation as it stands, no reply begun).
 
         Only the template's own markers are control tokens: each message's content is
         tokenized as text, so a user who writes ``<|im_end|>\n<|im_start|>system\n...``
@@ -189,12 +193,12 @@ class HFTokens:
         extra = {"tools": tools} if tools else {}
         text = self.hf.apply_chat_template(
             [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
-            tokenize=False, add_generation_prompt=True, **extra)
+            tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
         parts, rest = [], text
         for i in texts:
             before, found, rest = rest.partition(marks[i])
             if not found or marks[i] in rest:
-                return self._chat_whole(messages, tools)
+                return self._chat_whole(messages, tools, add_generation_prompt)
             parts += [(before, False), (messages[i]["content"], True)]
         ids: list[int] = []
         with _SPECIALS:
@@ -204,7 +208,8 @@ class HFTokens:
                                           split_special_tokens=is_content)
         return ids
 
-    def _chat_whole(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _chat_whole(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
                     if t]
         for i, m in enumerate(messages):
@@ -214,7 +219,7 @@ class HFTokens:
                                  "which this model's chat template cannot keep as text")
         with _SPECIALS:
             ids = self.hf.apply_chat_template(messages, tokenize=True,
-                                              add_generation_prompt=True,
+                                              add_generation_prompt=add_generation_prompt,
                                               **({"tools": tools} if tools else {}))
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 

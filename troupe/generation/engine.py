@@ -72,7 +72,9 @@ class ContinuousBatcher:
     With a ``prefix_cache`` (troupe.generation.prefix_cache), a prompt that begins as an
     earlier one did runs only from where the cached prefix ends; set ``cache_namespace`` when
     the weights change (a new version, another adapter), so that nothing computed under other
-    weights is reused. ``prefill_tokens`` counts the prompt tokens the model ran.
+    weights is reused. ``prefill_tokens`` counts the prompt tokens the model ran. With
+    ``keep_outputs`` a finished sequence's prompt and output are kept there too, so that a
+    next turn that continues them (an agent's conversation) runs only its new tokens.
 
     A sequence whose parameters name an ``adapter`` runs with that LoRA adapter of
     ``adapters`` (troupe.models.adapters: applied per row, so sequences of different adapters
@@ -90,13 +92,18 @@ class ContinuousBatcher:
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
                  lockstep: bool = False, tokenizer=None,
                  packed_decode: "bool | DecodeWeights" = True, grammars: Grammars | None = None,
-                 prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None):
+                 prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None,
+                 keep_outputs: bool = False):
         self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
         self.adapters = adapters
         if prefix_cache is not None and lockstep:
             raise ValueError("prefix_cache: a lockstep engine runs one prefill pass a step on "
                              "every rank; a cache hit would add one on its rank alone")
         self.prefix_cache = prefix_cache
+        if keep_outputs and prefix_cache is None:
+            raise ValueError("keep_outputs: keeps finished sequences in the prefix cache, "
+                             "which this engine does not have")
+        self.keep_outputs = keep_outputs
         self.cache_namespace = ""  # what the cached keys were computed under (weights, adapter)
         self.prefill_tokens = 0    # prompt tokens run through the model
         self.model = model.eval()
@@ -237,8 +244,25 @@ class ContinuousBatcher:
             self.active, self.cache, self.valid = [], None, None
             return [Event(s.seq_id, None, "", "error", f"decode step failed: {e!r}")
                     for s in running + newcomers]
-        self._retire({e.seq_id for e in events if e.finish_reason is not None})
+        finished = {e.seq_id for e in events if e.finish_reason is not None}
+        if self.keep_outputs and finished and self.cache is not None:
+            self._keep(finished)
+        self._retire(finished)
         return events
+
+    def _keep(self, seq_ids: set[str]) -> None:
+        """The finished sequences' keys and values (prompt and output, all but the last token,
+        which was sampled and never run) into the prefix cache."""
+        L = self.cache.length
+        for i, s in enumerate(self.active):
+            if s.seq_id not in seq_ids or not s.out:
+                continue
+            tokens = s.prompt + s.out[:-1]
+            if int(self.valid[i].sum()) != len(tokens):  # not this layout: keep nothing
+                continue
+            self.prefix_cache.insert(tokens, [t[i, :, L - len(tokens):L] for t in self.cache.k],
+                                     [t[i, :, L - len(tokens):L] for t in self.cache.v],
+                                     self._namespace(s.params.adapter))
 
     def _stand_in(self) -> None:
         """A one-token forward pass whose result is thrown away (see ``lockstep``)."""

@@ -5,7 +5,10 @@ multi-turn conversation's earlier turns) runs only what follows the longest cach
 A prompt is cut into blocks of ``block`` tokens; a block's key hashes the key of the block
 before it with its own tokens, so a key names the whole prefix up to the block's end, and it
 starts from ``namespace`` (the weights' version, the adapter's name): nothing computed under
-other weights is ever reused. Each block holds its keys and values for every layer, (kv_heads,
+other weights is ever reused. What is left after the last whole block is kept too, as a
+shorter "tail" block under the key of the prefix before it: a multi-turn conversation whose
+next turn continues the tokens of the last (troupe.rlhf.agent keeps each finished turn) then
+runs only its new tokens, not up to a block of the old ones again. Each block holds its keys and values for every layer, (kv_heads,
 block, head_dim) each; blocks are evicted least recently used first once their bytes pass
 ``budget_bytes``. A hit is copied into the newcomer's cache at admission (the batch's cache
 keeps one dense, right-aligned layout; see troupe.generation.engine), which costs a copy of
@@ -36,6 +39,9 @@ class PrefixCache:
     def __init__(self, budget_bytes: int = 512 << 20, block: int = 16):
         self.budget_bytes, self.block = budget_bytes, block
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
+        # tails: the key of the whole blocks before a tail -> {the tail's key: its tokens}
+        self.tails: dict[bytes, dict[bytes, tuple[int, ...]]] = {}
+        self.tail_parent: dict[bytes, bytes] = {}
         self.nbytes = 0
         self.hit_tokens = 0      # prompt tokens served from the cache
         self.lookup_tokens = 0   # prompt tokens looked up
@@ -43,7 +49,7 @@ class PrefixCache:
 
     def keys(self, tokens: list[int], namespace: str = "") -> list[bytes]:
         """The key of each whole block of ``tokens``."""
-        out, h = [], hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+        out, h = [], self._root(namespace)
         B = self.block
         for i in range(len(tokens) // B):
             chunk = ",".join(map(str, tokens[i * B:(i + 1) * B])).encode()
@@ -64,9 +70,21 @@ class PrefixCache:
                 if b is None:
                     break
                 found.append((key, b))
+            n = len(found) * self.block
+            parent = found[-1][0] if found else self._root(namespace)
+            best = max((t for t in self.tails.get(parent, {}).items()
+                        if n + len(t[1]) < len(tokens) and tuple(tokens[n:n + len(t[1])]) == t[1]),
+                       key=lambda t: len(t[1]), default=None)
+            if best is not None:
+                found.append((best[0], self.blocks[best[0]]))
+                n += len(best[1])
             for key, _ in reversed(found):  # the first blocks become the most recent:
                 self.blocks.move_to_end(key)  # a prefix outlives what continues it
-        return len(found) * self.block, [b for _, b in found]
+        return n, [b for _, b in found]
+
+    @staticmethod
+    def _root(namespace: str) -> bytes:
+        return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
 
     def record(self, tokens: int, hit: int) -> None:
         """A prompt of ``tokens`` tokens admitted, ``hit`` of them from the cache."""
@@ -80,23 +98,44 @@ class PrefixCache:
         (kv_heads, len(tokens), head_dim), or longer: the first positions are the prompt's)."""
         B = self.block
         keys = self.keys(tokens, namespace)
+        whole = len(keys) * B
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self.blocks:
-                    continue
-                block = Block([t[:, i * B:(i + 1) * B].clone() for t in k],
-                              [t[:, i * B:(i + 1) * B].clone() for t in v])
-                self.blocks[key] = block
-                self.nbytes += block.nbytes
-            for key in reversed(keys):  # the first blocks the most recent: under pressure the
+                if key not in self.blocks:
+                    self._add(key, k, v, i * B, (i + 1) * B)
+            order = list(keys)
+            if whole < len(tokens):  # the tail, under the key of what comes before it
+                parent = keys[-1] if keys else self._root(namespace)
+                tail = tuple(tokens[whole:])
+                key = hashlib.blake2b(parent + b"|tail|" + ",".join(map(str, tail)).encode(),
+                                      digest_size=16).digest()
+                if key not in self.blocks:
+                    self._add(key, k, v, whole, len(tokens))
+                    self.tails.setdefault(parent, {})[key] = tail
+                    self.tail_parent[key] = parent
+                order.append(key)
+            for key in reversed(order):  # the first blocks the most recent: under pressure the
                 self.blocks.move_to_end(key)  # deepest go first, and what stays is a prefix
             while self.nbytes > self.budget_bytes:
-                _, old = self.blocks.popitem(last=False)
+                key, old = self.blocks.popitem(last=False)
                 self.nbytes -= old.nbytes
+                parent = self.tail_parent.pop(key, None)
+                if parent is not None:
+                    del self.tails[parent][key]
+                    if not self.tails[parent]:
+                        del self.tails[parent]
+
+    def _add(self, key: bytes, k: list[torch.Tensor], v: list[torch.Tensor], lo: int,
+             hi: int) -> None:
+        block = Block([t[:, lo:hi].clone() for t in k], [t[:, lo:hi].clone() for t in v])
+        self.blocks[key] = block
+        self.nbytes += block.nbytes
 
     def clear(self) -> None:
         with self._lock:
             self.blocks.clear()
+            self.tails.clear()
+            self.tail_parent.clear()
             self.nbytes = 0
 
     @property

@@ -25,6 +25,7 @@ from troupe.data import ByteTokens, Tokenizer, load_tokenizer
 from troupe.models import GPT, from_pretrained
 from troupe.rlhf.config import ModelConfig, RLHFConfig
 from troupe.rlhf.lm import GPTLM
+from troupe.serving.tools import template_text
 
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
@@ -37,7 +38,8 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     tokenizer costs a process more than 100 MB)."""
     if cfg.pretrained is not None:
         gpt = from_pretrained(cfg.pretrained).train()
-        tok = load_tokenizer(cfg.pretrained, cfg.chat_template) if tokenizer else None
+        tok = load_tokenizer(cfg.pretrained, cfg.chat_template, cfg.template and
+                             template_text(cfg.template)) if tokenizer else None
     else:
         tok = ByteTokens()
         if cfg.gpt.vocab_size != tok.vocab_size:

@@ -22,7 +22,9 @@ class ModelConfig(Config):
     (Llama, Qwen2, Mistral, Mixtral, GPT-2; loaded into troupe's decoder, its tokenizer with
     it; reward and critic are the same body with a value head), or else troupe's byte-level
     GPT of shape ``gpt``, initialised from the seed. chat_template: give the task's prompts
-    as a user turn through the model's chat template (when its tokenizer has one).
+    as a user turn through the model's chat template (when its tokenizer has one). template:
+    a chat template in place of the tokenizer's own, as the server's ``model.template`` (a
+    name troupe ships, hermes_tools: tool calls for templates without them, or a .jinja file).
     activation_checkpointing: the trained roles recompute each block's activations in the
     backward instead of keeping them (less memory, about a third more compute in training).
     packing: every role's forwards (SFT, reward training, scoring and step 3's update) lay
@@ -37,6 +39,7 @@ class ModelConfig(Config):
     pretrained: str | None = None
     gpt: GPTConfig = GPTConfig(seq_len=32, n_layer=3, n_head=4, d_model=96)
     chat_template: bool = True
+    template: str | None = None
     activation_checkpointing: bool = False
     packing: bool = False
     packing_tokens: int | None = Field(default=None, ge=1)
@@ -90,8 +93,9 @@ class StepConfig(Config):
 class RewardConfig(StepConfig):
     """Step 2 (the learned reward model) and where step 3's rewards come from: the learned
     model (weight ``model_coef``), a Python function ``function`` = "module:function"
-    (weight ``function_coef``), or the weighted sum of both. model_coef None: 1 without a
-    function, 0 with one (no reward model is trained or held then).
+    (weight ``function_coef``), or the weighted sum of both (and an environment's, ``env``).
+    model_coef None: 1 without a function or an environment, 0 with one (no reward model is
+    trained or held then).
 
     The function is called as ``fn(prompt, response, **fields)`` (prompt: the task's text or
     the row's chat messages; fields: the data row's other fields, e.g. ground_truth) in
@@ -116,10 +120,53 @@ class RewardConfig(StepConfig):
             raise ValueError(f"{v!r}: expected 'module:function', e.g. my_rewards:exact_match")
         return v
 
-    def model_weight(self) -> float:
-        if self.model_coef is not None:
-            return self.model_coef
-        return 0.0 if self.function else 1.0
+
+
+class EnvConfig(Config):
+    """Multi-turn (agentic) rollouts in step 3 (troupe.rlhf.agent): each trajectory talks with
+    an instance of ``function`` = "module:Class" (reset(row) -> messages; step(messages,
+    assistant) -> (messages, reward or None, done); troupe.rlhf.environments), constructed with
+    ``kwargs``, in ``workers`` sandboxed processes per rollout engine: each request limited to
+    ``timeout_s``, each process to ``memory_mb`` of address space (0: no limit); a failure
+    ends its trajectory, scored ``failure_score``, counted by cause. A trajectory ends when the
+    environment says done, after ``max_turns`` assistant turns (each at most
+    step3.max_new_tokens), or when its tokens after the opening (the model's and the
+    environment's) would pass ``max_tokens``. Its reward, the sum of the environment's, times
+    ``reward_coef``, is added to the reward function's and the reward model's when those are
+    set. ``tools``: OpenAI tool specs the chat template renders in every turn (SmolLM2's
+    template ignores them: model.template=hermes_tools). Only the model's tokens are trained
+    on: the environment's and the template's are masked out of the loss."""
+
+    function: str | None = None
+    kwargs: dict = {}
+    workers: int = Field(default=2, ge=1)
+    timeout_s: float = Field(default=30.0, gt=0)
+    memory_mb: int = Field(default=2048, ge=0)
+    max_turns: int = Field(default=4, ge=1)
+    max_tokens: int = Field(default=256, ge=1)
+    reward_coef: float = 1.0
+    failure_score: float = 0.0
+    tools: list[dict] = []
+
+    @field_validator("function")
+    @classmethod
+    def _module_class(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"{v!r}: expected 'module:Class', e.g. my_envs:Calculator")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict]) -> list[dict]:
+        from troupe.serving.tools import Tool
+        for i, spec in enumerate(v):
+            try:
+                Tool.model_validate(spec)
+            except ValueError as e:
+                raise ValueError(f"tools[{i}]: not an OpenAI tool spec "
+                                 f"({{'type': 'function', 'function': {{'name': ...}}}}): "
+                                 f"{str(e).splitlines()[0]}") from None
+        return v
 
 
 class DPOConfig(Config):
@@ -300,6 +347,7 @@ class RLHFConfig(AppConfig):
     reward: RewardConfig = RewardConfig(steps=400)
     step3: Step3Config = Step3Config()
     dpo: DPOConfig = DPOConfig()
+    env: EnvConfig = EnvConfig()
     workers: int = Field(default=2, ge=1)
     threads: int = Field(default=1, ge=1)
     colocate: bool = True
@@ -357,6 +405,12 @@ class RLHFConfig(AppConfig):
                              "partitioned model must run the same number of micro-batches, "
                              "and a token budget gives each rank its own; use "
                              "micro_batch_size (packed rows) or zero_stage=1")
+        if self.model.template and self.model.pretrained is None:
+            raise ValueError("model.template replaces a Hugging Face tokenizer's chat "
+                             "template: troupe's byte-level GPT (no model.pretrained) has none")
+        if self.env.tools and self.model.pretrained is None:
+            raise ValueError("env.tools are rendered by a chat template: troupe's byte-level "
+                             "GPT (no model.pretrained) has none")
         r = self.step3.rollout
         if r.max_staleness > 0 and r.replicas == 0:
             raise ValueError(f"step3.rollout.max_staleness={r.max_staleness} overlaps "
@@ -404,6 +458,13 @@ class RLHFConfig(AppConfig):
     def overlong_buffer(self) -> int:
         return _or(self.step3.overlong_buffer,
                    int(self.algo().overlong_share * self.step3.max_new_tokens))
+
+    def reward_model_weight(self) -> float:
+        """reward.model_coef, or 1 when nothing else gives rewards (no reward function, no
+        environment), else 0."""
+        if self.reward.model_coef is not None:
+            return self.reward.model_coef
+        return 0.0 if self.reward.function or self.env.function else 1.0
 
     def uses_critic(self) -> bool:
         return self.algo().critic

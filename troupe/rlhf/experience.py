@@ -36,6 +36,8 @@ class RolloutRequest:
     temperature: float | None = None
     use_ema: bool = False
     groups: list[int] | None = None
+    fields: list[dict] | None = None  # each prompt's data row's other fields (an
+    # environment's reset gets them: troupe.rlhf.agent)
 
     def split(self, n: int) -> list[RolloutRequest]:
         return _split_rows(self, n)
@@ -59,9 +61,16 @@ class Rollout:
     # generated each row, every token of it (rollout replicas; None: the policy's own, current)
     prompt_tokens: tuple[int, int] = (0, 0)  # (the rows' prompt tokens, those the engine ran;
     # not kept by ``rows``: a subset's share of what the engine ran is not known)
+    env_reward: torch.Tensor | None = None  # (B,) multi-turn rollouts: each trajectory's
+    # reward from its environment (troupe.rlhf.agent)
+    agent: dict | None = None  # multi-turn rollouts: turns, tool-call turns, how they ended,
+    # environment failures (troupe.rlhf.agent.rollout_of; not kept by ``rows``)
 
     def split(self, n: int) -> list[Rollout]:
-        return _split_rows(self, n)
+        parts = _split_rows(self, n)
+        for p in parts[1:]:  # the figures of the whole, counted once
+            p.agent = None
+        return parts
 
     def rows(self, index: list[int]) -> Rollout:
         """The rollout of the rows ``index``, in that order."""
@@ -71,7 +80,8 @@ class Rollout:
                        self.seconds, self.prompt_len,
                        None if self.groups is None else [self.groups[i] for i in index],
                        None if self.engine_logp is None else self.engine_logp[pick],
-                       None if self.versions is None else [self.versions[i] for i in index])
+                       None if self.versions is None else [self.versions[i] for i in index],
+                       env_reward=None if self.env_reward is None else self.env_reward[pick])
 
     @staticmethod
     def concat(parts: list[Rollout], pad_id: int = 0) -> Rollout:
@@ -94,7 +104,25 @@ class Rollout:
                        else torch.cat([pad(r.engine_logp, r, 0.0) for r in parts]),
                        None if any(r.versions is None for r in parts)
                        else [v for r in parts for v in r.versions],
-                       tuple(sum(c) for c in zip(*(r.prompt_tokens for r in parts))))
+                       tuple(sum(c) for c in zip(*(r.prompt_tokens for r in parts))),
+                       None if any(r.env_reward is None for r in parts)
+                       else torch.cat([r.env_reward for r in parts]),
+                       merged_agent([r.agent for r in parts]))
+
+
+def merged_agent(agents: list[dict | None]) -> dict | None:
+    """Several rollouts' agent figures as one (sums; lists joined; None: none had any)."""
+    if all(a is None for a in agents):
+        return None
+    out: dict = {}
+    for a in filter(None, agents):
+        for k, v in a.items():
+            if isinstance(v, dict):
+                out[k] = {**out.get(k, {}), **{e: out.get(k, {}).get(e, 0) + n
+                                               for e, n in v.items()}}
+            else:
+                out[k] = out.get(k, [] if isinstance(v, list) else 0) + v
+    return out
 
 
 @dataclass

@@ -128,6 +128,15 @@ class GPTLM(nn.Module):
             h_rest = self.gpt.hidden(ids_BS[:, P:], valid_BS=valid_BS, cache=prefix.attend())[0]
         return torch.cat([h_prompt.index_select(0, rows), h_rest], 1)
 
+    def packed_weights(self) -> DecodeWeights:
+        """The weights packed for decoding, kept between calls (on huge pages: they live long)
+        and refreshed in place at each (no fresh 0.5 GB a call)."""
+        if getattr(self, "_packed", None) is None:
+            self._packed = DecodeWeights(self.gpt, huge_pages=True)
+        else:
+            self._packed.refresh()
+        return self._packed
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
@@ -143,13 +152,7 @@ class GPTLM(nn.Module):
         prompts' keys and values for the call (troupe.generation.prefix_cache), so that the
         samples of a prompt admitted at different steps run it once; ``prefill_tokens`` then
         says how many prompt tokens the call ran."""
-        packed = True
-        if keep_packed:  # the packed copy stays between calls, refreshed in place
-            if getattr(self, "_packed", None) is None:
-                self._packed = DecodeWeights(self.gpt, huge_pages=True)
-            else:
-                self._packed.refresh()
-            packed = self._packed
+        packed = self.packed_weights() if keep_packed else True
         engine = ContinuousBatcher(self.gpt, eos_id,
                                    max_batch=max(min(len(prompts), max_batch or len(prompts)), 1),
                                    packed_decode=packed,

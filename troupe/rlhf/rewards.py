@@ -1,5 +1,5 @@
 """Programmatic rewards: the user's ``module:function`` run in a pool of separate processes
-(troupe/rlhf/reward_child.py), so that a call can be time-limited and a hung one killed.
+(troupe/rlhf/sandbox_child.py), so that a call can be time-limited and a hung one killed.
 
 A call that raises, runs past the time limit, kills its process or returns something other
 than a finite number is a per-sample failure: it scores ``failure_score``, is counted and
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_CHILD = Path(__file__).with_name("reward_child.py")
+_CHILD = Path(__file__).with_name("sandbox_child.py")
 MAX_REPLY = 1 << 16   # bytes of one reply line
 MAX_ERROR = 1000      # characters of an error text kept
 
@@ -51,8 +51,15 @@ class Rewards:
 
 
 class _Worker:
-    def __init__(self, spec: str, start_timeout_s: float, memory_mb: int):
-        self.proc = subprocess.Popen([sys.executable, str(_CHILD), spec, str(memory_mb)],
+    """One sandboxed process (troupe/rlhf/sandbox_child.py) serving ``spec`` as ``kind``
+    ("function" or "environment", constructed with ``kwargs``); ``setting`` names the
+    config key in errors."""
+
+    def __init__(self, spec: str, start_timeout_s: float, memory_mb: int,
+                 kind: str = "function", kwargs: dict | None = None,
+                 setting: str = "reward.function"):
+        self.proc = subprocess.Popen([sys.executable, str(_CHILD), spec, str(memory_mb), kind,
+                                      json.dumps(kwargs or {})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      cwd=os.getcwd(), start_new_session=True)
         self.buf, self.task, self.started, self.eof = b"", None, 0.0, False
@@ -64,7 +71,7 @@ class _Worker:
         if reply is None or "fatal" in reply:
             self.kill()
             why = reply["fatal"] if reply else f"no answer within {start_timeout_s:.0f} s"
-            raise RewardFunctionError(f"reward.function {spec!r}: {str(why)[:MAX_ERROR]}")
+            raise RewardFunctionError(f"{setting} {spec!r}: {str(why)[:MAX_ERROR]}")
 
     def read_line(self, timeout_s: float) -> dict | None:
         """The next reply, or None after ``timeout_s`` (0: what has arrived) or at the end of

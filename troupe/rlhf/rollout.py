@@ -22,12 +22,15 @@ from troupe.collectives import Communicator
 from troupe.compression import quantize_model, requantize
 from troupe.devices import worker_device
 from troupe.errors import TroupeError
-from troupe.generation import SamplingParams
+from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.generation.prefix_cache import PrefixCache
 from troupe.models.lora import fuse_lora, unfuse_lora
 from troupe.parallel import weight_sync
+from troupe.rlhf.agent import AgentLoop, rollout_of
 from troupe.rlhf.batch import prompts, response_mask
 from troupe.rlhf.common import build_lm
 from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.environments import EnvironmentPool
 from troupe.rlhf.experience import Rollout, RolloutRequest
 
 
@@ -35,17 +38,27 @@ class RolloutEngine:
     def __init__(self, cfg: RLHFConfig, tok):
         self.cfg, self.tok = cfg, tok
         self._int8: tuple | None = None  # (the model it copies, its INT8 copy)
+        self._agent: AgentLoop | None = None  # multi-turn rollouts (env.function)
 
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, request: RolloutRequest) -> Rollout:
         """Sample responses to the request's prompts from ``model``'s weights, one seed per
-        prompt; the model is left as it came (adapters unfused) whatever happens."""
+        prompt (with ``env.function``, multi-turn trajectories: troupe.rlhf.agent); the model
+        is left as it came (adapters unfused) whatever happens."""
         t0, p = time.perf_counter(), self.cfg.step3
+        if not request.prompts:  # a rank with none of a small batch (held-out prompts)
+            return Rollout(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.bool),
+                           torch.zeros(0, 0), [], [], groups=request.groups)
         model.eval()
         fused = p.lora.enabled and fuse_lora(model)
         try:
             temp = p.temperature if request.temperature is None else request.temperature
             engine = self._int8_engine(model) if p.int8_generation else model
+            if self.cfg.env.function:
+                rollout = self._trajectories(engine, request, temp,
+                                             p.keep_decode_weights and engine is model)
+                rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
+                return rollout
             params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp,
                                      top_p=p.top_p, seed=seed, logprobs=0)
                       for seed in request.seeds]
@@ -82,6 +95,29 @@ class RolloutEngine:
         responses = [self.tok.decode([i for i in t if i != eos]) for t in tokens]
         return Rollout(ids, valid, action, list(texts), responses, prompt_len=P,
                        engine_logp=engine_logp * action)
+
+    def _trajectories(self, lm, request: RolloutRequest, temperature: float,
+                      keep_packed: bool) -> Rollout:
+        """Multi-turn trajectories, one per prompt, with the recipe's environment (its pool of
+        processes started at the first call, kept for the engine's life)."""
+        e, p = self.cfg.env, self.cfg.step3
+        if self._agent is None:
+            pool = EnvironmentPool(e.function, e.workers, e.timeout_s, e.memory_mb,
+                                   kwargs=e.kwargs)
+            self._agent = AgentLoop(self.tok, pool, e.max_turns, e.max_tokens,
+                                    p.max_new_tokens, e.tools)
+        packed = lm.packed_weights() if keep_packed else True
+        engine = ContinuousBatcher(lm.gpt, self.tok.eos_id, max_batch=p.generation_batch or 16,
+                                   tokenizer=self.tok.hf, packed_decode=packed,
+                                   prefix_cache=PrefixCache(int(max(p.prefix_cache_mb, 64) * 2**20)),
+                                   keep_outputs=True)
+        rows = [{"prompt": q, **f} for q, f in
+                zip(request.prompts, request.fields or [{}] * len(request.prompts))]
+        trajs = self._agent.run(engine, rows, request.seeds, temperature, p.top_p)
+        rollout = rollout_of(trajs, self.tok, e.failure_score)
+        opening = sum(len(t.prompt_ids) + len(t.tokens) - sum(t.generated) for t in trajs)
+        rollout.prompt_tokens = (opening, engine.prefill_tokens)
+        return rollout
 
     def _int8_engine(self, model: torch.nn.Module) -> torch.nn.Module:
         """The inference layout with INT8 weights: a copy whose linear layers run W8A8 (the

@@ -58,7 +58,8 @@ def draw(cfg: RLHFConfig, data: Data, rng: random.Random, first_group: int
     prompts = [data.prompts[i] for i in picked for _ in range(n)]
     fields = [data.fields[i] for i in picked for _ in range(n)] if data.fields else None
     groups = [first_group + j for j in range(k) for _ in range(n)]
-    return RolloutRequest(prompts, seeds(rng, len(prompts)), groups=groups), fields
+    return RolloutRequest(prompts, seeds(rng, len(prompts)), groups=groups,
+                          fields=fields if cfg.env.function else None), fields
 
 
 def rewards(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
@@ -80,8 +81,10 @@ def rewards(graph: Graph, cfg: RLHFConfig, rollouts: list[Rollout],
             logger.warning("reward.function %s: %d of %d samples failed (scored %g); first: "
                            "sample %d %s", cfg.reward.function, len(got.failures), len(prompts),
                            cfg.reward.failure_score, i, why)
+    if rollouts[0].env_reward is not None:  # multi-turn: what the environments gave
+        score += cfg.env.reward_coef * torch.cat([ro.env_reward for ro in rollouts])
     if score_call is not None:
-        score += cfg.reward.model_weight() * torch.cat(score_call.result())
+        score += cfg.reward_model_weight() * torch.cat(score_call.result())
     return score, stats
 
 

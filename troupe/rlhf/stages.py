@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
-from troupe.rlhf.experience import RolloutRequest
+from troupe.rlhf.experience import RolloutRequest, merged_agent
 from troupe.rlhf.workers import PolicyActor, RewardCalls, reward_of
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -68,12 +69,19 @@ def run_reward(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: 
 
 def evaluate_policy(graph: Graph, data: Data, seed: int, temperature: float | None = None,
                     use_ema: bool = False) -> dict:
-    """Gold reward (if the task has one) of the policy's responses to the held-out prompts."""
+    """Gold reward (if the task has one) of the policy's responses to the held-out prompts;
+    with an environment (env.function), the mean reward of its trajectories and the share of
+    their turns that called a tool."""
     request = RolloutRequest(data.eval_prompts, seeds(random.Random(seed), len(data.eval_prompts)),
-                             temperature, use_ema)
+                             temperature, use_ema, fields=data.eval_fields)
     rollouts = graph["policy"].invoke(PolicyActor.generate, request)
     responses = [r for ro in rollouts for r in ro.responses]
     out = {"samples": list(zip(data.eval_prompts[:4], responses[:4]))}
+    env = [ro.env_reward for ro in rollouts if ro.env_reward is not None]
+    if env:
+        out["env_reward"] = torch.cat(env).mean().item()
+        agent = merged_agent([ro.agent for ro in rollouts])
+        out["tool_call_fraction"] = agent["tool_turns"] / max(agent["turns"], 1)
     if data.gold is not None:
         gold = [data.gold(p, r) for p, r in zip(data.eval_prompts, responses)]
         out["gold"] = sum(gold) / len(gold)

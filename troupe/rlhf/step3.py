@@ -29,6 +29,7 @@ from troupe.actors import PerRank
 from troupe.checkpoint import read_manifest
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import Data
+from troupe.rlhf.experience import merged_agent
 from troupe.rlhf.rewards import RewardFunction
 from troupe.rlhf.replicas import Replicas, per_rank
 from troupe.rlhf.scoring import Batch, draw, make_experience, sample
@@ -139,6 +140,19 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     prompt_tokens, prefill_tokens = (sum(c) for c in zip(*(ro.prompt_tokens for ro in rollouts)))
     if prompt_tokens:  # what the rollout engine ran of the prompts (its prefix cache)
         rec["prompt_tokens"], rec["prefill_tokens"] = prompt_tokens, prefill_tokens
+    agent = merged_agent([ro.agent for ro in rollouts])
+    if agent:  # multi-turn rollouts: how the trajectories went (troupe.rlhf.agent)
+        failures = agent["env_failures"]
+        causes: dict[str, int] = {}
+        for why in failures:
+            causes[why.split(":", 1)[0]] = causes.get(why.split(":", 1)[0], 0) + 1
+        rec.update(turns_mean=agent["turns"] / agent["trajectories"],
+                   tool_call_fraction=agent["tool_turns"] / max(agent["turns"], 1),
+                   trajectory_ends=agent["ends"], env_failures=len(failures),
+                   env_failure_causes=causes, env_s=agent["env_seconds"])
+        if failures:
+            logger.warning("env.function %s: %d of %d trajectories failed; first: %s",
+                           cfg.env.function, len(failures), agent["trajectories"], failures[0])
     if rollouts[0].versions is not None:  # updates between the generating weights and these
         stale = [it - 1 - v for ro in rollouts for v in ro.versions]
         rec["staleness_mean"], rec["staleness_max"] = sum(stale) / len(stale), max(stale)

@@ -90,9 +90,10 @@ class Algorithm:
                              f"prompt and needs at least {self.min_samples_per_prompt}")
         if cfg.reward_in_critic and not self.critic:
             raise ValueError(f"reward_in_critic: algorithm={self.name} has no critic")
-        if self.online and cfg.reward.model_weight() == 0 and not cfg.reward.function:
-            raise ValueError("reward: model_coef is 0 and no reward.function is set: step 3 "
-                             "would have no reward")
+        if self.online and cfg.reward_model_weight() == 0 and not cfg.reward.function \
+                and not cfg.env.function:
+            raise ValueError("reward: model_coef is 0 and neither reward.function nor "
+                             "env.function is set: step 3 would have no reward")
 
     def scores(self, cfg: RLHFConfig) -> set[str]:
         """Which of "logp", "ref", "values" the driver collects for a batch of rollouts."""
@@ -107,7 +108,7 @@ class Algorithm:
         return want
 
     def uses_reward_model(self, cfg: RLHFConfig) -> bool:
-        return self.online and cfg.reward.model_weight() > 0
+        return self.online and cfg.reward_model_weight() > 0
 
     def uses_reference(self, cfg: RLHFConfig) -> bool:
         return cfg.kl_coef() > 0

@@ -1,0 +1,56 @@
+"""Step 3 with an environment (env.function) through the driver: GRPO and PPO train on
+two-turn trajectories (tests/rlhf/agent_envs.py: Retry asks for a second answer and rewards it),
+the records carry the turns, the share of tool turns and how the trajectories ended, a prompt
+that breaks the environment is a counted failure, the held-out evaluation reports the
+environment's reward, and the weights change."""
+
+import json
+
+import pytest
+import torch
+
+from troupe.models.io import read_module_file
+from troupe.rlhf import driver as rlhf
+from troupe.rlhf.config import RLHFConfig
+
+def _rows(path):
+    """Sorting prompts; one in four breaks the environment."""
+    with open(path, "w") as f:
+        for i in range(32):
+            prompt = f"sort {i * 7919 % 1000:03d}" + ("!" if i % 4 == 1 else ":")
+            f.write(json.dumps({"prompt": prompt, "chosen": "".join(sorted(prompt[5:8])),
+                                "rejected": prompt[5:8]}) + "\n")
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_agent_rollouts_train(cluster, tmp_path, algorithm):
+    _rows(tmp_path / "tasks.jsonl")  # the failures: one prompt in four
+    cfg = RLHFConfig(
+        algorithm=algorithm, steps=["sft", "step3"], sft=dict(steps=4, batch_size=4),
+        model=dict(gpt=dict(seq_len=96, n_layer=2, n_head=2, d_model=32)),
+        data=dict(path=str(tmp_path / "tasks.jsonl")),
+        env=dict(function="tests.rlhf.agent_envs:Retry", max_turns=3, max_tokens=64,
+                 workers=1, timeout_s=20),
+        step3=dict(iterations=2, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
+                   checkpoint_every=2, temperature=1.0),
+        workers=2, out_dir=str(tmp_path / algorithm))
+    assert "reward" not in rlhf.roles(cfg)  # the environment gives the rewards
+    rlhf.run(cfg)
+    records = rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
+    steps = [r for r in records if r["kind"] == "step3"]
+    assert len(steps) == 2
+    for r in steps:
+        ends, failed = r["trajectory_ends"], r["env_failures"]
+        assert set(ends) <= {"done", "failed"} and sum(ends.values()) == 8 * cfg.samples_per_prompt()
+        assert ends.get("failed", 0) == failed and r["env_failure_causes"] == (
+            {"raised": failed} if failed else {})
+        assert r["turns_mean"] == pytest.approx(2 - failed / sum(ends.values()))
+        assert r["tool_call_fraction"] == 0.0
+        assert 0 < r["response_length"] <= 2 * 6  # the model's tokens only
+        assert r["prefill_tokens"] < r["prompt_tokens"]  # the second turns reuse the first
+    assert sum(r["env_failures"] for r in steps) > 0
+    [last] = [r for r in records if r["kind"] == "step3_eval"][-1:]
+    assert last["env_reward"] > 0 and "tool_call_fraction" in last
+    _, start = read_module_file(tmp_path / algorithm / "sft" / "policy.trp")
+    _, final = read_module_file(tmp_path / algorithm / "step3" / "iter-00002" / "policy.trp")
+    assert any(not torch.equal(final[k], start[k]) for k in final)

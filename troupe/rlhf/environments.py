@@ -1,0 +1,209 @@
+"""Environments for multi-turn (agentic) rollouts, run in a sandboxed process pool.
+
+``env.function`` names a class, ``module:Class``, with two methods:
+
+    reset(row) -> messages                     the conversation's opening (chat messages)
+    step(messages, assistant) -> (messages, reward, done)
+
+``row`` is the data row (its prompt and fields); ``messages`` is the conversation so far and
+``assistant`` the model's new turn, ``{"role": "assistant", "content": ..., "tool_calls": [...]}``
+with its tool calls parsed as the server parses them (troupe.serving.tools); ``step`` answers
+with the messages that follow (tool results, a user's reply), a reward (a number, or None: none
+this turn) and whether the trajectory is over. An instance keeps its state between turns: every
+request of a trajectory goes to the one process that holds it, from reset to close.
+
+The pool is the reward functions' (troupe.rlhf.rewards): processes of their own, each under an
+address-space limit, killed with whatever they started when a request runs past ``timeout_s``,
+JSON lines both ways (troupe/rlhf/sandbox_child.py; no pickle). A request that raises, returns
+something malformed, runs out of time or kills its process ends its trajectory as a failure
+with its cause, counted by kind; a process that was replaced takes its other trajectories with
+it (their state is gone), each a failure saying so. Nothing stops the run.
+
+``submit``/``poll`` let the caller generate while environments work: requests queue per
+process, ``poll`` sends, collects and times them out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import selectors
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from troupe.rlhf.rewards import MAX_ERROR, _Breach, _Worker
+
+
+@dataclass
+class EnvReply:
+    """The answer to a trajectory's reset or step; ``error`` set: the trajectory failed, and
+    ``cause`` says how (raised, timeout, exited, lost, protocol)."""
+
+    traj: str
+    op: str
+    messages: list = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    error: str | None = None
+    cause: str | None = None
+
+
+class EnvironmentPool:
+    def __init__(self, spec: str, workers: int = 2, timeout_s: float = 10.0,
+                 memory_mb: int = 4096, start_timeout_s: float = 120.0,
+                 kwargs: dict | None = None):
+        self.spec, self.timeout_s, self.memory_mb = spec, timeout_s, memory_mb
+        self.start_timeout_s, self.kwargs = start_timeout_s, kwargs or {}
+        self.workers = [self._start() for _ in range(workers)]
+        self.queues: list[deque] = [deque() for _ in range(workers)]
+        self.home: dict[str, int] = {}        # trajectory -> the process holding it
+        self.lost: dict[str, str] = {}        # trajectory -> why its state is gone
+        self.inflight: dict[int, dict] = {}   # request number -> request
+        self.ready: list[EnvReply] = []       # replies decided without a process
+        self.failures: Counter = Counter()    # cause -> failed trajectories
+        self._numbers = itertools.count()
+
+    def _start(self) -> _Worker:
+        return _Worker(self.spec, self.start_timeout_s, self.memory_mb, "environment",
+                       self.kwargs, setting="env.function")
+
+    # ---- requests ---------------------------------------------------------------------------
+    def reset(self, traj: str, row: dict) -> None:
+        """Start trajectory ``traj`` on the process holding the fewest."""
+        load = Counter(self.home.values())
+        w = min(range(len(self.workers)), key=lambda i: (load[i], i))
+        self.home[traj] = w
+        self.lost.pop(traj, None)
+        self._queue(w, {"op": "reset", "traj": traj, "row": row})
+
+    def step(self, traj: str, messages: list, assistant: dict) -> None:
+        if traj in self.lost or traj not in self.home:
+            self._fail(traj, "step", self.lost.pop(traj, "the trajectory was never reset"),
+                       "lost")
+            return
+        self._queue(self.home[traj], {"op": "step", "traj": traj, "messages": messages,
+                                      "assistant": assistant})
+
+    def close(self, traj: str) -> None:
+        """The trajectory is over: its process drops the instance (no reply)."""
+        w = self.home.pop(traj, None)
+        self.lost.pop(traj, None)
+        if w is not None:
+            self._queue(w, {"op": "close", "traj": traj})
+
+    def _queue(self, w: int, request: dict) -> None:
+        request["i"] = next(self._numbers)
+        self.queues[w].append(request)
+
+    def pending(self) -> bool:
+        """Whether a reply is still to come."""
+        return bool(self.ready) or any(
+            any(r["op"] != "close" for r in q) for q in self.queues) or any(
+            w.task is not None and self.inflight.get(w.task, {}).get("op") != "close"
+            for w in self.workers)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def poll(self, wait_s: float = 0.0) -> list[EnvReply]:
+        """Send what is queued to idle processes, then collect the replies that arrive within
+        ``wait_s`` (0: those already there; returns at the first), failing requests past
+        their time limit."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._dispatch()
+            for w in list(self.workers):
+                if w.task is not None and time.monotonic() - w.started > self.timeout_s:
+                    self._replace(w, f"no reply within {self.timeout_s:g} s", "timeout")
+            self._dispatch()
+            busy = [w for w in self.workers if w.task is not None]
+            if busy:
+                until = min([deadline] + [w.started + self.timeout_s for w in busy])
+                with selectors.DefaultSelector() as sel:
+                    for w in busy:
+                        sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+                    arrived = {key.data for key, _ in
+                               sel.select(max(until - time.monotonic(), 0))}
+                for w in busy:
+                    if w in arrived or b"\n" in w.buf:
+                        self._receive(w)
+            if self.ready or not busy or time.monotonic() >= deadline:
+                break
+        out, self.ready = self.ready, []
+        return out
+
+    def _dispatch(self) -> None:
+        for i, w in enumerate(self.workers):
+            while w.task is None and self.queues[i]:
+                request = self.queues[i].popleft()
+                self.inflight[request["i"]] = request
+                try:
+                    w.send(dict(request))
+                except (BrokenPipeError, OSError):
+                    w.task = request["i"]
+                    self._replace(w, f"its process had exited (code {w.proc.poll()})",
+                                  "exited")
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            reply = w.read_line(0.0)
+            if reply is not None and reply.get("id") != w.task_id:
+                raise _Breach(f"a reply to another request ({str(reply.get('id'))[:40]!r})")
+        except _Breach as e:
+            self._replace(w, f"protocol breach by the environment process: {e}", "protocol")
+            return
+        if reply is None:
+            if w.eof:
+                self._replace(w, f"its process exited (code {w.proc.wait()})", "exited")
+            return
+        request = self.inflight.pop(w.task)
+        w.task = None
+        if request["op"] == "close":
+            return
+        traj, op = request["traj"], request["op"]
+        if "error" in reply:
+            home = self.home.pop(traj, None)
+            self._fail(traj, op, str(reply["error"])[:MAX_ERROR], "raised")
+            if home is not None:
+                self._queue(home, {"op": "close", "traj": traj})
+        elif op == "reset":
+            self.ready.append(EnvReply(traj, op, reply["messages"]))
+        else:
+            self.ready.append(EnvReply(traj, op, reply["messages"], reply["reward"],
+                                       reply["done"]))
+
+    def _replace(self, w: _Worker, why: str, cause: str) -> None:
+        """``w``'s request fails with ``why``; its process is killed and replaced, and the
+        trajectories it held are lost (each fails at its next request, or now if queued)."""
+        i = self.workers.index(w)
+        request = self.inflight.pop(w.task, None)
+        w.kill()
+        self.workers[i] = self._start()
+        culprit = request["traj"] if request else None
+        if request is not None and request["op"] != "close":
+            self.home.pop(culprit, None)
+            self._fail(culprit, request["op"], why, cause)
+        queued, self.queues[i] = self.queues[i], deque()
+        fresh = {r["traj"] for r in queued if r["op"] == "reset"}  # nothing of theirs is lost
+        for traj in [t for t, h in self.home.items() if h == i and t not in fresh]:
+            del self.home[traj]
+            self.lost[traj] = (f"lost with its environment process, replaced after "
+                               f"trajectory {culprit}'s failure ({why})")
+        for r in queued:
+            if r["op"] == "reset" or r["traj"] in fresh and r["op"] != "close":
+                self.queues[i].append(r)  # to the new process
+            elif r["op"] != "close" and r["traj"] in self.lost:
+                self._fail(r["traj"], r["op"], self.lost.pop(r["traj"]), "lost")
+
+    def _fail(self, traj: str, op: str, why: str, cause: str) -> None:
+        self.failures[cause] += 1
+        self.ready.append(EnvReply(traj, op, error=why, cause=cause, done=True))
+
+    def close_all(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+    def __enter__(self) -> "EnvironmentPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close_all()
