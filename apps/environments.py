@@ -95,16 +95,49 @@ def _last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-class Calculator:
-    """See the module's docstring. ``system``: the opening's system message (None: none)."""
+SYSTEM = "Use the calculator tool for arithmetic, then give the result."
 
-    def __init__(self, system: str | None = "Use the calculator tool for arithmetic."):
+
+def opening(question: str, system: str | None = SYSTEM) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}]
+
+
+def demonstrations(rows: list[dict], system: str | None = SYSTEM) -> list[dict]:
+    """SFT rows showing the tool in use, two per problem (single-turn demonstrations of each
+    of the assistant's turns): the call, and the answer once the result is in. Each keeps the
+    problem's ``question`` and ``answer`` (what ``Calculator.reset`` reads)."""
+    out = []
+    for row in rows:
+        q, a = row["prompt"], row["answer"]
+        expression = q.removeprefix("What is ").removesuffix("?")
+        args = json.dumps({"expression": expression})
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": args}}
+        wrong = str(int(a) + 10 ** (len(a.lstrip("-")) - 1))  # a plausible mistake
+        fields = {"question": q, "answer": a}
+        out.append({"prompt": opening(q, system),
+                    "chosen": f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n'
+                              "</tool_call>",
+                    "rejected": f"{expression} = {wrong}.", **fields})
+        out.append({"prompt": opening(q, system) + [
+                        {"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "content": a, "tool_call_id": "call_0"}],
+                    "chosen": f"{expression} = {a}.", "rejected": f"{expression} = {wrong}.",
+                    **fields})
+    return out
+
+
+class Calculator:
+    """See the module's docstring. ``system``: the opening's system message (None: none).
+    A row's question is its ``question`` field, else its prompt (a string)."""
+
+    def __init__(self, system: str | None = SYSTEM):
         self.system = system
 
     def reset(self, row: dict) -> list[dict]:
         self.answer = str(row["answer"])
-        opening = [{"role": "user", "content": row["prompt"]}]
-        return ([{"role": "system", "content": self.system}] if self.system else []) + opening
+        return opening(row.get("question") or row["prompt"], self.system)
 
     def step(self, messages: list[dict], assistant: dict):
         calls = assistant.get("tool_calls") or []
@@ -185,3 +218,30 @@ def _code(text: str) -> str:
     """The last fenced code block of ``text`` (```python ... ```), else all of it."""
     blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", text, re.S)
     return blocks[-1] if blocks else text
+
+
+def main() -> None:
+    """``python apps/environments.py calculator DIR``: DIR/demos.jsonl (SFT demonstrations of the
+    tool, on one set of problems) and DIR/problems.jsonl (other problems, for RL and its
+    held-out evaluation)."""
+    import argparse
+    from pathlib import Path
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("task", choices=["calculator"])
+    p.add_argument("out", type=Path)
+    p.add_argument("--demos", type=int, default=400, help="problems shown in SFT")
+    p.add_argument("--problems", type=int, default=600, help="problems for RL and evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    demos = problems(a.demos, a.seed)
+    seen = {r["prompt"] for r in demos}
+    fresh = [r for r in problems(a.problems * 2, a.seed + 1) if r["prompt"] not in seen]
+    for name, rows in (("demos", demonstrations(demos)), ("problems", fresh[:a.problems])):
+        with open(a.out / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        print(f"{a.out / name}.jsonl: {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -145,7 +145,8 @@ class HFTokens:
     ``use_chat``: a task's prompts go in as a user turn through the chat template (when the
     tokenizer has one), as instruction-tuned models expect."""
 
-    def __init__(self, path: str | Path, use_chat: bool = True, template: str | None = None):
+    def __init__(self, path: str | Path, use_chat: bool = True, template: str | None = None,
+                 tools: list[dict] | None = None):
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -164,6 +165,7 @@ class HFTokens:
         if template is not None:  # a chat template in place of the tokenizer's own
             self.hf.chat_template = template
         self.path, self.use_chat = path, use_chat and bool(self.hf.chat_template)
+        self.tools = tools or None  # rendered with every prompt (``prompt``)
 
     def encode(self, text: str) -> list[int]:
         with _SPECIALS:
@@ -225,13 +227,17 @@ class HFTokens:
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         if not isinstance(text, str):
-            return self.chat(text)
-        return self.chat([{"role": "user", "content": text}]) if self.use_chat else self.encode(text)
+            return self.chat(text, self.tools)
+        if not self.use_chat:
+            return self.encode(text)
+        return self.chat([{"role": "user", "content": text}], self.tools)
 
 
 def load_tokenizer(pretrained: str | Path | None, use_chat: bool = True,
-                   template: str | None = None) -> ByteTokens | HFTokens:
+                   template: str | None = None,
+                   tools: list[dict] | None = None) -> ByteTokens | HFTokens:
     """The tokenizer of the Hugging Face model directory ``pretrained`` (``template``: a chat
-    template in place of its own), or troupe's byte tokenizer for troupe's own models
-    (None)."""
-    return ByteTokens() if pretrained is None else HFTokens(pretrained, use_chat, template)
+    template in place of its own; ``tools``: rendered with every prompt), or troupe's byte
+    tokenizer for troupe's own models (None)."""
+    return (ByteTokens() if pretrained is None
+            else HFTokens(pretrained, use_chat, template, tools))

@@ -29,17 +29,20 @@ from troupe.serving.tools import template_text
 
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
-             device: torch.device | str = "cpu") -> tuple[GPTLM, Tokenizer | None]:
+             device: torch.device | str = "cpu", tools: list[dict] | None = None
+             ) -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
     ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
     the host, so that every device starts from the same weights), on ``device``, computing in
     ``precision`` (the recipe's; troupe.rlhf.lm.GPTLM). Roles
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
-    tokenizer costs a process more than 100 MB)."""
+    tokenizer costs a process more than 100 MB). ``tools``: OpenAI tool specs every chat prompt
+    is rendered with (the recipe's env.tools: SFT's demonstrations, the reward model's pairs
+    and the rollouts see the same system turn)."""
     if cfg.pretrained is not None:
         gpt = from_pretrained(cfg.pretrained).train()
         tok = load_tokenizer(cfg.pretrained, cfg.chat_template, cfg.template and
-                             template_text(cfg.template)) if tokenizer else None
+                             template_text(cfg.template), tools) if tokenizer else None
     else:
         tok = ByteTokens()
         if cfg.gpt.vocab_size != tok.vocab_size:

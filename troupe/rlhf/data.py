@@ -35,14 +35,27 @@ class Example:
 
 
 def _check_prompt(prompt, where: str) -> Prompt:
+    """A prompt: text, or chat messages with string roles and contents; an assistant message
+    may instead carry ``tool_calls`` (content null), as a multi-turn demonstration's earlier
+    turns do, and a tool message its ``tool_call_id``."""
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in prompt):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if isinstance(prompt, list) and prompt and all(map(_message, prompt)):
+        return [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m}
+                for m in prompt]
     raise DataError(f"{where}: field prompt must be a string or a non-empty list of "
                      '{"role": ..., "content": ...} messages')
+
+
+def _message(m) -> bool:
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        return False
+    if isinstance(m.get("content"), str):
+        return True
+    calls = m.get("tool_calls")
+    return m["role"] == "assistant" and m.get("content") is None and isinstance(calls, list) \
+        and bool(calls) and all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                for c in calls)
 
 
 def read_jsonl(path: str | Path) -> list[Example]:

@@ -53,7 +53,8 @@ class Policy:
         self.cfg, self.rank = cfg, rank
         torch.manual_seed(cfg.seed * 1000 + rank)
         self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
+                                     tools=cfg.env.tools)
         self.train = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
         self.ema = None
         self.algorithm = cfg.algo()
@@ -257,7 +258,7 @@ class Reference:
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision,
                                      tokenizer=not cfg.algo().online,  # DPO's pairs are text
-                                     device=self.device)
+                                     device=self.device, tools=cfg.env.tools)
         self.parts = None
         if cfg.zero_stage == 3 and group is not None:
             self.parts = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
@@ -298,7 +299,7 @@ class Reward:
         self.cfg, self.rank = cfg, rank
         torch.manual_seed(cfg.seed * 1000 + 500 + rank)
         self.device = worker_device(cfg.device)
-        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision)
+        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tools=cfg.env.tools)
         self.model = ValueModel(lm).to(self.device)
         self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
         self.to_quantize = False  # set when load() freezes the model

@@ -151,7 +151,8 @@ class RolloutReplica:
     def __init__(self, cfg: RLHFConfig, rank: int):
         self.cfg, self.rank = cfg, rank
         self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device)
+        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
+                                     tools=cfg.env.tools)
         self.lm.eval().requires_grad_(False)
         self.engine = RolloutEngine(cfg, self.tok)
         self.version: int | None = None
