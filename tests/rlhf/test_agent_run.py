@@ -22,8 +22,11 @@ def _rows(path):
                                 "rejected": prompt[5:8]}) + "\n")
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_agent_rollouts_train(cluster, tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm, replicas", [("grpo", 0), ("ppo", 0), ("rloo", 0),
+                                                 ("reinforce_pp", 0), ("grpo", 1)])
+def test_agent_rollouts_train(cluster, tmp_path, algorithm, replicas):
+    """(With a rollout replica: one-step-off, the trajectories generated on an actor of
+    their own while the policy trains.)"""
     _rows(tmp_path / "tasks.jsonl")  # the failures: one prompt in four
     cfg = RLHFConfig(
         algorithm=algorithm, steps=["sft", "step3"], sft=dict(steps=4, batch_size=4),
@@ -32,7 +35,8 @@ def test_agent_rollouts_train(cluster, tmp_path, algorithm):
         env=dict(function="tests.rlhf.agent_envs:Retry", max_turns=3, max_tokens=64,
                  workers=1, timeout_s=20),
         step3=dict(iterations=2, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
-                   checkpoint_every=2, temperature=1.0),
+                   checkpoint_every=2, temperature=1.0,
+                   rollout=dict(replicas=replicas, max_staleness=replicas)),
         workers=2, out_dir=str(tmp_path / algorithm))
     assert "reward" not in rlhf.roles(cfg)  # the environment gives the rewards
     rlhf.run(cfg)
@@ -48,6 +52,8 @@ def test_agent_rollouts_train(cluster, tmp_path, algorithm):
         assert r["tool_call_fraction"] == 0.0
         assert 0 < r["response_length"] <= 2 * 6  # the model's tokens only
         assert r["prefill_tokens"] < r["prompt_tokens"]  # the second turns reuse the first
+        if replicas:  # generated on the replica, one step off at most
+            assert r["staleness_max"] <= 1 and "staleness_mean" in r
     assert sum(r["env_failures"] for r in steps) > 0
     [last] = [r for r in records if r["kind"] == "step3_eval"][-1:]
     assert last["env_reward"] > 0 and "tool_call_fraction" in last

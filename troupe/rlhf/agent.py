@@ -190,37 +190,44 @@ class AgentLoop:
             self.pool.close(t.key)
 
 
-def rollout_of(trajs: list[Trajectory], tok, failure_score: float) -> Rollout:
-    """The trajectories as a rollout: each opening left-padded, its tokens after it padded on
-    the right (invalid, with eos ids), ``action`` on the generated tokens only, the engine's
-    log-probabilities there, each trajectory's reward (``failure_score`` for a failed one) in
-    ``env_reward`` and the loop's figures in ``agent``."""
-    eos = tok.eos_id
-    P = max(len(t.prompt_ids) for t in trajs)
-    R = max(max(len(t.tokens) for t in trajs), 1)
-    B = len(trajs)
-    ids = torch.full((B, P + R), eos, dtype=torch.long)  # host: a rollout
+def lay_out(prompts: list[list[int]], tokens: list[list[int]], generated: list[list[bool]],
+            logprobs: list[list[float]], pad_id: int):
+    """Samples as rollout tensors: each prompt left-padded to the longest, its tokens after it
+    padded on the right (invalid); ``action`` 1 where the target is a generated token, the
+    engine's log-probability there. Returns (ids, valid, action, engine_logp, prompt_len)."""
+    P, R, B = max(map(len, prompts)), max(max(map(len, tokens)), 1), len(prompts)
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)  # host: a rollout
     valid = torch.zeros(B, P + R, dtype=torch.bool)  # host: (as ids)
     action = torch.zeros(B, P + R - 1)  # host: (as ids)
     logp = torch.zeros(B, P + R - 1)  # host: (as ids)
-    for i, t in enumerate(trajs):
-        n = len(t.tokens)
-        ids[i, P - len(t.prompt_ids):P] = torch.tensor(t.prompt_ids)  # host: (as ids)
-        valid[i, P - len(t.prompt_ids):P + n] = True
+    for i, (prompt, toks) in enumerate(zip(prompts, tokens)):
+        n = len(toks)
+        ids[i, P - len(prompt):P] = torch.tensor(prompt)  # host: (as ids)
+        valid[i, P - len(prompt):P + n] = True
         if n:
-            ids[i, P:P + n] = torch.tensor(t.tokens)  # host: (as ids)
-            action[i, P - 1:P - 1 + n] = torch.tensor(t.generated, dtype=torch.float)  # host
-            logp[i, P - 1:P - 1 + n] = torch.tensor(t.logprobs)  # host: (as ids)
+            ids[i, P:P + n] = torch.tensor(toks)  # host: (as ids)
+            action[i, P - 1:P - 1 + n] = torch.tensor(generated[i], dtype=torch.float)  # host
+            logp[i, P - 1:P - 1 + n] = torch.tensor(logprobs[i])  # host: (as ids)
+    return ids, valid, action, logp * action, P
+
+
+def rollout_of(trajs: list[Trajectory], tok, failure_score: float) -> Rollout:
+    """The trajectories as a rollout (``lay_out``: ``action`` on the generated tokens only),
+    each trajectory's reward (``failure_score`` for a failed one) in ``env_reward`` and the
+    loop's figures in ``agent``."""
+    ids, valid, action, logp, P = lay_out([t.prompt_ids for t in trajs],
+                                          [t.tokens for t in trajs],
+                                          [t.generated for t in trajs],
+                                          [t.logprobs for t in trajs], tok.eos_id)
     reward = torch.tensor([failure_score if t.end == "failed" else t.reward  # host: (as ids)
                            for t in trajs], dtype=torch.float)
-    turns = sum(t.turns for t in trajs)
     ends: dict[str, int] = {}
     for t in trajs:
         ends[t.end] = ends.get(t.end, 0) + 1
-    agent = {"turns": turns, "tool_turns": sum(t.tool_turns for t in trajs),
-             "trajectories": B, "ends": ends,
+    agent = {"turns": sum(t.turns for t in trajs), "tool_turns": sum(t.tool_turns for t in trajs),
+             "trajectories": len(trajs), "ends": ends,
              "env_failures": [t.error for t in trajs if t.error],
              "env_seconds": sum(t.env_seconds for t in trajs)}
-    return Rollout(ids, valid, action * valid[:, 1:], [t.prompt for t in trajs],
+    return Rollout(ids, valid, action, [t.prompt for t in trajs],
                    [tok.decode(t.tokens) for t in trajs], prompt_len=P,
-                   engine_logp=logp * action, env_reward=reward, agent=agent)
+                   engine_logp=logp, env_reward=reward, agent=agent)

@@ -32,6 +32,7 @@ import torch
 
 from troupe.generation import ContinuousBatcher
 from troupe.generation.prefix_cache import PrefixCache
+from troupe.rlhf.agent import lay_out
 from troupe.rlhf.experience import Rollout
 from troupe.serving import tools as tool_calls
 from troupe.serving.protocol import (ChatRequest, Choice, Limits, RequestError, completion,
@@ -174,27 +175,18 @@ class RecordingServer:
             self.rewards = {}
         if not calls:
             raise ValueError("no rewarded session has a recorded completion")
-        eos = self.tok.eos_id
-        P, R = max(len(c.prompt_ids) for c in calls), max(len(c.tokens) for c in calls)
-        B = len(calls)
-        ids = torch.full((B, P + R), eos, dtype=torch.long)  # host: a rollout
-        valid = torch.zeros(B, P + R, dtype=torch.bool)  # host: (as ids)
-        action = torch.zeros(B, P + R - 1)  # host: (as ids)
-        logp = torch.zeros(B, P + R - 1)  # host: (as ids)
-        for i, c in enumerate(calls):
-            n = len(c.tokens)
-            ids[i, P - len(c.prompt_ids):P] = torch.tensor(c.prompt_ids)  # host: (as ids)
-            ids[i, P:P + n] = torch.tensor(c.tokens)  # host: (as ids)
-            valid[i, P - len(c.prompt_ids):P + n] = True
-            action[i, P - 1:P - 1 + n] = 1.0
-            logp[i, P - 1:P - 1 + n] = torch.tensor(c.logprobs)  # host: (as ids)
+        ids, valid, action, logp, P = lay_out([c.prompt_ids for c in calls],
+                                              [c.tokens for c in calls],
+                                              [[True] * len(c.tokens) for c in calls],
+                                              [c.logprobs for c in calls], self.tok.eos_id)
         names: dict[str, int] = {}
         groups = [names.setdefault(rewards[c.session][1], len(names)) for c in calls]
         return Rollout(ids, valid, action, [c.messages for c in calls],
                        [self.tok.decode(c.tokens) for c in calls], prompt_len=P,
                        groups=groups, engine_logp=logp,
                        env_reward=torch.tensor([rewards[c.session][0] for c in calls]),  # host
-                       agent={"turns": B, "tool_turns": 0, "trajectories": len(rewards),
+                       agent={"turns": len(calls), "tool_turns": 0,
+                              "trajectories": len(rewards),
                               "ends": {"recorded": len(rewards)}, "env_failures": [],
                               "env_seconds": 0.0})
 
