@@ -16,8 +16,11 @@ The pool is the reward functions' (troupe.rlhf.rewards): processes of their own,
 address-space limit, killed with whatever they started when a request runs past ``timeout_s``,
 JSON lines both ways (troupe/rlhf/sandbox_child.py; no pickle). A request that raises, returns
 something malformed, runs out of time or kills its process ends its trajectory as a failure
-with its cause, counted by kind; a process that was replaced takes its other trajectories with
-it (their state is gone), each a failure saying so. Nothing stops the run.
+with its cause, counted by kind. The other trajectories of a process that had to be replaced
+are replayed on the new one: their reset and every step so far sent again in order, the
+replies dropped, so that their instances reach the state they had (for an environment whose
+answers depend only on what it is sent; one whose replay fails is lost, a failure saying so).
+Nothing stops the run.
 
 ``submit``/``poll`` let the caller generate while environments work: requests queue per
 process, ``poll`` sends, collects and times them out.
@@ -58,6 +61,8 @@ class EnvironmentPool:
         self.queues: list[deque] = [deque() for _ in range(workers)]
         self.home: dict[str, int] = {}        # trajectory -> the process holding it
         self.lost: dict[str, str] = {}        # trajectory -> why its state is gone
+        self.history: dict[str, list] = {}    # trajectory -> its requests answered so far
+        self.replayed = 0                     # trajectories moved to a new process
         self.inflight: dict[int, dict] = {}   # request number -> request
         self.ready: list[EnvReply] = []       # replies decided without a process
         self.failures: Counter = Counter()    # cause -> failed trajectories
@@ -74,6 +79,7 @@ class EnvironmentPool:
         w = min(range(len(self.workers)), key=lambda i: (load[i], i))
         self.home[traj] = w
         self.lost.pop(traj, None)
+        self.history[traj] = []
         self._queue(w, {"op": "reset", "traj": traj, "row": row})
 
     def step(self, traj: str, messages: list, assistant: dict) -> None:
@@ -88,6 +94,7 @@ class EnvironmentPool:
         """The trajectory is over: its process drops the instance (no reply)."""
         w = self.home.pop(traj, None)
         self.lost.pop(traj, None)
+        self.history.pop(traj, None)
         if w is not None:
             self._queue(w, {"op": "close", "traj": traj})
 
@@ -159,12 +166,21 @@ class EnvironmentPool:
         if request["op"] == "close":
             return
         traj, op = request["traj"], request["op"]
+        if request.get("replay"):  # bringing an instance back: its answer was given before
+            if "error" in reply and traj in self.home:
+                del self.home[traj]
+                self.lost[traj] = f"its replay on a new process failed: {reply['error']}"
+                self._fail_queued(self.workers.index(w), traj)
+            return
         if "error" in reply:
             home = self.home.pop(traj, None)
             self._fail(traj, op, str(reply["error"])[:MAX_ERROR], "raised")
             if home is not None:
                 self._queue(home, {"op": "close", "traj": traj})
-        elif op == "reset":
+            return
+        if traj in self.history:
+            self.history[traj].append({k: v for k, v in request.items() if k not in ("i", "id")})
+        if op == "reset":
             self.ready.append(EnvReply(traj, op, reply["messages"]))
         else:
             self.ready.append(EnvReply(traj, op, reply["messages"], reply["reward"],
@@ -172,7 +188,8 @@ class EnvironmentPool:
 
     def _replace(self, w: _Worker, why: str, cause: str) -> None:
         """``w``'s request fails with ``why``; its process is killed and replaced, and the
-        trajectories it held are lost (each fails at its next request, or now if queued)."""
+        other trajectories it held are replayed on the new one before their queued requests
+        (a queued reset just moves: nothing of its trajectory was there yet)."""
         i = self.workers.index(w)
         request = self.inflight.pop(w.task, None)
         w.kill()
@@ -180,18 +197,25 @@ class EnvironmentPool:
         culprit = request["traj"] if request else None
         if request is not None and request["op"] != "close":
             self.home.pop(culprit, None)
+            self.history.pop(culprit, None)
             self._fail(culprit, request["op"], why, cause)
         queued, self.queues[i] = self.queues[i], deque()
-        fresh = {r["traj"] for r in queued if r["op"] == "reset"}  # nothing of theirs is lost
-        for traj in [t for t, h in self.home.items() if h == i and t not in fresh]:
-            del self.home[traj]
-            self.lost[traj] = (f"lost with its environment process, replaced after "
-                               f"trajectory {culprit}'s failure ({why})")
-        for r in queued:
-            if r["op"] == "reset" or r["traj"] in fresh and r["op"] != "close":
-                self.queues[i].append(r)  # to the new process
-            elif r["op"] != "close" and r["traj"] in self.lost:
-                self._fail(r["traj"], r["op"], self.lost.pop(r["traj"]), "lost")
+        for traj in [t for t, h in self.home.items() if h == i]:
+            for past in self.history.get(traj, []):
+                self._queue(i, {**past, "replay": True})
+            self.replayed += bool(self.history.get(traj))
+        self.queues[i].extend(r for r in queued if r["op"] != "close")  # a new process: no
+        # instance of a trajectory closed before it is there
+
+    def _fail_queued(self, i: int, traj: str) -> None:
+        """``traj`` is lost: its requests queued on process ``i`` fail (the first says why)."""
+        keep = deque()
+        for r in self.queues[i]:
+            if r["traj"] != traj:
+                keep.append(r)
+            elif r["op"] != "close" and not r.get("replay") and traj in self.lost:
+                self._fail(traj, r["op"], self.lost.pop(traj), "lost")
+        self.queues[i] = keep
 
     def _fail(self, traj: str, op: str, why: str, cause: str) -> None:
         self.failures[cause] += 1
