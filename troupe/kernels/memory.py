@@ -23,8 +23,8 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def huge_page_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements starting on a 2 MiB boundary, its
     whole 2 MiB pages advised to be huge pages (Linux)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel * size + HUGE_PAGE, dtype=torch.uint8)
+    size = torch.empty((), dtype=dtype).element_size()  # host: only its element size is read
+    raw = torch.empty(numel * size + HUGE_PAGE, dtype=torch.uint8)  # host: CPU pages by design
     start = -raw.data_ptr() % HUGE_PAGE
     buf = raw[start:start + numel * size]
     if sys.platform.startswith("linux") and len(buf) >= HUGE_PAGE:

@@ -100,7 +100,7 @@ class DecodeWeights:
         # find the pages, ~1 s for SmolLM2's 0.5 GB here (troupe.kernels.memory)
         shapes = {m: (-(-w.shape[0] // 16), w.shape[1], 16) for m, w in weights.items()}
         numel = sum(math.prod(s) for s in shapes.values())
-        arena = huge_page_empty(numel) if huge_pages else torch.empty(numel)
+        arena = huge_page_empty(numel) if huge_pages else torch.empty(numel)  # host: CPU weights
         offset = 0
         for module, w in weights.items():
             packed = arena[offset:offset + math.prod(shapes[module])].view(shapes[module])
@@ -222,9 +222,9 @@ def _packed_wins(N: int, K: int, rows: int, stream_bytes: int = 64 << 20) -> boo
     ``stream_bytes`` from memory (at most 64 copies), as a decode step does."""
     copies = max(1, min(64, stream_bytes // (N * K * 4)))
     g = torch.Generator().manual_seed(0)
-    plain = [torch.randn(N, K, generator=g) for _ in range(copies)]
+    plain = [torch.randn(N, K, generator=g) for _ in range(copies)]  # host: a CPU measurement
     packed = [pack(w) for w in plain]
-    x = torch.randn(rows, K, generator=g)
+    x = torch.randn(rows, K, generator=g)  # host: (as plain)
 
     def best(fn) -> float:
         fn()

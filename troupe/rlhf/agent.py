@@ -206,7 +206,8 @@ def lay_out(prompts: list[list[int]], tokens: list[list[int]], generated: list[l
         valid[i, P - len(prompt):P + n] = True
         if n:
             ids[i, P:P + n] = torch.tensor(toks)  # host: (as ids)
-            action[i, P - 1:P - 1 + n] = torch.tensor(generated[i], dtype=torch.float)  # host
+            action[i, P - 1:P - 1 + n] = torch.tensor(generated[i],  # host: (as ids)
+                                                      dtype=torch.float)
             logp[i, P - 1:P - 1 + n] = torch.tensor(logprobs[i])  # host: (as ids)
     return ids, valid, action, logp * action, P
 

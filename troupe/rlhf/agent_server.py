@@ -184,7 +184,8 @@ class RecordingServer:
         return Rollout(ids, valid, action, [c.messages for c in calls],
                        [self.tok.decode(c.tokens) for c in calls], prompt_len=P,
                        groups=groups, engine_logp=logp,
-                       env_reward=torch.tensor([rewards[c.session][0] for c in calls]),  # host
+                       env_reward=torch.tensor(  # host: a rollout
+                           [rewards[c.session][0] for c in calls]),
                        agent={"turns": len(calls), "tool_turns": 0,
                               "trajectories": len(rewards),
                               "ends": {"recorded": len(rewards)}, "env_failures": [],

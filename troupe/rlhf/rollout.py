@@ -47,8 +47,9 @@ class RolloutEngine:
         is left as it came (adapters unfused) whatever happens."""
         t0, p = time.perf_counter(), self.cfg.step3
         if not request.prompts:  # a rank with none of a small batch (held-out prompts)
-            return Rollout(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.bool),
-                           torch.zeros(0, 0), [], [], groups=request.groups)
+            return Rollout(torch.zeros(0, 1, dtype=torch.long),  # host: a rollout (empty)
+                           torch.zeros(0, 1, dtype=torch.bool),  # host: (as above)
+                           torch.zeros(0, 0), [], [], groups=request.groups)  # host: (as above)
         model.eval()
         fused = p.lora.enabled and fuse_lora(model)
         try:
