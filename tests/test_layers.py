@@ -3,7 +3,8 @@ imports another:
 
     leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
-    <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export)
+    <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export; rlhf's
+       agent mode speaks the server's OpenAI formats, serving.protocol)
     <- cli, __main__ (the `troupe` command over the applications)
 """
 
@@ -21,7 +22,7 @@ LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression"
           "checkpoint": 3, "parallel": 4, "generation": 4, "actors": 5, "runtime": 6,
           "pretrain": 7, "rlhf": 7, "serving": 7, "cli": 8, "__main__": 8}
 APPS = {"pretrain", "rlhf", "serving"}
-ALLOWED_ACROSS = {("serving", "troupe.pretrain.export")}
+ALLOWED_ACROSS = {("serving", "troupe.pretrain.export"), ("rlhf", "troupe.serving.protocol")}
 
 
 def layer(module: str) -> int:

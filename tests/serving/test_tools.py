@@ -1,10 +1,10 @@
-"""Hermes tool calls taken apart (troupe.serving.tools): whole answers and streams cut at every
+"""Hermes tool calls taken apart (troupe.generation.tools): whole answers and streams cut at every
 place give the same content and calls; blocks that are not calls stay text; a forced call's
 grammar names the functions it allows."""
 
 import json
 
-from troupe.serving.tools import (NamedChoice, Tool, ToolStream, call_constraint, parse,
+from troupe.generation.tools import (NamedChoice, Tool, ToolStream, call_constraint, parse,
                                   template_text)
 
 ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'

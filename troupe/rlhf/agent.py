@@ -5,7 +5,7 @@ wrote.
 A trajectory is the environment's opening (``reset(row)``), rendered through the chat template
 with the generation prompt, then turns: the engine generates the assistant's turn (until its
 eos, at most ``step3.max_new_tokens``), the turn is parsed as the server parses it (text, and
-Hermes ``<tool_call>`` blocks into ``tool_calls``, troupe.serving.tools; a turn cut at that
+Hermes ``<tool_call>`` blocks into ``tool_calls``, troupe.generation.tools; a turn cut at that
 limit is closed with the eos the model did not write, as the template's), the environment
 answers with the messages that follow (tool results, a user's reply), a reward or None and
 whether it is done. Their tokens are the chat template's rendering of the conversation with
@@ -35,7 +35,7 @@ import torch
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.rlhf.environments import EnvironmentPool
 from troupe.rlhf.experience import Rollout
-from troupe.serving import tools as tool_calls
+from troupe.generation import tools as tool_calls
 
 
 @dataclass

@@ -34,7 +34,7 @@ from troupe.generation import ContinuousBatcher
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.rlhf.agent import lay_out
 from troupe.rlhf.experience import Rollout
-from troupe.serving import tools as tool_calls
+from troupe.generation import tools as tool_calls
 from troupe.serving.protocol import (ChatRequest, Choice, Limits, RequestError, completion,
                                      completion_id, parse)
 

@@ -25,7 +25,7 @@ from troupe.data import ByteTokens, Tokenizer, load_tokenizer
 from troupe.models import GPT, from_pretrained
 from troupe.rlhf.config import ModelConfig, RLHFConfig
 from troupe.rlhf.lm import GPTLM
-from troupe.serving.tools import template_text
+from troupe.generation.tools import template_text
 
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,

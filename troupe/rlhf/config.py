@@ -158,7 +158,7 @@ class EnvConfig(Config):
     @field_validator("tools")
     @classmethod
     def _tools(cls, v: list[dict]) -> list[dict]:
-        from troupe.serving.tools import Tool
+        from troupe.generation.tools import Tool
         for i, spec in enumerate(v):
             try:
                 Tool.model_validate(spec)

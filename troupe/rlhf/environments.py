@@ -7,7 +7,7 @@
 
 ``row`` is the data row (its prompt and fields); ``messages`` is the conversation so far and
 ``assistant`` the model's new turn, ``{"role": "assistant", "content": ..., "tool_calls": [...]}``
-with its tool calls parsed as the server parses them (troupe.serving.tools); ``step`` answers
+with its tool calls parsed as the server parses them (troupe.generation.tools); ``step`` answers
 with the messages that follow (tool results, a user's reply), a reward (a number, or None: none
 this turn) and whether the trajectory is over. An instance keeps its state between turns: every
 request of a trajectory goes to the one process that holds it, from reset to close.

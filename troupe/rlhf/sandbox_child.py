@@ -64,9 +64,9 @@ def _raised(e: Exception) -> str:
 def _number(value, what: str):
     """``value`` as a float, or the reason it is not a finite number."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None, f"{what} {value!r:.60} ({type(value).__name__}) is not a number"
+        return None, f"{what} {value!r:.60} ({type(value).__name__}), not a number"
     if not math.isfinite(float(value)):
-        return None, f"{what} {float(value)} is not a finite number"
+        return None, f"{what} {float(value)}, not a finite number"
     return float(value), None
 
 

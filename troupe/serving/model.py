@@ -24,7 +24,7 @@ from troupe.models.hf_config import read_config
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import checkpoint_model, load_full_model
 from troupe.serving.protocol import ModelSource, ServeConfig
-from troupe.serving.tools import template_text
+from troupe.generation.tools import template_text
 
 FORMAT = "troupe-model/1"
 

@@ -19,7 +19,7 @@ from troupe.devices import Device, Precision
 
 from troupe.generation import SamplingParams
 from troupe.generation.grammar import Constraint
-from troupe.serving.tools import NamedChoice, Tool, ToolCall, call_constraint, choice_name
+from troupe.generation.tools import NamedChoice, Tool, ToolCall, call_constraint, choice_name
 
 
 class ModelSource(Config):
@@ -327,7 +327,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Request):
-    """A chat request. ``tools`` and ``tool_choice`` (troupe.serving.tools): "auto" (the
+    """A chat request. ``tools`` and ``tool_choice`` (troupe.generation.tools): "auto" (the
     default with tools) lets the model call any of them or answer, "none" renders none,
     "required" or a named function makes the answer one call whose arguments follow the
     function's parameters."""

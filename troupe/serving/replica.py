@@ -29,7 +29,7 @@ from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models.adapters import Adapters, load_peft
 from troupe.parallel import apply_expert_parallel
 from troupe.runtime.topology import Group, Topology
-from troupe.serving import tools
+from troupe.generation import tools
 from troupe.serving.admission import Admission, Place
 from troupe.serving.auth import KeyDigest
 from troupe.serving.metrics import ServerMetrics
@@ -404,7 +404,7 @@ class ServeReplica:
         failed sequence ends the stream with an error event; with include_usage a last chunk
         carries the usage. It holds the request's place and gives it back at its end (one that
         never starts, the client gone first, gives it back when it is dropped). With
-        ``parse_tools`` each choice's text goes through a troupe.serving.tools.ToolStream:
+        ``parse_tools`` each choice's text goes through a troupe.generation.tools.ToolStream:
         content as it comes, each call as one ``tool_calls`` delta once its block closes."""
         name = self.cfg.model.name
         queue: asyncio.Queue = asyncio.Queue()
