@@ -125,4 +125,4 @@ def test_measured_choice_is_cached_and_followed(monkeypatch, tmp_path):
                                        rtol=1e-5, atol=1e-5)
     finally:
         small_gemm.linear = real
-    assert calls == [5, 16]
+    assert calls == [5, 16, 8]  # active(): 5 and 16 rows; product(): 8, not 2

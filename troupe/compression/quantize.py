@@ -139,10 +139,9 @@ class QuantizedLinear(nn.Module):
             y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-
     def rows_product(self):
         """``forward`` for contiguous fp32 rows (rows, I) -> (rows, O) without its reshapes and
-        checks: what a decode step calls for each layer (troupe.kernels.decode_layers). The
+        checks: what a decode step calls for each layer (troupe.generation.decode_layers). The
         weights are read at each call (``requantize`` replaces them between rollouts)."""
         if not (self.mode == "w8a8" and self.lorc_down is None):
             return self.forward

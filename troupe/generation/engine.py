@@ -112,7 +112,7 @@ class ContinuousBatcher:
         # the caller's DecodeWeights of this model, kept between engines)
         self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
                        else DecodeWeights(model) if packed_decode else None)
-        # and the layers' small ops in a few native calls (troupe.kernels.decode_layers; None
+        # and the layers' small ops in a few native calls (troupe.generation.decode_layers; None
         # for a model it does not cover; not used once adapters wrap the layers)
         self.fused = (DecodeLayers.of(model, self.packed) if packed_decode and not lockstep
                       and not self._adapted() else None)

@@ -142,16 +142,13 @@ class DecodeWeights:
         packed = self.layers.get(module)
         if packed is None:
             return module.forward
-        ext, n, (small, large) = _extension(), module.out_features, self.uses[module]
-        pad = packed.shape[0] * 16 - n
+        uses = self.uses[module]
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if not (small if x.shape[0] <= SMALL_ROWS else large):
+            if not uses[x.shape[0] > SMALL_ROWS]:
                 return F.linear(x, module.weight, module.bias)
             # the bias read at each call: it is trained between engines
-            y = ext.linear(x, packed, None if module.bias is None else
-                           F.pad(module.bias.detach(), (0, pad)))
-            return y if pad == 0 else y[:, :n].contiguous()
+            return linear(x, packed, module.out_features, module.bias).contiguous()
         return run
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,13 @@ class Trajectory:
     def reward(self) -> float:
         return float(sum(self.rewards))
 
+    def extend(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
+        """Append tokens: the model's with their ``logprobs``, or (None) the environment's and
+        the template's, which are not trained on."""
+        self.tokens += tokens
+        self.generated += [logprobs is not None] * len(tokens)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
 
 class AgentLoop:
     """Runs trajectories of ``pool``'s environment with an engine (see the module's
@@ -123,18 +130,14 @@ class AgentLoop:
                                else ev.logprob or 0.0)
         if ev.finish_reason is None:
             return
-        t.tokens += t.turn_tokens
-        t.generated += [True] * len(t.turn_tokens)
-        t.logprobs += t.turn_logprobs
+        t.extend(t.turn_tokens, t.turn_logprobs)
         t.turns += 1
         ended = t.turn_tokens[-1] == self.tok.eos_id
         if not ended:  # cut at step3.max_new_tokens: the template closes the turn (not trained)
             if len(t.tokens) + 1 >= self.max_tokens:
                 self._finish(t, "max_tokens", open_)
                 return
-            t.tokens.append(self.tok.eos_id)
-            t.generated.append(False)
-            t.logprobs.append(0.0)
+            t.extend([self.tok.eos_id])
         content, calls = tool_calls.parse(self.tok.decode(t.turn_tokens[:-1] if ended
                                                           else t.turn_tokens))
         assistant = {"role": "assistant", "content": content}
@@ -170,9 +173,7 @@ class AgentLoop:
         if len(t.tokens) + len(delta) >= self.max_tokens:
             self._finish(t, "max_tokens", open_)
             return
-        t.tokens += delta
-        t.generated += [False] * len(delta)
-        t.logprobs += [0.0] * len(delta)
+        t.extend(delta)
         self._generate(engine, t, open_)
 
     def _turn_end(self, rendered: list[int]) -> int:

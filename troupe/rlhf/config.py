@@ -116,9 +116,7 @@ class RewardConfig(StepConfig):
     @field_validator("function")
     @classmethod
     def _module_function(cls, v: str | None) -> str | None:
-        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
-            raise ValueError(f"{v!r}: expected 'module:function', e.g. my_rewards:exact_match")
-        return v
+        return _module_attribute(v, "function", "my_rewards:exact_match")
 
 
 
@@ -151,9 +149,7 @@ class EnvConfig(Config):
     @field_validator("function")
     @classmethod
     def _module_class(cls, v: str | None) -> str | None:
-        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
-            raise ValueError(f"{v!r}: expected 'module:Class', e.g. my_envs:Calculator")
-        return v
+        return _module_attribute(v, "Class", "my_envs:Calculator")
 
     @field_validator("tools")
     @classmethod
@@ -475,6 +471,13 @@ class RLHFConfig(AppConfig):
 
     def uses_reference(self) -> bool:
         return self.algo().uses_reference(self)
+
+
+def _module_attribute(v: str | None, what: str, example: str) -> str | None:
+    """``v`` as "module:name" (None stays None); ValueError showing the form otherwise."""
+    if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+        raise ValueError(f"{v!r}: expected 'module:{what}', e.g. {example}")
+    return v
 
 
 def _or(value, default):
