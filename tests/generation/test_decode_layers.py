@@ -76,6 +76,39 @@ def test_w8a8_layers_give_the_hidden_states_of_the_quantized_model():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_layers_of_other_kinds_are_called_back_and_mixed_with_the_native_ones():
+    """Weight-only INT4 attention (its own kernel, called back through Python) beside W8A8
+    MLPs (the native kernel) and fp32 products of another model's rows."""
+    model = _model(n_kv_head=2)
+    quantize_model(model, {"*.attn.*": "w4a16", "*.ffn.*": "w8a8"})
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    # the step's norms sum in another order than the model's, and where a token's value sits
+    # at a rounding edge of the W8A8 quantization the last bits move its integer by one: 1e-4
+    for got, want in _steps(model, fused):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_changed_in_place_or_replaced_are_decoded_from():
+    """The engine's step after ``weights_changed``: the tokens of a fresh engine on the new
+    weights (trained in place, and with a bias replaced by a new tensor)."""
+    model = _model(seed=3, n_kv_head=2, vocab_size=257, qkv_bias=True)
+    prompt = list(b"sort 4213:")
+    engine = ContinuousBatcher(model, 256, max_batch=2)
+    engine.add("a", prompt, SamplingParams(max_tokens=16))
+    before = engine.run()["a"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        block = model.blocks[1].attn.qkv
+        block.bias = torch.nn.Parameter(torch.randn_like(block.bias))
+    engine.weights_changed()
+    engine.add("b", prompt, SamplingParams(max_tokens=16))
+    after = engine.run()["b"]
+    fresh = ContinuousBatcher(model, 256, max_batch=2)
+    fresh.add("c", prompt, SamplingParams(max_tokens=16))
+    assert after == fresh.run()["c"] != before
+
+
 def test_models_it_does_not_cover_get_none():
     assert DecodeLayers.of(GPT(GPTConfig(vocab_size=97, seq_len=32, n_layer=1, n_head=2,
                                          d_model=32)), None) is None          # GPT-2 style

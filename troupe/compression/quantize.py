@@ -139,14 +139,16 @@ class QuantizedLinear(nn.Module):
             y = y + (x2.float() @ self.lorc_down.t()) @ self.lorc_up.t()
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-    def rows_product(self):
-        """``forward`` for contiguous fp32 rows (rows, I) -> (rows, O) without its reshapes and
-        checks: what a decode step calls for each layer (troupe.generation.decode_layers). The
-        weights are read at each call (``requantize`` replaces them between rollouts)."""
-        if not (self.mode == "w8a8" and self.lorc_down is None):
-            return self.forward
-        return lambda x: int8_linear(x, self.qw, self.bias, None if self.outliers is None
-                                     else (self.outliers, self.outlier_w))
+    def int8_operands(self) -> tuple | None:
+        """What the native W8A8 kernel takes for this layer, in its order (the packed weight,
+        column sums, scales, bias, outputs, outlier channels and their rows), for a decode step
+        that runs it without Python (troupe.generation.decode_layers); None unless the layer is
+        W8A8 without LoRC factors, packed for the kernel on a CPU that has it."""
+        if not (self.mode == "w8a8" and self.lorc_down is None and self.qw.layout == "vnni"):
+            return None
+        f32 = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
+        return (self.qw.q, self.qw.colsum, f32(self.qw.scales), f32(self.bias), self.qw.shape[0],
+                self.outliers, f32(self.outlier_w))
 
 
 class QuantizedEmbedding(nn.Module):

@@ -112,7 +112,7 @@ class ContinuousBatcher:
         # the caller's DecodeWeights of this model, kept between engines)
         self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
                        else DecodeWeights(model) if packed_decode else None)
-        # and the layers' small ops in a few native calls (troupe.generation.decode_layers; None
+        # and the whole decode step in one native call (troupe.generation.decode_layers; None
         # for a model it does not cover; not used once adapters wrap the layers)
         self.fused = (DecodeLayers.of(model, self.packed) if packed_decode and not lockstep
                       and not self._adapted() else None)
@@ -128,6 +128,15 @@ class ContinuousBatcher:
         self.valid: torch.Tensor | None = None  # (B, S): which columns hold real tokens
 
     # ---- requests -------------------------------------------------------------------------
+    def weights_changed(self) -> None:
+        """The model's weights were changed (trained in place, or replaced): decode from the
+        new ones (the packed copy refreshed, the native step rebuilt). The caller also changes
+        ``cache_namespace`` if a prefix cache holds keys computed under the old ones."""
+        if self.packed:
+            self.packed.refresh()
+        if self.fused is not None:
+            self.fused = DecodeLayers.of(self.model, self.packed)
+
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Queue a sequence; it joins the batch at the next step with room for it. ValueError
         (naming the field) for a request that cannot be served."""

@@ -5,7 +5,7 @@ model, so a linear layer is a matrix-vector product in disguise: each weight ele
 once and used M <= 16 times. MKL's sgemm reaches about a quarter of this CPU's memory bandwidth
 at that shape (benchmarks/RESULTS.md, "Decoding in fp32"). Packed as (N/16, K, 16), each
 16-wide vector of weights is loaded once and multiplied by every row's input broadcast
-(troupe/kernels/csrc/small_gemm.cpp), the outputs stay in registers, and the layer runs at
+(troupe/kernels/csrc/small_gemm.h), the outputs stay in registers, and the layer runs at
 the speed the memory gives.
 
 ``DecodeWeights(model)`` packs a model's fp32 CPU linear layers (and its output embedding)
@@ -208,7 +208,7 @@ def choices(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[bool, b
 
 def _choices_file():
     model, flags = cpu_info()
-    source = (_native._CSRC / "small_gemm.cpp").read_bytes()
+    source = (_native._CSRC / "small_gemm.h").read_bytes()  # the kernel
     key = hashlib.sha256(repr((model, sorted(flags or ()), torch.get_num_threads(),
                                torch.__version__)).encode() + source).hexdigest()[:16]
     return cache_dir("kernels") / f"decode-product-{key}.json"

@@ -150,8 +150,7 @@ class RecordingServer:
     def weights_updated(self) -> None:
         """The model was trained: decode from its new weights (the packed copy refreshed) and
         never reuse keys and values computed under the old ones. Call between episodes."""
-        if self.engine.packed:
-            self.engine.packed.refresh()
+        self.engine.weights_changed()
         self.version += 1
         self.engine.cache_namespace = f"version {self.version}"
 

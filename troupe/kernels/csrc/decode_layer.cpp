@@ -1,28 +1,36 @@
-// The small operations between a decoder layer's matrix products in a decode step (a few rows,
-// one token per sequence), each one call instead of the five to fifteen torch ops (and their
-// dispatch, a few microseconds each) that express it: at batch 1 on SmolLM2 those ops took a
-// third of the step (benchmarks/RESULTS.md, "Decoding at batch 1").
+// A whole decode step of a Llama-style decoder (one new token per sequence, a few sequences)
+// in one call: per layer RMSNorm, the qkv product, rotary positions on q and k (the half-split
+// layout of Hugging Face's Llama) with k and v written to the cache, attention over the cache,
+// the output product, residual add + RMSNorm, the gate/up product, SwiGLU, the down product and
+// the residual add + the next norm. At batch 1 on SmolLM2 the step is bound by reading the
+// weights; what is not a product was a third of it when each of these ran as its own call from
+// Python (a few microseconds of dispatch each, thirty layers; benchmarks/RESULTS.md, "Decoding
+// at batch 1").
 //
-//   rms_norm(x, w, eps)           x / rms(x) * w, row by row
-//   add_rms_norm(x, r, w, eps)    x += r (the residual stream, in place), then rms_norm(x, w)
-//   silu_mul(g)                   silu(gate) * up, g = [gate | up] along the last dimension
-//   rope_store(qkv, cos, sin, H, Hkv, k, v, col)
-//                                 rotary positions on q and k (the half-split layout of Hugging
-//                                 Face's Llama), k and v written to column col of the caches;
-//                                 returns q rotated, (M, H, 1, D) for decode_attention
-//
-// The rows are few: every function runs on the calling thread (a fork/join of the intra-op
-// pool costs more than the work). fp32 only; the callers check shapes and dtypes.
+// A product is one of: the packed fp32 kernel (small_gemm.h), the W8A8 kernel (int8_gemm.h, on
+// CPUs with AVX-512 VNNI), torch's linear (MKL, for the rows where it measured faster on this
+// machine) or a Python callable (any other layer). Products and attention split their work over
+// torch's intra-op threads; the small operations between them run on the calling thread (a
+// fork/join of the pool costs more than their work). fp32 only; decode_layers.py checks the
+// model before it builds a Step.
+// the headers this file uses, not <torch/extension.h>: half the compile time
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cmath>
+#include <memory>
+#include <vector>
 
+#include "decode_attention.h"
+#include "int8_gemm.h"
+#include "small_gemm.h"
 #include "vec16.h"
 
 namespace {
 
 using namespace troupe_vec;
+namespace py = pybind11;
 
 // silu(g) u = g sigmoid(g) u, with e = exp(-|g|) <= 1: sigmoid is 1 / (1 + e) for g >= 0 and
 // e / (1 + e) below (no overflow either way)
@@ -37,6 +45,7 @@ inline float silu_times(float g, float u) {
   return g * (g < 0 ? e : 1.0f) / (1.0f + e) * u;
 }
 
+// y = x / rms(x) * w over a row of C values
 void norm_row(const float *x, const float *w, float eps, int64_t C, float *y) {
   double ss = 0.0;  // in double: the order of the sum then barely matters
   for (int64_t c = 0; c < C; c++) ss += static_cast<double>(x[c]) * x[c];
@@ -44,74 +53,227 @@ void norm_row(const float *x, const float *w, float eps, int64_t C, float *y) {
   for (int64_t c = 0; c < C; c++) y[c] = x[c] * inv * w[c];
 }
 
+// x += r (the residual stream, in place; r's rows ``r_row`` apart), then y = rms_norm(x) w
+void add_norm(float *x, const float *r, int64_t r_row, const float *w, float eps, int64_t M,
+              int64_t C, float *y) {
+  for (int64_t m = 0; m < M; m++) {
+    float *xm = x + m * C;
+    const float *rm = r + m * r_row;
+    for (int64_t c = 0; c < C; c++) xm[c] += rm[c];
+    norm_row(xm, w, eps, C, y + m * C);
+  }
+}
+
+// One linear layer of the step: y (M, out) = x (M, K) W^T + b, x contiguous. ``run`` returns
+// y with rows ``row`` apart (the packed kernel writes whole blocks of 16: row >= n_out).
+struct Product {
+  enum Kind { PACKED, INT8, TORCH, PYTHON } kind;
+  int64_t n_out = 0;
+  at::Tensor packed, weight;         // PACKED: (NB, K, 16) and the (N, K) weight for MKL's rows
+  c10::optional<at::Tensor> bias;    // PACKED, TORCH: read at each call (trained in between)
+  bool packed_few = true, packed_more = true;  // PACKED: which rows (<= 4, more) it takes
+  at::Tensor colsum, scales;         // INT8 (the weight in ``packed``): small_gemm.py's docs
+  c10::optional<at::Tensor> channels, channel_rows;  // INT8 outlier channels
+  py::object fn;                     // PYTHON: rows -> rows
+
+  at::Tensor run(const at::Tensor &x, int64_t *row) const {
+    const int64_t M = x.size(0), K = x.size(1);
+    at::Tensor y;
+    switch (kind) {
+      case PACKED:
+        if (M <= 4 ? packed_few : packed_more) {
+          const int64_t NB = packed.size(0);
+          y = at::empty({M, NB * 16}, x.options());
+          troupe_small_gemm::linear(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), NB,
+                                    nullptr, y.data_ptr<float>());
+          if (bias.has_value()) {
+            const float *b = bias->data_ptr<float>();
+            float *yp = y.data_ptr<float>();
+            for (int64_t m = 0; m < M; m++)
+              for (int64_t n = 0; n < n_out; n++) yp[m * NB * 16 + n] += b[n];
+          }
+          break;
+        }
+        y = at::linear(x, weight, bias);
+        break;
+      case INT8:
+#if TROUPE_VNNI
+        y = at::empty({M, n_out}, x.options());
+        troupe_int8::linear(x.data_ptr<float>(), M, K, packed.data_ptr<int8_t>(),
+                            packed.size(0), colsum.data_ptr<int32_t>(),
+                            scales.data_ptr<float>(),
+                            bias.has_value() ? bias->data_ptr<float>() : nullptr, n_out,
+                            channels.has_value() ? channels->numel() : 0,
+                            channels.has_value() ? channels->data_ptr<int64_t>() : nullptr,
+                            channel_rows.has_value() ? channel_rows->data_ptr<float>() : nullptr,
+                            y.data_ptr<float>());
+#else
+        TORCH_CHECK(false, "decode_layer: an INT8 product in a build without AVX-512 VNNI");
+#endif
+        break;
+      case TORCH:
+        y = at::linear(x, weight, bias);
+        break;
+      case PYTHON:
+        y = fn(x).cast<at::Tensor>().contiguous();
+        break;
+    }
+    TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) >= n_out && y.stride(1) == 1 &&
+                y.scalar_type() == at::kFloat, "decode_layer: a product gave ", y.sizes(),
+                " for ", M, " rows of ", n_out, " outputs");
+    *row = y.stride(0);
+    return y;
+  }
+};
+
+using ProductPtr = std::shared_ptr<Product>;
+
+struct Layer {
+  at::Tensor ln1, ln2;
+  ProductPtr qkv, proj, fc, down;
+};
+
+// The model's layers, their products and norms: ``run`` is one decode step through them.
+class Step {
+ public:
+  Step(std::vector<py::tuple> layers, at::Tensor final_norm, int64_t H, int64_t Hkv, int64_t D,
+       double eps)
+      : final_norm_(final_norm), H_(H), Hkv_(Hkv), D_(D), eps_(eps) {
+    for (const auto &t : layers)
+      layers_.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(),
+                         t[2].cast<ProductPtr>(), t[3].cast<ProductPtr>(),
+                         t[4].cast<ProductPtr>(), t[5].cast<ProductPtr>()});
+  }
+
+  // x (B, C): the new tokens' embeddings, the residual stream (changed in place); cos and sin
+  // (B, D/2) their rotary angles; valid (B, col + 1) which cache columns hold real tokens
+  // (the last one this token's); ks, vs every layer's (B, Hkv, S, D) caches, written at column
+  // ``col``. Returns the final hidden states (B, C), after the last norm.
+  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor valid,
+                 std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col) {
+    const int64_t B = x.size(0), C = x.size(1), H = H_, Hkv = Hkv_, D = D_, half = D / 2;
+    const int64_t L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && C == H * D,
+                "decode_layer: x must be a contiguous (B, ", H * D, ") float32 tensor");
+    TORCH_CHECK(static_cast<int64_t>(ks.size()) == L && static_cast<int64_t>(vs.size()) == L,
+                "decode_layer: ", L, " layers' caches expected");
+    TORCH_CHECK(valid.is_contiguous() && valid.scalar_type() == at::kBool &&
+                valid.size(0) == B && valid.size(1) == col + 1,
+                "decode_layer: valid must be a contiguous (B, col + 1) bool tensor");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == half,
+                "decode_layer: cos and sin must be contiguous (B, D/2)");
+    for (int64_t i = 0; i < L; i++)
+      TORCH_CHECK(ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat &&
+                  ks[i].size(0) == B && ks[i].size(1) == Hkv && ks[i].size(3) == D &&
+                  ks[i].sizes() == vs[i].sizes() && ks[i].stride(3) == 1 &&
+                  vs[i].stride(3) == 1 && ks[i].size(2) > col,
+                  "decode_layer: layer ", i, "'s cache is not (", B, ", ", Hkv, ", > ", col,
+                  ", ", D, ") float32");
+    const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
+    float *xp = x.data_ptr<float>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    auto h = at::empty({B, C}, x.options());
+    auto q = at::empty({B, H, D}, x.options());
+    auto y = at::empty({B, C}, x.options());
+    float *hp = h.data_ptr<float>(), *qp = q.data_ptr<float>();
+    for (int64_t m = 0; m < B; m++)
+      norm_row(xp + m * C, layers_[0].ln1.data_ptr<float>(), eps, C, hp + m * C);
+    for (int64_t i = 0; i < L; i++) {
+      const Layer &layer = layers_[i];
+      int64_t row;
+      // q, k, v: rotary positions on q and k, k and v into the cache's column ``col``
+      const at::Tensor qkv = layer.qkv->run(h, &row);
+      const float *src = qkv.data_ptr<float>();
+      float *kp = ks[i].data_ptr<float>(), *vp = vs[i].data_ptr<float>();
+      auto rotate = [&](const float *in, const float *c, const float *s, float *out) {
+        for (int64_t j = 0; j < half; j++) {
+          const float x1 = in[j], x2 = in[half + j];
+          out[j] = x1 * c[j] - x2 * s[j];
+          out[half + j] = x2 * c[j] + x1 * s[j];
+        }
+      };
+      for (int64_t m = 0; m < B; m++) {
+        const float *r = src + m * row, *c = cp + m * half, *s = sp + m * half;
+        for (int64_t hh = 0; hh < H; hh++) rotate(r + hh * D, c, s, qp + (m * H + hh) * D);
+        for (int64_t hh = 0; hh < Hkv; hh++) {
+          float *kd = kp + m * ks[i].stride(0) + hh * ks[i].stride(1) + col * ks[i].stride(2);
+          float *vd = vp + m * vs[i].stride(0) + hh * vs[i].stride(1) + col * vs[i].stride(2);
+          rotate(r + (H + hh) * D, c, s, kd);
+          std::memcpy(vd, r + (H + Hkv + hh) * D, D * sizeof(float));
+        }
+      }
+      const troupe_attention::Layout a{
+          B, H, Hkv, col + 1, D,
+          qp, H * D, D,
+          kp, ks[i].stride(0), ks[i].stride(1), ks[i].stride(2),
+          vp, vs[i].stride(0), vs[i].stride(1), vs[i].stride(2),
+          valid.data_ptr<bool>(), y.data_ptr<float>()};
+      troupe_attention::decode(a, scale);
+      // the output product, the residual, the MLP's norm
+      const at::Tensor o = layer.proj->run(y, &row);
+      add_norm(xp, o.data_ptr<float>(), row, layer.ln2.data_ptr<float>(), eps, B, C, hp);
+      // SwiGLU: [gate | up] = h W_fc^T, silu(gate) * up, the down product
+      const at::Tensor g = layer.fc->run(h, &row);
+      const int64_t F = layer.fc->n_out / 2;
+      auto act = at::empty({B, F}, x.options());
+      const float *gp = g.data_ptr<float>();
+      float *ap = act.data_ptr<float>();
+      for (int64_t m = 0; m < B; m++) {
+        const float *gate = gp + m * row, *up = gate + F;
+        float *out = ap + m * F;
+        int64_t f = 0;
+        for (; f + 16 <= F; f += 16) st(out + f, silu_times(ld(gate + f), ld(up + f)));
+        for (; f < F; f++) out[f] = silu_times(gate[f], up[f]);
+      }
+      const at::Tensor d = layer.down->run(act, &row);
+      const at::Tensor &norm = i + 1 < L ? layers_[i + 1].ln1 : final_norm_;
+      add_norm(xp, d.data_ptr<float>(), row, norm.data_ptr<float>(), eps, B, C, hp);
+    }
+    return h;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  int64_t H_, Hkv_, D_;
+  double eps_;
+};
+
 }  // namespace
 
-at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
-  const int64_t M = x.size(0), C = x.size(1);
-  auto y = at::empty({M, C}, x.options());
-  for (int64_t m = 0; m < M; m++)
-    norm_row(x.data_ptr<float>() + m * C, w.data_ptr<float>(), eps, C, y.data_ptr<float>() + m * C);
-  return y;
-}
-
-at::Tensor add_rms_norm(at::Tensor x, at::Tensor r, at::Tensor w, double eps) {
-  const int64_t M = x.size(0), C = x.size(1);
-  auto y = at::empty({M, C}, x.options());
-  float *xp = x.data_ptr<float>();
-  const float *rp = r.data_ptr<float>();
-  for (int64_t i = 0; i < M * C; i++) xp[i] += rp[i];
-  for (int64_t m = 0; m < M; m++)
-    norm_row(xp + m * C, w.data_ptr<float>(), eps, C, y.data_ptr<float>() + m * C);
-  return y;
-}
-
-at::Tensor silu_mul(at::Tensor g) {
-  const int64_t M = g.size(0), F = g.size(1) / 2;
-  auto y = at::empty({M, F}, g.options());
-  const float *gp = g.data_ptr<float>();
-  float *yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; m++) {
-    const float *gate = gp + m * 2 * F, *up = gate + F;
-    float *out = yp + m * F;
-    int64_t f = 0;
-    for (; f + 16 <= F; f += 16) st(out + f, silu_times(ld(gate + f), ld(up + f)));
-    for (; f < F; f++) out[f] = silu_times(gate[f], up[f]);
-  }
-  return y;
-}
-
-// qkv (M, (H + 2 Hkv) D) contiguous; cos, sin (M, D/2); k, v caches (M, Hkv, S, D) with unit
-// stride along D
-at::Tensor rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t Hkv,
-                      at::Tensor k, at::Tensor v, int64_t col) {
-  const int64_t M = qkv.size(0), D = k.size(3), half = D / 2, width = qkv.size(1);
-  auto q = at::empty({M, H, 1, D}, qkv.options());
-  const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  auto rotate = [&](const float *x, const float *c, const float *s, float *out) {
-    for (int64_t i = 0; i < half; i++) {
-      const float x1 = x[i], x2 = x[half + i];
-      out[i] = x1 * c[i] - x2 * s[i];
-      out[half + i] = x2 * c[i] + x1 * s[i];
-    }
-  };
-  for (int64_t m = 0; m < M; m++) {
-    const float *row = src + m * width, *c = cp + m * half, *s = sp + m * half;
-    for (int64_t h = 0; h < H; h++) rotate(row + h * D, c, s, qp + (m * H + h) * D);
-    for (int64_t h = 0; h < Hkv; h++) {
-      float *kd = kp + m * k.stride(0) + h * k.stride(1) + col * k.stride(2);
-      float *vd = vp + m * v.stride(0) + h * v.stride(1) + col * v.stride(2);
-      rotate(row + (H + h) * D, c, s, kd);
-      const float *vs = row + (H + Hkv + h) * D;
-      for (int64_t i = 0; i < D; i++) vd[i] = vs[i];
-    }
-  }
-  return q;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("silu_mul", &silu_mul);
-  m.def("rope_store", &rope_store);
+  py::class_<Product, ProductPtr>(m, "Product");
+  m.def("packed", [](at::Tensor packed, at::Tensor weight, c10::optional<at::Tensor> bias,
+                     int64_t n_out, bool few, bool more) {
+    auto p = std::make_shared<Product>();
+    p->kind = Product::PACKED;
+    p->packed = packed, p->weight = weight, p->bias = bias, p->n_out = n_out;
+    p->packed_few = few, p->packed_more = more;
+    return p;
+  });
+  m.def("int8", [](at::Tensor packed, at::Tensor colsum, at::Tensor scales,
+                   c10::optional<at::Tensor> bias, int64_t n_out,
+                   c10::optional<at::Tensor> channels, c10::optional<at::Tensor> channel_rows) {
+    TORCH_CHECK(TROUPE_VNNI, "decode_layer: this build has no AVX-512 VNNI");
+    auto p = std::make_shared<Product>();
+    p->kind = Product::INT8;
+    p->packed = packed, p->colsum = colsum, p->scales = scales, p->bias = bias;
+    p->n_out = n_out, p->channels = channels, p->channel_rows = channel_rows;
+    return p;
+  });
+  m.def("torch", [](at::Tensor weight, c10::optional<at::Tensor> bias) {
+    auto p = std::make_shared<Product>();
+    p->kind = Product::TORCH;
+    p->weight = weight, p->bias = bias, p->n_out = weight.size(0);
+    return p;
+  });
+  m.def("python", [](py::object fn, int64_t n_out) {
+    auto p = std::make_shared<Product>();
+    p->kind = Product::PYTHON;
+    p->fn = fn, p->n_out = n_out;
+    return p;
+  });
+  py::class_<Step>(m, "Step")
+      .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, double>())
+      .def("run", &Step::run);
 }

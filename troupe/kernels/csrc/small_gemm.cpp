@@ -1,92 +1,18 @@
-// fp32 y = x W^T + b for a few rows of x (decoding: one token per sequence), with W packed as
-// (N/16, K, 16): for each k, one 16-wide vector of weights meets every row's broadcast input,
-// so the weight is streamed once at full vector width and no horizontal sums are needed.
-// Two blocks of 16 outputs and up to 8 rows per pass keep 16 accumulators in registers; the
-// blocks are split over torch's intra-op threads (at::parallel_for). GCC's vector extensions
-// (64-byte vectors) compile to AVX-512 where the CPU has it and to pairs of AVX2 ops where not.
+// Binds the packed few-row fp32 product of small_gemm.h for torch (troupe.kernels.small_gemm).
 // the headers this file uses, not <torch/extension.h>: half the compile time
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
-#include <ATen/Parallel.h>
-#include <cstring>
 
-typedef float v16 __attribute__((vector_size(64)));
-static inline v16 ld(const float *p) { v16 v; std::memcpy(&v, p, 64); return v; }
-static inline void st(float *p, v16 v) { std::memcpy(p, &v, 64); }
+#include "small_gemm.h"
 
-// y[:, 16b:16b+16] for two blocks b, b+1 at a time; x (M, K) with M <= 8
-template <int M>
-static void blocks(const float *x, int64_t K, const float *wp, int64_t N, float *y,
-                   const float *bias, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b += 2) {
-    const bool two = b + 1 < b1;
-    const float *w0 = wp + b * K * 16, *w1 = two ? w0 + K * 16 : w0;
-    v16 a0[M], a1[M];
-    for (int m = 0; m < M; m++) { a0[m] = (v16){0}; a1[m] = (v16){0}; }
-    for (int64_t k = 0; k < K; k++) {
-      const v16 W0 = ld(w0 + k * 16), W1 = ld(w1 + k * 16);
-      for (int m = 0; m < M; m++) {
-        const v16 xb = (v16){0} + x[m * K + k];
-        a0[m] += W0 * xb;
-        a1[m] += W1 * xb;
-      }
-    }
-    v16 c0 = (v16){0}, c1 = (v16){0};
-    if (bias) { c0 = ld(bias + b * 16); if (two) c1 = ld(bias + b * 16 + 16); }
-    for (int m = 0; m < M; m++) {
-      st(y + m * N + b * 16, a0[m] + c0);
-      if (two) st(y + m * N + b * 16 + 16, a1[m] + c1);
-    }
-  }
-}
-
-// one row (batch 1): a block at a time, so each thread streams one run of weights (the
-// hardware prefetcher follows one stream better than two: 86% of a sum's read bandwidth on
-// the 2-core EPYC against 82%), four accumulators over consecutive k hiding the FMA latency
-static void blocks1(const float *x, int64_t K, const float *wp, float *y, const float *bias,
-                    int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b++) {
-    const float *w = wp + b * K * 16;
-    v16 a0 = (v16){0}, a1 = (v16){0}, a2 = (v16){0}, a3 = (v16){0};
-    int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
-      a0 += ld(w + k * 16) * x[k];
-      a1 += ld(w + k * 16 + 16) * x[k + 1];
-      a2 += ld(w + k * 16 + 32) * x[k + 2];
-      a3 += ld(w + k * 16 + 48) * x[k + 3];
-    }
-    for (; k < K; k++) a0 += ld(w + k * 16) * x[k];
-    v16 c = (a0 + a1) + (a2 + a3);
-    if (bias) c += ld(bias + b * 16);
-    st(y + b * 16, c);
-  }
-}
-
+// x (M, K) contiguous fp32, wp (NB, K, 16), bias (16 NB) or absent: y (M, 16 NB)
 at::Tensor linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias) {
-  const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), N = NB * 16;
-  auto y = at::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
-  const float *bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float *yp = y.data_ptr<float>();
-  at::parallel_for(0, (NB + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, M - m0);
-      const float *xm = xp + m0 * K;
-      float *ym = yp + m0 * N;
-      const int64_t b0 = 2 * p0, b1 = std::min(2 * p1, NB);
-      switch (rows) {
-        case 1: blocks1(xm, K, w, ym, bp, b0, b1); break;
-        case 2: blocks<2>(xm, K, w, N, ym, bp, b0, b1); break;
-        case 3: blocks<3>(xm, K, w, N, ym, bp, b0, b1); break;
-        case 4: blocks<4>(xm, K, w, N, ym, bp, b0, b1); break;
-        case 5: blocks<5>(xm, K, w, N, ym, bp, b0, b1); break;
-        case 6: blocks<6>(xm, K, w, N, ym, bp, b0, b1); break;
-        case 7: blocks<7>(xm, K, w, N, ym, bp, b0, b1); break;
-        default: blocks<8>(xm, K, w, N, ym, bp, b0, b1); break;
-      }
-    }
-  });
+  const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0);
+  auto y = at::empty({M, NB * 16}, x.options());
+  troupe_small_gemm::linear(x.data_ptr<float>(), M, K, wp.data_ptr<float>(), NB,
+                            bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                            y.data_ptr<float>());
   return y;
 }
 
