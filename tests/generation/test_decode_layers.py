@@ -71,7 +71,11 @@ def test_fp32_packed_layers_give_the_hidden_states_of_the_model(kw):
 def test_w8a8_layers_give_the_hidden_states_of_the_quantized_model():
     model = _model(n_kv_head=2)
     quantize_model(model, {"*": "w8a8"})
-    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    want = [m.qw.q.clone() for m in model.modules() if hasattr(m, "int8_operands")]
+    # a server's copy: the INT8 weights move onto huge pages, the same values
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model, huge_pages=True))
+    assert all(torch.equal(a, m.qw.q) for a, m in zip(
+        want, [m for m in model.modules() if hasattr(m, "int8_operands")]))
     for got, want in _steps(model, fused):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -107,6 +111,33 @@ def test_weights_changed_in_place_or_replaced_are_decoded_from():
     fresh = ContinuousBatcher(model, 256, max_batch=2)
     fresh.add("c", prompt, SamplingParams(max_tokens=16))
     assert after == fresh.run()["c"] != before
+
+
+def test_the_step_gives_logits_greedy_tokens_and_which_rows_are_finite():
+    """The step's logits are the model's (an output projection of its own here: the tied one
+    is the engine test's), its greedy tokens their argmax; a row whose token embeds to an
+    infinity is reported not finite, alone."""
+    model = _model(n_kv_head=2, tie_embeddings=False)
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    assert fused.has_logits and fused.own_embedding
+    prompt = torch.randint(0, 97, (3, 6), generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    valid[0, :2] = False                               # a left-padded row
+    tokens = torch.tensor([[5], [9], [11]])
+    with torch.no_grad():
+        for poisoned in (False, True):
+            if poisoned:
+                model.tok_emb.weight[9, 3] = float("inf")  # the step reads it in place
+            cache = KVCache.empty(model.cfg, 3, 8)
+            model.hidden(prompt, valid_BS=valid[:, :6], cache=cache)
+            twin = KVCache([t.clone() for t in cache.k], [t.clone() for t in cache.v], 6)
+            h, _ = model.hidden(tokens, valid_BS=valid, cache=cache)
+            want = model.logits(h[:, 0])
+            logits, greedy, finite = fused.logits(tokens, valid, twin)
+            assert finite == [True, not poisoned, True]
+            rows = [0, 2] if poisoned else [0, 1, 2]
+            torch.testing.assert_close(logits[rows], want[rows], rtol=1e-5, atol=1e-5)
+            assert [greedy[r] for r in rows] == want[rows].argmax(-1).tolist()
 
 
 def test_models_it_does_not_cover_get_none():

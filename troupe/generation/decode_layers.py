@@ -35,9 +35,9 @@ def _extension():
 class DecodeLayers:
     """A model's decode step as one native call (``hidden``); ``of`` builds it."""
 
-    def __init__(self, model: nn.Module, step):
+    def __init__(self, model: nn.Module, step, own_embedding: bool, logits: bool):
         self.model, self.step = model, step
-        self.inv_freq = model.blocks[0].attn.inv_freq
+        self.own_embedding, self.has_logits = own_embedding, logits
 
     @classmethod
     def of(cls, model: nn.Module, packed: "small_gemm.DecodeWeights | None") -> "DecodeLayers | None":
@@ -76,21 +76,47 @@ class DecodeLayers:
             layers.append((block.ln1.weight.detach(), block.ln2.weight.detach(),
                            product(attn.qkv), product(attn.proj), product(mlp.fc),
                            product(mlp.proj)))
+        emb = model.tok_emb
+        embedding = (emb.weight.detach() if type(emb) is nn.Embedding
+                     and emb.weight.dtype == torch.float32 and cfg.positions == "rope" else None)
+        head = getattr(model, "lm_head", None)
+        if head is not None:
+            logits = product(head)
+        elif packed and packed.logits_weight is not None:
+            logits = native.packed(packed.logits_weight, emb.weight.detach(), None,
+                                   cfg.vocab_size, *packed.uses[None])
+        elif embedding is not None:
+            logits = native.torch(embedding, None)
+        else:
+            logits = None
         step = native.Step(layers, model.ln_f.weight.detach(), cfg.n_head, cfg.kv_heads, D,
-                           float(model.ln_f.eps))
-        return cls(model, step)
+                           float(model.ln_f.eps), embedding,
+                           blocks[0].attn.inv_freq.float(), logits)
+        return cls(model, step, embedding is not None, logits is not None)
 
     def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache) -> torch.Tensor:
         """The final hidden states (B, C) (after the last norm) of one new token per sequence,
         its keys and values written to column ``cache.length`` (then counted); ``valid_BS``
         (B, cache.length + 1) says which columns hold real tokens, the last one this token."""
-        valid = valid_BS.contiguous()
-        pos = valid.sum(1, keepdim=True) - 1                    # (B, 1)
-        angles = pos.float() * self.inv_freq                   # (B, D/2)
-        x = self.model.embed(idx_B1, pos)[:, 0].contiguous()    # (B, C), the residual stream
-        h = self.step.run(x, angles.cos(), angles.sin(), valid, cache.k, cache.v, cache.length)
+        h = self.step.run(*self._inputs(idx_B1, valid_BS, cache))
         cache.length += 1
         return h
+
+    def logits(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache
+               ) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """``hidden``'s step, then the logits (B, V), each row's greedy token and whether the
+        row is finite (``has_logits``: the step was given the model's output projection)."""
+        logits, greedy, finite = self.step.logits(*self._inputs(idx_B1, valid_BS, cache))
+        cache.length += 1
+        return logits, greedy.tolist(), finite.tolist()
+
+    def _inputs(self, idx_B1, valid_BS, cache) -> tuple:
+        tokens = idx_B1.reshape(-1)
+        x = None
+        if not self.own_embedding:  # a quantized embedding, say: the model's own lookup
+            pos = valid_BS.sum(1, keepdim=True) - 1
+            x = self.model.embed(idx_B1, pos)[:, 0].float()
+        return tokens, x, valid_BS.contiguous(), cache.k, cache.v, cache.length
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:

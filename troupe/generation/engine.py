@@ -390,6 +390,8 @@ class ContinuousBatcher:
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
         if self.fused is not None and len(seqs) <= MAX_ROWS and not self._adapted() \
                 and self.cache.k[0].dtype == torch.float32:
+            if self.fused.has_logits:
+                return self._choose(seqs, *self.fused.logits(idx, self.valid, self.cache))
             h = self.fused.hidden(idx, self.valid, self.cache)
             return self._choose(seqs, self.packed.logits(h) if self.packed
                                 else self.model.logits(h))
@@ -415,12 +417,18 @@ class ContinuousBatcher:
         """The prefix cache's namespace for a sequence: the weights' and its adapter's."""
         return self.cache_namespace if adapter is None else f"{self.cache_namespace}|{adapter}"
 
-    def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[Event]:
+    def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor,
+                greedy: list[int] | None = None, finite: list[bool] | None = None
+                ) -> list[Event]:
+        """Each sequence's next token from its row of logits; ``greedy`` and ``finite``: each
+        row's argmax and finiteness when the step computed them (the fused one does)."""
         events = []
         logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
         # the finiteness test and the greedy choices of the whole batch at once
-        finite = finite_rows(logits_BV).tolist()
-        greedy = logits_BV.argmax(-1).tolist()
+        if finite is None:
+            finite = finite_rows(logits_BV).tolist()
+        if greedy is None:
+            greedy = logits_BV.argmax(-1).tolist()
         for i, (s, logits) in enumerate(zip(seqs, logits_BV)):
             masked = None
             try:

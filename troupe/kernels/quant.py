@@ -51,7 +51,10 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.colsum is None else self.colsum.numel() * 4
-        return self.q.untyped_storage().nbytes() + self.scales.numel() * 4 + extra
+        # the bytes q spans (rows padded for the GEMM count; the rest of a larger buffer it may
+        # be a view into does not: DecodeWeights puts a server's on huge pages)
+        span = self.q.shape[0] * self.q.stride(0) if self.q.dim() else self.q.numel()
+        return span * self.q.element_size() + self.scales.numel() * 4 + extra
 
 
 def quantize_weight(w_OI: torch.Tensor, bits: int = 8, group_size: int | None = None,

@@ -1,11 +1,17 @@
 // A whole decode step of a Llama-style decoder (one new token per sequence, a few sequences)
-// in one call: per layer RMSNorm, the qkv product, rotary positions on q and k (the half-split
-// layout of Hugging Face's Llama) with k and v written to the cache, attention over the cache,
-// the output product, residual add + RMSNorm, the gate/up product, SwiGLU, the down product and
-// the residual add + the next norm. At batch 1 on SmolLM2 the step is bound by reading the
-// weights; what is not a product was a third of it when each of these ran as its own call from
-// Python (a few microseconds of dispatch each, thirty layers; benchmarks/RESULTS.md, "Decoding
-// at batch 1").
+// in one call: the token embeddings and rotary angles; per layer RMSNorm, the qkv product,
+// rotary positions on q and k (the half-split layout of Hugging Face's Llama) with k and v
+// written to the cache, attention over the cache, the output product, residual add + RMSNorm,
+// the gate/up product, SwiGLU, the down product, residual add + the next norm; then the logits,
+// each row's greedy choice and whether the row is finite (the sampler's first questions).
+//
+// At batch 1 on SmolLM2 the step is bound by reading the weights; what is not a product was a
+// third of it when each of these ran as its own call from Python (a few microseconds of
+// dispatch each, thirty layers; benchmarks/RESULTS.md, "Decoding at batch 1"). Python's own
+// work between steps slows too: the weights streamed through the caches leave the
+// interpreter's and torch's dispatch data cold (a torch op on a few values took 0.15-0.3 ms
+// right after a step, 0.03 ms warm), so the step leaves Python nothing but the sampler's
+// bookkeeping.
 //
 // A product is one of: the packed fp32 kernel (small_gemm.h), the W8A8 kernel (int8_gemm.h, on
 // CPUs with AVX-512 VNNI), torch's linear (MKL, for the rows where it measured faster on this
@@ -19,7 +25,9 @@
 #include <ATen/ops/linear.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cmath>
+#include <cstring>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "decode_attention.h"
@@ -136,32 +144,35 @@ struct Layer {
 // The model's layers, their products and norms: ``run`` is one decode step through them.
 class Step {
  public:
+  // layers: (ln1, ln2, qkv, proj, fc, down) each; embedding: the (V, C) fp32 token embedding,
+  // or absent (then ``run`` is given the embeddings); inv_freq: the rotary frequencies (D/2);
+  // head: the logits' product, or absent (then ``logits`` cannot be asked for)
   Step(std::vector<py::tuple> layers, at::Tensor final_norm, int64_t H, int64_t Hkv, int64_t D,
-       double eps)
-      : final_norm_(final_norm), H_(H), Hkv_(Hkv), D_(D), eps_(eps) {
+       double eps, c10::optional<at::Tensor> embedding, at::Tensor inv_freq,
+       c10::optional<ProductPtr> head)
+      : final_norm_(final_norm), H_(H), Hkv_(Hkv), D_(D), eps_(eps), embedding_(embedding),
+        inv_freq_(inv_freq.contiguous()), head_(head.value_or(nullptr)) {
     for (const auto &t : layers)
       layers_.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(),
                          t[2].cast<ProductPtr>(), t[3].cast<ProductPtr>(),
                          t[4].cast<ProductPtr>(), t[5].cast<ProductPtr>()});
   }
 
-  // x (B, C): the new tokens' embeddings, the residual stream (changed in place); cos and sin
-  // (B, D/2) their rotary angles; valid (B, col + 1) which cache columns hold real tokens
-  // (the last one this token's); ks, vs every layer's (B, Hkv, S, D) caches, written at column
-  // ``col``. Returns the final hidden states (B, C), after the last norm.
-  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor valid,
+  // tokens (B) int64: one new token per sequence; x (B, C): their embeddings when the step has
+  // no embedding of its own (else absent); valid (B, col + 1): which cache columns hold real
+  // tokens (the last one this token's; a token's position is its row's count of them, less
+  // one); ks, vs: every layer's (B, Hkv, S, D) caches, written at column ``col``. Returns the
+  // final hidden states (B, C), after the last norm.
+  at::Tensor run(at::Tensor tokens, c10::optional<at::Tensor> given, at::Tensor valid,
                  std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col) {
-    const int64_t B = x.size(0), C = x.size(1), H = H_, Hkv = Hkv_, D = D_, half = D / 2;
+    const int64_t B = valid.size(0), C = H_ * D_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
     const int64_t L = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat && C == H * D,
-                "decode_layer: x must be a contiguous (B, ", H * D, ") float32 tensor");
+    at::Tensor x = embed(tokens, given, B, C);
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == L && static_cast<int64_t>(vs.size()) == L,
                 "decode_layer: ", L, " layers' caches expected");
     TORCH_CHECK(valid.is_contiguous() && valid.scalar_type() == at::kBool &&
                 valid.size(0) == B && valid.size(1) == col + 1,
                 "decode_layer: valid must be a contiguous (B, col + 1) bool tensor");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == half,
-                "decode_layer: cos and sin must be contiguous (B, D/2)");
     for (int64_t i = 0; i < L; i++)
       TORCH_CHECK(ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat &&
                   ks[i].size(0) == B && ks[i].size(1) == Hkv && ks[i].size(3) == D &&
@@ -171,7 +182,21 @@ class Step {
                   ", ", D, ") float32");
     const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
     float *xp = x.data_ptr<float>();
-    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    // rotary angles: position p of a row times each frequency, in fp32 as the model's are
+    std::vector<float> cosines(B * half), sines(B * half);
+    const bool *vp_all = valid.data_ptr<bool>();
+    const float *freq = inv_freq_.data_ptr<float>();
+    for (int64_t m = 0; m < B; m++) {
+      int64_t count = 0;
+      for (int64_t c = 0; c <= col; c++) count += vp_all[m * (col + 1) + c];
+      const float p = static_cast<float>(count - 1);
+      for (int64_t j = 0; j < half; j++) {
+        const float angle = p * freq[j];
+        cosines[m * half + j] = std::cos(angle);
+        sines[m * half + j] = std::sin(angle);
+      }
+    }
+    const float *cp = cosines.data(), *sp = sines.data();
     auto h = at::empty({B, C}, x.options());
     auto q = at::empty({B, H, D}, x.options());
     auto y = at::empty({B, C}, x.options());
@@ -232,11 +257,76 @@ class Step {
     return h;
   }
 
+  // ``run``, then the logits (B, V) of its hidden states, each row's greedy choice (the first
+  // index of its largest value) and whether the row is finite
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> logits(at::Tensor tokens,
+                                                        c10::optional<at::Tensor> given,
+                                                        at::Tensor valid,
+                                                        std::vector<at::Tensor> ks,
+                                                        std::vector<at::Tensor> vs, int64_t col) {
+    TORCH_CHECK(head_, "decode_layer: this step was built without the logits' product");
+    const at::Tensor h = run(tokens, given, valid, ks, vs, col);
+    int64_t row;
+    at::Tensor out = head_->run(h, &row);
+    const int64_t B = h.size(0), V = head_->n_out;
+    auto greedy = at::empty({B}, h.options().dtype(at::kLong));
+    auto finite = at::empty({B}, h.options().dtype(at::kBool));
+    const float *lp = out.data_ptr<float>();
+    for (int64_t m = 0; m < B; m++) {
+      const float *r = lp + m * row;
+      v16 best = splat(-INFINITY), bad = splat(0.0f);
+      int64_t v = 0;
+      for (; v + 16 <= V; v += 16) {
+        const v16 x = ld(r + v);
+        best = x > best ? x : best;
+        bad += x - x;  // 0 for a finite x, NaN for an infinity or a NaN
+      }
+      float top = -INFINITY, sum_bad = 0.0f;
+      for (int i = 0; i < 16; i++) top = std::max(top, best[i]), sum_bad += bad[i];
+      for (; v < V; v++) top = std::max(top, r[v]), sum_bad += r[v] - r[v];
+      int64_t at = 0;
+      while (at < V && r[at] != top) at++;
+      finite.data_ptr<bool>()[m] = sum_bad == 0.0f && std::isfinite(top);
+      greedy.data_ptr<int64_t>()[m] = at < V ? at : 0;
+    }
+    if (row != V) out = out.narrow(1, 0, V);
+    return {out, greedy, finite};
+  }
+
  private:
+  // x (B, C), the residual stream: the given embeddings (copied: the step changes x in place)
+  // or the token embedding's rows
+  at::Tensor embed(const at::Tensor &tokens, const c10::optional<at::Tensor> &given, int64_t B,
+                   int64_t C) const {
+    if (given.has_value()) {
+      TORCH_CHECK(given->dim() == 2 && given->size(0) == B && given->size(1) == C &&
+                  given->scalar_type() == at::kFloat,
+                  "decode_layer: the embeddings must be (", B, ", ", C, ") float32");
+      return given->contiguous().clone();
+    }
+    TORCH_CHECK(embedding_.has_value(), "decode_layer: this step has no embedding: give x");
+    TORCH_CHECK(tokens.numel() == B && tokens.scalar_type() == at::kLong,
+                "decode_layer: tokens must be ", B, " int64 values");
+    const at::Tensor t = tokens.contiguous();
+    const int64_t V = embedding_->size(0);
+    auto x = at::empty({B, C}, embedding_->options());
+    for (int64_t m = 0; m < B; m++) {
+      const int64_t id = t.data_ptr<int64_t>()[m];
+      TORCH_CHECK(id >= 0 && id < V, "decode_layer: token ", id, " of row ", m,
+                  " is outside the vocabulary (", V, ")");
+      std::memcpy(x.data_ptr<float>() + m * C, embedding_->data_ptr<float>() + id * C,
+                  C * sizeof(float));
+    }
+    return x;
+  }
+
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
   int64_t H_, Hkv_, D_;
   double eps_;
+  c10::optional<at::Tensor> embedding_;
+  at::Tensor inv_freq_;
+  ProductPtr head_;
 };
 
 }  // namespace
@@ -274,6 +364,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return p;
   });
   py::class_<Step>(m, "Step")
-      .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, double>())
-      .def("run", &Step::run);
+      .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, double,
+                    c10::optional<at::Tensor>, at::Tensor, c10::optional<ProductPtr>>())
+      .def("run", &Step::run)
+      .def("logits", &Step::logits);
 }

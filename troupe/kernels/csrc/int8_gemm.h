@@ -119,6 +119,46 @@ void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const 
   }
 }
 
+// One token (a decode step at batch 1): a block of 16 outputs at a time, so each thread streams
+// one run of weights (as small_gemm.h's one-row path; the tiles above read four blocks side
+// by side and reached half the memory's bandwidth at this shape), four accumulators over
+// consecutive groups of 4 inputs. The integer sums are exact, the epilogue tile's: the same
+// numbers, bit for bit.
+inline void row1(const uint8_t *u, float sx, int64_t K, const int8_t *wp, const int32_t *colsum,
+                 const float *sw, const float *bias, int64_t b0, int64_t b1, int64_t N, float *y,
+                 Outliers ol) {
+  const int64_t KQ = K / 4;
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t b = b0; b < b1; b++) {
+    const int8_t *w = wp + b * KQ * 64;
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    auto four = [&](int64_t k) {
+      int32_t v;
+      std::memcpy(&v, u + 4 * k, 4);
+      return _mm512_set1_epi32(v);
+    };
+    int64_t k = 0;
+    for (; k + 4 <= KQ; k += 4) {
+      a0 = _mm512_dpbusd_epi32(a0, four(k), _mm512_loadu_si512(w + k * 64));
+      a1 = _mm512_dpbusd_epi32(a1, four(k + 1), _mm512_loadu_si512(w + k * 64 + 64));
+      a2 = _mm512_dpbusd_epi32(a2, four(k + 2), _mm512_loadu_si512(w + k * 64 + 128));
+      a3 = _mm512_dpbusd_epi32(a3, four(k + 3), _mm512_loadu_si512(w + k * 64 + 192));
+    }
+    for (; k < KQ; k++) a0 = _mm512_dpbusd_epi32(a0, four(k), _mm512_loadu_si512(w + k * 64));
+    const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+    const int64_t n = b * 16;
+    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, colsum + n), 7);
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, shift));
+    v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx), RN),
+                            _mm512_maskz_loadu_ps(keep, sw + n), RN);
+    if (bias) v = _mm512_add_round_ps(v, _mm512_maskz_loadu_ps(keep, bias + n), RN);
+    for (int64_t c = 0; c < ol.k; c++)
+      v = _mm512_fmadd_ps(_mm512_set1_ps(ol.x[c]), _mm512_maskz_loadu_ps(keep, ol.w + c * N + n), v);
+    _mm512_mask_storeu_ps(y + n, keep, v);
+  }
+}
+
 template <int C>
 void rows(int64_t r, const uint8_t *u, const float *sx, int64_t K, const int8_t *wp,
           const int32_t *cs, const float *sw, const float *b, int64_t b0, int64_t N, float *y,
@@ -158,6 +198,12 @@ inline void linear(const float *xp, int64_t M, int64_t K, const int8_t *w, int64
       quantize_row(xm, K, up + m * K, sp + m);
     }
   });
+  if (M == 1) {
+    at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+      row1(up, sp[0], K, w, cs, sw, b, b0, b1, n_out, yp, Outliers{xop, k, rows_w});
+    });
+    return;
+  }
   const int64_t panels = (NB + NR - 1) / NR;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
