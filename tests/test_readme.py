@@ -42,6 +42,9 @@ def test_the_size_overrides_keep_what_a_line_sets():
     assert "sft.steps=2" in sized and readme.with_sizes("troupe serve --help") == \
         "troupe serve --help"
     assert "workers=1" in sized and "workers" not in readme.with_sizes(line, keep=("workers",))
+    smollm2 = readme.with_sizes("python apps/pretrain.py --config apps/configs/pretrain-smollm2.yaml")
+    assert "model.seq_len=64" in smollm2 and "model.seq_len" not in readme.with_sizes(
+        "python apps/pretrain.py --config apps/configs/dense-tiny.yaml")
 
 
 @pytest.mark.slow
