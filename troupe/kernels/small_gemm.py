@@ -45,6 +45,7 @@ from troupe.cache import cache_dir
 from troupe.devices import cpu_info
 from troupe.kernels import _native
 from troupe.kernels.memory import huge_page_empty
+from troupe.kernels.quant import QuantizedWeight
 
 MAX_ROWS = 16
 SMALL_ROWS = 4  # rows 1..4 follow the measurement at 1 row, 5..MAX_ROWS the one at 8
@@ -167,9 +168,8 @@ def _int8_onto_huge_pages(model: nn.Module) -> None:
     buffer on huge pages (the same values; the layers then read them there). At batch 1 their
     product read 22 GB/s on ordinary pages where the same kernel read 37 from huge ones
     (benchmarks/RESULTS.md, "Decoding at batch 1")."""
-    from troupe.compression.quantize import QuantizedLinear
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)
-              and getattr(m.qw, "layout", None) == "vnni" and m.qw.q.device.type == "cpu"]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "qw", None), QuantizedWeight)
+              and m.qw.layout == "vnni" and m.qw.q.device.type == "cpu"]
     if not layers:
         return
     sizes = [-(-m.qw.q.numel() // 64) * 64 for m in layers]  # each on a cache line of its own
