@@ -78,7 +78,7 @@ class DecodeLayers:
                            product(mlp.proj)))
         emb = model.tok_emb
         embedding = (emb.weight.detach() if type(emb) is nn.Embedding
-                     and emb.weight.dtype == torch.float32 and cfg.positions == "rope" else None)
+                     and emb.weight.dtype == torch.float32 else None)
         head = getattr(model, "lm_head", None)
         if head is not None:
             logits = product(head)
