@@ -60,6 +60,36 @@ inline void quantize_row(const float *x, int64_t K, uint8_t *u, float *scale) {
   }
 }
 
+// The per-column constants of outputs n .. n+15 (those below N): the shift the unsigned
+// activations add (128 x the column sums), the weights' scales and the bias (zeros without one)
+struct Columns {
+  __mmask16 keep;
+  __m512i shift;
+  __m512 scale, bias;
+};
+
+inline Columns columns(int64_t n, int64_t N, const int32_t *colsum, const float *sw,
+                       const float *bias) {
+  const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+  return {keep, _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, colsum + n), 7),
+          _mm512_maskz_loadu_ps(keep, sw + n),
+          bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps()};
+}
+
+// One token's outputs n .. n+15 from its exact integer sums: (acc * s_x) * s_w + b, in the
+// order int8_linear's torch ops use, bit-identical (explicit rounding: never contracted into an
+// FMA), + the fp32 outlier channels (``xo``: the token's k values there)
+inline void finish(const Columns &c, __m512i sum, float sx, bool bias, const float *xo,
+                   const Outliers &ol, int64_t N, int64_t n, float *out) {
+  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, c.shift));
+  v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx), RN), c.scale, RN);
+  if (bias) v = _mm512_add_round_ps(v, c.bias, RN);
+  for (int64_t j = 0; j < ol.k; j++)
+    v = _mm512_fmadd_ps(_mm512_set1_ps(xo[j]), _mm512_maskz_loadu_ps(c.keep, ol.w + j * N + n), v);
+  _mm512_mask_storeu_ps(out, c.keep, v);
+}
+
 // y[m0:m0+R, 16 b0 : 16 (b0+C)] for R tokens and C blocks of 16 outputs.
 template <int R, int C>
 void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const int32_t *colsum,
@@ -98,37 +128,24 @@ void tile(const uint8_t *u, const float *sx, int64_t K, const int8_t *wp, const 
   for (int i = 0; i < R; i++)
 #pragma GCC unroll 4
     for (int j = 0; j < C; j++) _mm512_store_si512(sums[i] + j * 16, acc[i][j]);
-  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int j = 0; j < C; j++) {
     const int64_t n = (b0 + j) * 16;
-    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, colsum + n), 7);
-    const __m512 s = _mm512_maskz_loadu_ps(keep, sw + n);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
-    for (int i = 0; i < R; i++) {
-      // (acc * s_x) * s_w + b, in the order int8_linear's torch ops use: bit-identical
-      // (explicit rounding: never contracted into an FMA)
-      __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[i] + j * 16), shift));
-      v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx[i]), RN), s, RN);
-      if (bias) v = _mm512_add_round_ps(v, b, RN);
-      for (int64_t c = 0; c < ol.k; c++)  // + the fp32 outlier channels
-        v = _mm512_fmadd_ps(_mm512_set1_ps(ol.x[i * ol.k + c]),
-                            _mm512_maskz_loadu_ps(keep, ol.w + c * N + n), v);
-      _mm512_mask_storeu_ps(y + i * N + n, keep, v);
-    }
+    const Columns c = columns(n, N, colsum, sw, bias);
+    for (int i = 0; i < R; i++)
+      finish(c, _mm512_load_si512(sums[i] + j * 16), sx[i], bias, ol.x + i * ol.k, ol, N, n,
+             y + i * N + n);
   }
 }
 
 // One token (a decode step at batch 1): a block of 16 outputs at a time, so each thread streams
 // one run of weights (as small_gemm.h's one-row path; the tiles above read four blocks side
 // by side and reached half the memory's bandwidth at this shape), four accumulators over
-// consecutive groups of 4 inputs. The integer sums are exact, the epilogue tile's: the same
-// numbers, bit for bit.
+// consecutive groups of 4 inputs. The integer sums are exact and ``finish`` is the tiles' own
+// epilogue: the same numbers, bit for bit.
 inline void row1(const uint8_t *u, float sx, int64_t K, const int8_t *wp, const int32_t *colsum,
                  const float *sw, const float *bias, int64_t b0, int64_t b1, int64_t N, float *y,
                  Outliers ol) {
   const int64_t KQ = K / 4;
-  constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = b0; b < b1; b++) {
     const int8_t *w = wp + b * KQ * 64;
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -147,15 +164,7 @@ inline void row1(const uint8_t *u, float sx, int64_t K, const int8_t *wp, const 
     for (; k < KQ; k++) a0 = _mm512_dpbusd_epi32(a0, four(k), _mm512_loadu_si512(w + k * 64));
     const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
     const int64_t n = b * 16;
-    const __mmask16 keep = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-    const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(keep, colsum + n), 7);
-    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, shift));
-    v = _mm512_mul_round_ps(_mm512_mul_round_ps(v, _mm512_set1_ps(sx), RN),
-                            _mm512_maskz_loadu_ps(keep, sw + n), RN);
-    if (bias) v = _mm512_add_round_ps(v, _mm512_maskz_loadu_ps(keep, bias + n), RN);
-    for (int64_t c = 0; c < ol.k; c++)
-      v = _mm512_fmadd_ps(_mm512_set1_ps(ol.x[c]), _mm512_maskz_loadu_ps(keep, ol.w + c * N + n), v);
-    _mm512_mask_storeu_ps(y + n, keep, v);
+    finish(columns(n, N, colsum, sw, bias), sum, sx, bias, ol.x, ol, N, n, y + n);
   }
 }
 
