@@ -125,7 +125,7 @@ def deepspeed_layer(M: int, H: int, E: int, k: int, cf: float):
 def make_step(spec: dict, device: str):
     """(fn, x): fn() runs the forward pass and returns (y, aux)."""
     S, M, E, k = spec["tokens"], spec["width"], spec["experts"], spec["top_k"]
-    x = torch.randn(S, M, device=device, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(S, M, generator=torch.Generator().manual_seed(5)).to(device)
     if spec["method"] == "sorted":
         r = routing(S, M, E, k, device)
         return (lambda: (unpermute(*permute(x, r.experts_SK, r.weights_SK, r.kept_SK, E)), 0)), x

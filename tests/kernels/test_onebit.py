@@ -67,7 +67,7 @@ def test_cuda_matches_the_cpu_bit_for_bit(n):
     e0, x = torch.randn(N, generator=g), torch.randn(n, generator=g) * 3
 
     def run(device):
-        e = e0.to(device)
+        e = e0.to(device, copy=True)  # the steps work in place: each run starts from e0
         scale = onebit.accumulate_(e, x.to(device))
         packed = onebit.pack_update_(e, scale)
         out = onebit.unpack_(packed, torch.zeros(N, device=device), scale)

@@ -28,10 +28,10 @@ extern "C" __global__ void pack_signs(const float* x, unsigned char* out, long l
     out[i] = byte;
 }
 extern "C" __global__ void unpack_signs(const unsigned char* packed, float* out, long long n,
-                                        float scale) {
+                                        const float* scale) {
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // one element
     if (j >= n) return;
-    out[j] = (packed[j >> 3] & (0x80 >> (j & 7))) ? scale : -scale;
+    out[j] = (packed[j >> 3] & (0x80 >> (j & 7))) ? *scale : -*scale;
 }
 """
 _kernels: dict[str, object] = {}
@@ -82,10 +82,12 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.fl
     if packed.is_cuda and cupy_or_none() is not None:
         res = out if out is not None else torch.empty(numel, device=packed.device)
         if numel:
+            # the scale is read on the device: a CUDA tensor (1-bit Adam's) needs no host sync
+            s = torch.as_tensor(scale, dtype=torch.float32).to(packed.device).reshape(1)
             grid, block = launch_config(numel)
             with _stream(packed):
                 _kernel("unpack_signs")(grid, block, (as_cupy(packed.contiguous()), as_cupy(res),
-                                                      np.int64(numel), np.float32(scale)))
+                                                      np.int64(numel), as_cupy(s)))
         return res if dtype == torch.float32 else res.to(dtype)
     # One gather from a 256 x 8 table of +-scale: a single pass that writes the floats.
     table = _table(packed.device) * scale
