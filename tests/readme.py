@@ -231,12 +231,17 @@ class Section:
     def close(self) -> None:
         for proc in self.servers:
             if proc.poll() is None:
+                start = time.monotonic()
                 os.killpg(proc.pid, signal.SIGINT)
                 try:
                     proc.wait(60)
+                    how = "stopped by Ctrl-C"
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                    how = "still running 60 s after Ctrl-C: killed"
+                self.timings.append({"block": "(end of section)", "command": f"server {how}",
+                                     "seconds": round(time.monotonic() - start, 1)})
         if self.ray_started:
             subprocess.run(["ray", "stop", "--force"], env=self.env(), capture_output=True)
 
