@@ -18,7 +18,8 @@ source is compiled on first use (torch.utils.cpp_extension, cached); without a c
 a GPU, or with TROUPE_NATIVE=0 the model is left as it is.
 
 Which product is faster depends on the machine: on the 2-core EPYC the packed one is 2.5x
-MKL's at every decode shape, on an AMX Xeon the same benchmark gained far less. So each weight
+MKL's at every decode shape; on a 16-core AMX Xeon MKL's was the faster one at every point
+measured (the packed one 0.60-0.86x of it, at 1 and 8 rows on 2 and 8 threads). So each weight
 shape is measured once per machine (``choices``: both products at 1 and at 8 rows over copies
 of the weight larger than the caches, as a decode step streams them), and a layer keeps MKL for
 the rows where MKL won. The answers are cached beside the compiled kernels, keyed by the CPU
@@ -138,22 +139,6 @@ class DecodeWeights:
         finally:
             for module in self.layers:
                 del module.forward  # back to the class's forward
-
-    def product(self, module: nn.Module):
-        """``module``'s product of a few contiguous rows (rows, K) without autograd: the
-        packed kernel for the rows it was chosen for, else the module's own forward (MKL, or a
-        quantized layer's kernel), called directly (no hooks)."""
-        packed = self.layers.get(module)
-        if packed is None:
-            return module.forward
-        uses = self.uses[module]
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if not uses[x.shape[0] > SMALL_ROWS]:
-                return F.linear(x, module.weight, module.bias)
-            # the bias read at each call: it is trained between engines
-            return linear(x, packed, module.out_features, module.bias).contiguous()
-        return run
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The model's next-token logits of hidden states (..., C), packed when it can."""
