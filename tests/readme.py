@@ -204,9 +204,13 @@ class Section:
 
     def serve(self, command: str, what: str, timeout: float = 600) -> str:
         """Start a server in the background; returns its URL once it says where it serves."""
+        # SIGINT as a terminal has it: a suite started in the background (CI, `cmd &`) ignores
+        # it, the server would inherit that, and the Ctrl-C at the section's end would not stop
+        # it (60 s, then a kill, in each section with a server)
         proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=self.workdir,
                                 env=self.env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.servers.append(proc)
         seen: list[str] = []
         url: list[str] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 import urllib.request
 
@@ -54,9 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out["choices"][0]), flush=True)
         serve.shutdown()
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`, `docker stop`: as Ctrl-C
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
     return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
