@@ -66,6 +66,10 @@ SIZE = {
 # one rank, on top of their app's sizes (a README line that sets a key keeps its value).
 SIZE_OF_RECIPE = {
     "pretrain-smollm2.yaml": ["model.seq_len=64", "workers=1"],  # 54 s with the recipe's own
+    # no step-3 checkpoint (the RLHF section's tiny runs test them): SmolLM2's policy, critic and
+    # their Adam states are 4.1 GB and 9 s to write
+    "rlhf-smollm2.yaml": ["step3.checkpoint_every=0"],
+    "grpo-smollm2.yaml": ["step3.checkpoint_every=0"],
 }
 
 # Files a block names as the user's own (``data.path=pairs.jsonl``), written into the section.
@@ -151,8 +155,10 @@ def with_sizes(line: str, keep: tuple[str, ...] = ()) -> str:
     app = next(g for g in m.groups() if g)
     given = set(re.findall(r"(?:^|\s)([\w.]+)=", line[m.end():])) | set(keep)
     recipe = re.search(r"--config\s+\S*?([\w.-]+\.yaml)", line)
-    sizes = SIZE[app] + SIZE_OF_RECIPE.get(recipe.group(1) if recipe else "", [])
-    extra = [o for o in sizes if o.split("=")[0] not in given]
+    sizes = {o.split("=")[0]: o for o in SIZE[app]}
+    sizes.update((o.split("=")[0], o) for o in SIZE_OF_RECIPE.get(recipe.group(1) if recipe
+                                                                else "", []))
+    extra = [o for key, o in sizes.items() if key not in given]
     return " ".join([line, *extra])
 
 

@@ -45,6 +45,8 @@ def test_the_size_overrides_keep_what_a_line_sets():
     smollm2 = readme.with_sizes("python apps/pretrain.py --config apps/configs/pretrain-smollm2.yaml")
     assert "model.seq_len=64" in smollm2 and "model.seq_len" not in readme.with_sizes(
         "python apps/pretrain.py --config apps/configs/dense-tiny.yaml")
+    rlhf = readme.with_sizes("python apps/rlhf.py --config apps/configs/rlhf-smollm2.yaml")
+    assert "step3.checkpoint_every=0" in rlhf and "step3.checkpoint_every=1" not in rlhf
 
 
 @pytest.mark.slow
