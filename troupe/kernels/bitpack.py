@@ -83,7 +83,7 @@ def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.fl
         res = out if out is not None else torch.empty(numel, device=packed.device)
         if numel:
             # the scale is read on the device: a CUDA tensor (1-bit Adam's) needs no host sync
-            s = torch.as_tensor(scale, dtype=torch.float32).to(packed.device).reshape(1)
+            s = torch.as_tensor(scale, dtype=torch.float32, device=packed.device).reshape(1)
             grid, block = launch_config(numel)
             with _stream(packed):
                 _kernel("unpack_signs")(grid, block, (as_cupy(packed.contiguous()), as_cupy(res),
