@@ -41,9 +41,19 @@ class AdamRule(ShardRule):
         return {"m": self.m, "v": self.v}
 
     def update(self, p: torch.Tensor, g: torch.Tensor, lr: float, t: int) -> None:
-        """In place on ``p`` and the moments, ``CHUNK`` elements at a time: the temporaries
-        (the denominator, an L2-decayed gradient) are chunk-sized, not shard-sized (a whole
-        135M-parameter shard's cost 1 GB at every step). ``g`` is not modified."""
+        """In place on ``p`` and the moments. fp32 with bias correction: torch's fused Adam(W)
+        kernel, one pass over the five arrays (4x the op-by-op update on 135M parameters, 2
+        CPU threads: 0.07 s against 0.27); otherwise ``CHUNK`` elements at a time, so that the
+        temporaries (the denominator, an L2-decayed gradient) are chunk-sized, not
+        shard-sized (a whole 135M-parameter shard's cost 1 GB at every step). ``g`` is not
+        modified. The two differ in rounding only (sqrt(v)/sqrt(bc2) against sqrt(v/bc2))."""
+        if self.bias_correction and p.dtype == g.dtype == self.m.dtype == torch.float32:
+            fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+            step = torch.full((), float(t), device=p.device)
+            fused([p], [g], [self.m], [self.v], [], [step], lr=lr, beta1=self.betas[0],
+                  beta2=self.betas[1], weight_decay=self.wd, eps=self.eps, amsgrad=False,
+                  maximize=False)
+            return
         b1, b2 = self.betas
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if self.bias_correction else (1.0, 1.0)
         for lo in range(0, p.numel(), CHUNK):
