@@ -8,9 +8,10 @@ thread count.
 
 Each side runs in its own process tree, one after the other, its memory sampled every 0.5 s
 (benchmarks/process_memory.py: the sum of PSS over the driver, Ray's processes and every
-worker). Prints one JSON line per side and one with the ratios: median seconds per iteration
-(the first one, a warm-up, left out), generated tokens per second of generation, and the peak
-memory of the whole process tree.
+worker). Prints one JSON line per side and run, and one with the ratios: median seconds per
+iteration (the first one, a warm-up, left out), generated tokens per second of generation, and
+the peak memory of the whole process tree. With --repeats N the sides run alternately N times
+each and the ratios are of each side's fastest run.
 """
 
 from __future__ import annotations
@@ -79,18 +80,29 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the two sides alternately this many times each; the ratio line "
+                        "compares each side's fastest run (a VM whose speed moves from minute "
+                        "to minute otherwise decides the ratio by which side ran when)")
     a = p.parse_args()
     base = {"bench": "grpo_vs_trl", "machine": machine(), "prompts": a.prompts,
             "group": a.group, "new_tokens": a.new_tokens, "threads": a.threads,
             "steps": a.steps, "dtype": "float32"}
-    with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
-        ours = troupe_side(a, Path(tmp))
-        print(json.dumps({**base, **ours}), flush=True)
-        if a.skip_trl:
-            return
-        theirs = trl_side(a, Path(tmp))
-        print(json.dumps({**base, **theirs}), flush=True)
-    print(json.dumps({**base, "side": "ratio",
+    runs: dict[str, list[dict]] = {"troupe": [], "trl": []}
+    for r in range(a.repeats):
+        for side, run in (("troupe", troupe_side), ("trl", trl_side)):
+            if side == "trl" and a.skip_trl:
+                continue
+            with tempfile.TemporaryDirectory(prefix="grpo-vs-trl-") as tmp:
+                runs[side].append(run(a, Path(tmp)))
+            print(json.dumps({**base, **runs[side][-1], "repeat": r}), flush=True)
+    if a.skip_trl:
+        return
+    ours, theirs = (min(runs[side], key=lambda x: x["s_per_iteration"])
+                    for side in ("troupe", "trl"))
+    print(json.dumps({**base, "side": "ratio", "repeats": a.repeats,
+                      "s_per_iteration_each": {side: [round(x["s_per_iteration"], 2)
+                                                      for x in runs[side]] for side in runs},
                       "speedup_per_iteration": round(theirs["s_per_iteration"]
                                                      / ours["s_per_iteration"], 2),
                       "generation_speedup": round(ours["generated_tokens_per_s"]
