@@ -13,13 +13,13 @@ unit scales for comparison. CUDA only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
 import torch.nn.functional as F
 
-from troupe.kernels.quant import int8_linear, quantize_tokens, quantize_weight, row_layout
+from troupe.compression import QuantizedLinear
+from troupe.kernels.quant import int8_linear, quantize_tokens, row_layout
 from machine import machine  # benchmarks/machine.py, beside this script
 
 
@@ -46,11 +46,10 @@ def main() -> None:
     dev = "cuda"
     for shape in a.shapes:
         I, O = (int(v) for v in shape.split("x"))
-        w = torch.randn(O, I)
-        qw = row_layout(quantize_weight(w))
-        qw = dataclasses.replace(qw, q=qw.q.to(dev), scales=qw.scales.to(dev))
+        lin = torch.nn.Linear(I, O, bias=False)
+        qw = row_layout(QuantizedLinear(lin, "w8a8").to(dev).qw)  # as a served layer holds it
         q_IO = qw.q.t().contiguous()
-        wb = w.to(dev, torch.bfloat16)
+        wb = lin.weight.detach().to(dev, torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn).t()  # column-major (I, O), as _scaled_mm wants
         one = torch.ones((), device=dev)
         for M in a.tokens:

@@ -371,7 +371,7 @@ class ContinuousBatcher:
                 contextlib.nullcontext():
             h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         self.prefill_tokens += T - n
-        logits = self.packed.logits(h[:, -1]) if self.packed else self.model.logits(h[:, -1])
+        logits = self._logits(h[:, -1])
         self.prefix_cache.insert(prompt, [t[0, :, :T] for t in cache.k],
                                  [t[0, :, :T] for t in cache.v], self._namespace(adapter))
         return self._admit_rows(cache, valid, logits, [0] * len(seqs), seqs)
@@ -397,8 +397,7 @@ class ContinuousBatcher:
             if self.fused.has_logits:
                 return self._choose(seqs, *self.fused.logits(idx, self.valid, self.cache))
             h = self.fused.hidden(idx, self.valid, self.cache)
-            return self._choose(seqs, self.packed.logits(h) if self.packed
-                                else self.model.logits(h))
+            return self._choose(seqs, self._logits(h))
         with self._routed([s.params.adapter for s in seqs]):
             if self.packed:
                 with self.packed.active():
@@ -406,6 +405,11 @@ class ContinuousBatcher:
                 return self._choose(seqs, self.packed.logits(h[:, -1]))
             h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, self.model.logits(h[:, -1]))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of hidden states, through the packed output projection when the
+        engine holds one (it falls back to the model's for more rows than it takes)."""
+        return self.packed.logits(h) if self.packed else self.model.logits(h)
 
     def _adapted(self) -> bool:
         """Whether adapters wrap any of the model's layers (loaded at start or since)."""
