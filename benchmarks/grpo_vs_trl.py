@@ -85,6 +85,8 @@ def main() -> None:
                         "compares each side's fastest run (a VM whose speed moves from minute "
                         "to minute otherwise decides the ratio by which side ran when)")
     a = p.parse_args()
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
     base = {"bench": "grpo_vs_trl", "machine": machine(), "prompts": a.prompts,
             "group": a.group, "new_tokens": a.new_tokens, "threads": a.threads,
             "steps": a.steps, "dtype": "float32"}
