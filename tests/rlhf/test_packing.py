@@ -109,4 +109,6 @@ def test_a_packed_run_learns_what_the_padded_run_learns(cluster, tmp_path):
     for a, b in zip(padded, packed):
         if a["kind"] == "step3":
             assert b["padding"] == a["padding"] > 0
-            assert b["padding_computed"] < a["padding_computed"] == a["padding"]
+            # (the padded run's own figure is of its shared prompt opening, "sort ": another
+            # layout, troupe.models.PrefixTree)
+            assert b["padding_computed"] < a["padding"]

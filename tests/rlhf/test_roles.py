@@ -339,6 +339,52 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients(arch):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", [
+    dict(),
+    dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),
+])
+def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
+    """Prompts that open with the same tokens (a chat template's system prompt) run that
+    opening once for all of them, then each prompt's rest, then the samples: log-probabilities,
+    entropies and gradients equal running every row whole, and the positions computed are
+    the opening once, each prompt's rest once and each sample's tokens."""
+    torch.manual_seed(1)
+    lm = GPTLM(GPT(GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=32, vocab_size=50, **arch),
+                   seed=0))
+    system = torch.randint(0, 50, (6,))
+    P, R, rows, tails = 11, 4, [], []
+    for n_tail, count in ((5, 2), (1, 1), (3, 3)):
+        prompt = torch.cat([system, torch.randint(0, 50, (n_tail,))])
+        prompt[len(system)] = 50 - 1 - len(tails)  # each differs right after the opening
+        tails.append(n_tail)
+        for _ in range(count):
+            ids, valid = torch.zeros(P + R, dtype=torch.long), torch.zeros(P + R, dtype=torch.bool)
+            ids[P - len(prompt):P], valid[P - len(prompt):P] = prompt, True
+            n = int(torch.randint(1, R + 1, ()))
+            ids[P:P + n], valid[P:P + n] = torch.randint(0, 50, (n,)), True
+            rows.append((ids, valid))
+    ids, valid = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    where = torch.zeros(len(rows), P + R - 1)
+    where[:, P - 1:] = valid[:, P:].float()
+    results = []
+    for prompt_len in (0, P):
+        lm.zero_grad()
+        lm.padding = [0, 0, 0, 0]
+        logp, ent = lm.token_logprobs(ids, valid, where, entropy=True, prompt_len=prompt_len)
+        (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+        results.append((logp.detach(), ent, [p.grad.clone() for p in lm.parameters()]))
+    assert lm.padding[2] == len(system) + 3 * (P - len(system)) + len(rows) * R
+    assert lm.padding[3] == len(system) + sum(tails) + int(valid[:, P:].sum())
+    with torch.no_grad():  # every real token's hidden state, the prompts' included
+        shared, whole = lm.shared_hidden(ids, valid, P), lm.hidden(ids, valid)
+    torch.testing.assert_close(shared[valid], whole[valid], atol=1e-5, rtol=1e-5)
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.gpu
 def test_a_ppo_iteration_on_cuda_matches_cpu():
     """device=cuda: an SFT step, a greedy rollout, the policy's, reference's and critic's

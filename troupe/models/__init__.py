@@ -1,10 +1,10 @@
 """Models in plain torch: one decoder (troupe's GPT, GPT-2 and the Llama family) with
 mixture-of-experts layers, and Hugging Face checkpoints in and out (troupe.models.hf)."""
 
-from troupe.models.gpt import (GPT, GPTConfig, KVCache, SharedPrefix, attention_mask,
+from troupe.models.gpt import (GPT, GPTConfig, KVCache, PrefixTree, attention_mask,
                                expert_parameters)
 from troupe.models.hf import from_pretrained, save_pretrained
 from troupe.models.moe import MoE, MoEConfig, ResidualMoE, TopKGate
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "SharedPrefix", "MoE", "MoEConfig", "ResidualMoE", "TopKGate",
+__all__ = ["GPT", "GPTConfig", "KVCache", "PrefixTree", "MoE", "MoEConfig", "ResidualMoE", "TopKGate",
            "attention_mask", "expert_parameters", "from_pretrained", "save_pretrained"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -127,34 +127,72 @@ class KVCache:
         return self.k[layer][:, :, :L + T], self.v[layer][:, :, :L + T]
 
 
-@dataclass
-class SharedPrefix:
-    """A prefix (a prompt) computed once for several rows that continue it differently
-    (GRPO's group of samples): ``record`` it by running the prompts through ``GPT.hidden``
-    with this as the cache, then run the continuations with it, each row attending to its
-    prompt's keys and values (row i to prompt ``rows[i]``). Differentiable: the prompt's
-    activations get the gradients of all its continuations (the same gradient as running
-    every row whole, for a fraction of the prompt's compute; Prefix Grouper, Liu et al. 2025).
+class PrefixTree:
+    """Rows that share prefixes, each prefix computed once, in one pass: GRPO's samples of a
+    prompt continue that prompt, and prompts that open with the same system prompt continue
+    that opening. The tree is a list of levels, each a (rows, width) block of tokens whose
+    row i continues row ``parents[i]`` of the level before (the first level has no parent);
+    ``valid`` (rows, width) marks each level's real tokens (the rest is padding).
+
+    ``GPT.hidden(tree.pack(ids), cache=tree)`` runs every level's tokens side by side as one
+    sequence of ``tokens`` positions: every weight is read, and its gradient written, once a
+    layer, as for one batch (a pass per level would write each weight's gradient once per
+    level). Only attention sees the levels: a row attends causally to its own tokens and to
+    all of its ancestors' (their keys and values gathered for it), as if the row held its
+    whole path. Values and gradients are those of running every row whole, up to the order
+    of float sums, for each prefix's compute once (Prefix Grouper, Liu et al. 2025).
+    ``unpack`` splits the hidden states back into the levels.
     """
 
-    rows: torch.Tensor                      # (B,) prompt index of each continuation row
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
-    length: int = 0
-    recording: bool = True
+    def __init__(self, levels: list[tuple[torch.Tensor | None, torch.Tensor]]):
+        """``levels``: (parents, valid) per level, root first (its parents None)."""
+        self.valid = [v for _, v in levels]
+        self.length = 0  # GPT.hidden's cache protocol: positions come from the tree
+        device = self.valid[0].device
+        # index[l][j]: for each row of level l, its ancestor row in level j (j <= l)
+        self.index: list[list[torch.Tensor]] = []
+        for parents, valid in levels:
+            own = torch.arange(len(valid), device=device)
+            up = [i.index_select(0, parents) for i in self.index[-1]] if self.index else []
+            self.index.append(up + [own])
+        # each level's keys: its ancestors' columns, then its own; masks and positions
+        self.masks, pos = [], []
+        for l, valid in enumerate(self.valid):
+            path = torch.cat([self.valid[j].index_select(0, self.index[l][j])
+                              for j in range(l)] + [valid], 1)
+            self.masks.append(attention_mask(path, valid.shape[1]))
+            pos.append((path.long().cumsum(1) - 1).clamp_min(0)[:, -valid.shape[1]:])
+        self.positions = torch.cat([p.reshape(1, -1) for p in pos], 1)  # (1, tokens)
+        self.sizes = [v.numel() for v in self.valid]
+        self.tokens = sum(self.sizes)
+        self.span = sum(v.shape[1] for v in self.valid)  # a row's whole path, padding included
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        if self.recording:
-            self.k.append(k)
-            self.v.append(v)
-            return k, v
-        return (torch.cat([self.k[layer].index_select(0, self.rows), k], 2),
-                torch.cat([self.v[layer].index_select(0, self.rows), v], 2))
+    def pack(self, ids: list[torch.Tensor]) -> torch.Tensor:
+        """(1, tokens): the levels' (rows, width) ids laid end to end."""
+        return torch.cat([x.reshape(1, -1) for x in ids], 1)
 
-    def attend(self) -> "SharedPrefix":
-        """Done recording (the prompts' pass ran): continuations attend from here."""
-        self.recording = False
-        return self
+    def unpack(self, h_1TC: torch.Tensor) -> list[torch.Tensor]:
+        """Per level, its (rows, width, C) part of a packed (1, tokens, C)."""
+        return [x.view(*v.shape, -1)
+                for x, v in zip(h_1TC[0].split(self.sizes), self.valid)]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+               gqa: bool) -> torch.Tensor:
+        """Attention over the tree: q (1, H, tokens, D), k and v (1, Hkv, tokens, D) of the
+        packed sequence -> (1, H, tokens, D)."""
+        def levels(x):  # (1, h, tokens, D) -> per level (rows, h, width, D)
+            return [part.view(x.shape[1], *val.shape, x.shape[3]).transpose(0, 1)
+                    for part, val in zip(x[0].split(self.sizes, 1), self.valid)]
+        qs, ks, vs = levels(q), levels(k), levels(v)
+        out = []
+        for l in range(len(qs)):
+            keys = torch.cat([ks[j].index_select(0, self.index[l][j]) for j in range(l + 1)], 2)
+            values = torch.cat([vs[j].index_select(0, self.index[l][j])
+                                for j in range(l + 1)], 2)
+            y = F.scaled_dot_product_attention(qs[l], keys, values, attn_mask=self.masks[l],
+                                               dropout_p=dropout, enable_gqa=gqa)
+            out.append(y.transpose(0, 1).reshape(y.shape[1], -1, y.shape[3]))
+        return torch.cat(out, 1).unsqueeze(0)
 
 
 class Attention(nn.Module):
@@ -177,7 +215,7 @@ class Attention(nn.Module):
                 self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | SharedPrefix | None = None, layer: int = 0,
+                cache: KVCache | PrefixTree | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> torch.Tensor:
         """``angles``: the rotary cos and sin of ``pos`` when the caller computed them once
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
@@ -193,11 +231,14 @@ class Attention(nn.Module):
         else:
             q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if cache is not None:  # append this step's keys and values, attend over all so far
-            k, v = cache.extend(layer, k, v)
         dropout = self.dropout if self.training else 0.0
         gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
         # read in place by the attention kernel (no copy of the cache per step)
+        if isinstance(cache, PrefixTree):
+            return self.proj(cache.attend(q, k, v, dropout, gqa).transpose(1, 2)
+                             .reshape(B, T, C))
+        if cache is not None:  # append this step's keys and values, attend over all so far
+            k, v = cache.extend(layer, k, v)
         # a decode step on the CPU: the native kernel (None where it does not apply)
         y = decode_attention(q, k, v, mask) if cache is not None and T == 1 and not dropout \
             else None
@@ -221,7 +262,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | SharedPrefix | None = None, layer: int = 0,
+                cache: KVCache | PrefixTree | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> tuple[torch.Tensor, torch.Tensor]:
         x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos, angles))
         y, aux = self.ffn(self.ln2(x_BTC))
@@ -347,21 +388,25 @@ class GPT(nn.Module):
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,
-               cache: KVCache | SharedPrefix | None = None,
+               cache: KVCache | PrefixTree | None = None,
                segments_BT: torch.Tensor | None = None):
         """Final hidden states (B, T, C) after ln_f, and the MoE auxiliary loss.
 
-        valid_BS: which of the S = cache.length + T positions hold real tokens (False for left
-        padding); positions are then counted over real tokens only, so a left-padded prompt is
-        embedded as if it started at position 0. cache: KVCache to extend with these T tokens
-        (or a SharedPrefix: record a prompt, or continue the prompt it recorded).
+        valid_BS: which of the S = cache.length + T positions hold real tokens (False for
+        padding, on the left or between a shared prefix and what follows it); positions are
+        then counted over real tokens only, so a left-padded prompt is embedded as if it
+        started at position 0. cache: KVCache to extend with these T tokens, or a PrefixTree
+        whose packed tokens these are (positions and attention then come from the tree).
         """
         B, T = idx_BT.shape
         L = cache.length if cache is not None else 0
-        if L + T > self.cfg.seq_len:
-            raise ValueError(f"sequence of {L + T} tokens exceeds seq_len={self.cfg.seq_len}")
+        span = cache.span if isinstance(cache, PrefixTree) else L + T  # the longest row
+        if span > self.cfg.seq_len:
+            raise ValueError(f"sequence of {span} tokens exceeds seq_len={self.cfg.seq_len}")
         mask = None
-        if segments_BT is not None:
+        if isinstance(cache, PrefixTree):
+            pos = cache.positions
+        elif segments_BT is not None:
             if valid_BS is not None or cache is not None:
                 raise ValueError("segments_BT (a packed batch) takes no valid_BS or cache")
             pos, mask = segment_positions(segments_BT), segment_mask(segments_BT)

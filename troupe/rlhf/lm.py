@@ -15,7 +15,7 @@ from troupe.data import micro_batches, token_micro_batches
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.kernels.small_gemm import DecodeWeights
-from troupe.models import GPT, SharedPrefix
+from troupe.models import GPT, PrefixTree
 from troupe.models.packing import Packing
 
 
@@ -107,25 +107,49 @@ class GPTLM(nn.Module):
                       prompt_len: int) -> torch.Tensor:
         """``hidden`` of rows whose first ``prompt_len`` columns are a prompt that runs of
         consecutive rows share: each distinct prompt goes through the model once, and its
-        rows' continuations attend to its keys and values (troupe.models.SharedPrefix). The
-        same values and gradients as ``hidden``; GRPO's 4-16 samples of a prompt cost one
-        prompt's compute instead of 4-16."""
-        P = prompt_len
+        rows' continuations attend to its keys and values (troupe.models.PrefixTree); and
+        when the distinct prompts open with the same tokens (a chat template's system
+        prompt, an instruction before each question), those run once for all of them. The
+        same values and gradients as ``hidden`` at the real tokens; GRPO's 4-16 samples of a
+        prompt cost one prompt's compute instead of 4-16."""
+        P, (B, S) = prompt_len, ids_BS.shape
+        if P >= S:
+            return self.hidden(ids_BS, valid_BS)
         prompt_ids, prompt_valid = ids_BS[:, :P], valid_BS[:, :P]
         same = ((prompt_ids[1:] == prompt_ids[:-1]).all(1)
                 & (prompt_valid[1:] == prompt_valid[:-1]).all(1))
-        if not bool(same.any()) or P >= ids_BS.shape[1]:
-            return self.hidden(ids_BS, valid_BS)
         first = torch.cat([same.new_ones(1), ~same])  # (B,) a row that starts a new prompt
         rows = first.long().cumsum(0) - 1             # (B,) its prompt's index
-        B, S = ids_BS.shape
-        self._count(int(valid_BS.sum()), B * S, int(first.sum()) * P + B * (S - P),
-                    int(prompt_valid[first].sum()) + int(valid_BS[:, P:].sum()))
-        prefix = SharedPrefix(rows)
+        ids_DP, valid_DP = prompt_ids[first], prompt_valid[first]
+        D, lengths = len(ids_DP), valid_DP.sum(1)     # (D,) each prompt's real tokens
+        C = common_prefix(ids_DP, valid_DP) if D > 1 else 0
+        computed = C + D * (P - C) + B * (S - P)
+        if D == B and (C == 0 or self.packing):  # no group: packing, if on, drops more
+            return self.hidden(ids_BS, valid_BS)
+        if self.packing and Packing.of(valid_BS).segments_PT.numel() <= computed:
+            return self.hidden(ids_BS, valid_BS)
+        self._count(int(valid_BS.sum()), B * S, computed,
+                    int(lengths.sum()) - (D - 1) * C + int(valid_BS[:, P:].sum()))
+        device = ids_BS.device
+        levels, ids = [], []
+        if C:  # the opening all prompts share, then each prompt's rest, right-aligned (the
+            # last lengths[d] - C columns: what is before is padding after the opening)
+            start = int(P - lengths[0])
+            ids.append(ids_DP[:1, start:start + C])
+            levels.append((None, valid_DP.new_ones(1, C)))
+            rest_DW = torch.arange(P - C, device=device) >= (P - lengths)[:, None]
+            ids.append(torch.where(rest_DW, ids_DP[:, C:], 0))
+            levels.append((torch.zeros(D, dtype=torch.long, device=device), rest_DW))
+        else:
+            ids.append(ids_DP)
+            levels.append((None, valid_DP))
+        ids.append(ids_BS[:, P:])
+        levels.append((rows, valid_BS[:, P:]))
+        tree = PrefixTree(levels)
         with self.autocast():
-            h_prompt = self.gpt.hidden(prompt_ids[first], valid_BS=prompt_valid[first],
-                                       cache=prefix)[0]
-            h_rest = self.gpt.hidden(ids_BS[:, P:], valid_BS=valid_BS, cache=prefix.attend())[0]
+            h = tree.unpack(self.gpt.hidden(tree.pack(ids), cache=tree)[0])
+        h_prompt = _unshare(h[0], h[1], lengths, P) if C else h[0]
+        h_rest = h[-1]
         return torch.cat([h_prompt.index_select(0, rows), h_rest], 1)
 
     def packed_weights(self) -> DecodeWeights:
@@ -179,3 +203,30 @@ class ValueModel(nn.Module):
     def forward(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
         with self.lm.autocast():
             return self.head(self.lm.hidden(ids_BS, valid_BS)).squeeze(-1).float()  # (B, S)
+
+
+def common_prefix(ids_BP: torch.Tensor, valid_BP: torch.Tensor) -> int:
+    """How many real tokens every row of left-padded prompts opens with, at most one fewer
+    than the shortest prompt has (so that each keeps a token of its own)."""
+    lengths = valid_BP.sum(1)
+    m = int(lengths.min()) - 1
+    if m <= 0:
+        return 0
+    P = ids_BP.shape[1]
+    cols = (P - lengths)[:, None] + torch.arange(m, device=ids_BP.device)  # (B, m)
+    aligned = ids_BP.gather(1, cols)
+    agree = (aligned == aligned[:1]).all(0)
+    return m if bool(agree.all()) else int((~agree).nonzero()[0])
+
+
+def _unshare(h_common: torch.Tensor, h_rest: torch.Tensor, lengths: torch.Tensor,
+             P: int) -> torch.Tensor:
+    """(D, P, C) hidden states of D left-padded prompts from their shared opening's (1, Cm,
+    C) and their rests' (D, P - Cm, C), each rest right-aligned: every real token back in
+    its prompt's column (padding columns get a padding position's state)."""
+    Cm, D = h_common.shape[1], len(h_rest)
+    virtual = torch.cat([h_common.expand(D, -1, -1), h_rest], 1)  # [opening][pad][rest]
+    col = torch.arange(P, device=h_rest.device)[None, :]
+    pad = (P - lengths)[:, None]                                   # (D, 1)
+    src = torch.where(col < pad, col + Cm, torch.where(col < pad + Cm, col - pad, col))
+    return virtual.gather(1, src[:, :, None].expand(-1, -1, virtual.shape[2]))
