@@ -12,7 +12,7 @@ from troupe.rlhf.batch import completions, left_pad, response_mask
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
 from troupe.rlhf.experience import Experience, RolloutRequest
-from troupe.rlhf.lm import GPTLM
+from troupe.rlhf.lm import GPTLM, ValueModel
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward
 
 SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
@@ -377,7 +377,11 @@ def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
     assert lm.padding[3] == len(system) + sum(tails) + int(valid[:, P:].sum())
     with torch.no_grad():  # every real token's hidden state, the prompts' included
         shared, whole = lm.shared_hidden(ids, valid, P), lm.hidden(ids, valid)
+        critic = ValueModel(lm)
+        torch.nn.init.normal_(critic.head.weight)
+        values = critic(ids, valid, P), critic(ids, valid)
     torch.testing.assert_close(shared[valid], whole[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values[0][valid], values[1][valid], atol=1e-5, rtol=1e-5)
     (a, ea, ga), (b, eb, gb) = results
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)

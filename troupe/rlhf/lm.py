@@ -200,9 +200,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor) -> torch.Tensor:
-        with self.lm.autocast():
-            return self.head(self.lm.hidden(ids_BS, valid_BS)).squeeze(-1).float()  # (B, S)
+    def forward(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,
+                prompt_len: int = 0) -> torch.Tensor:
+        """(B, S) values; ``prompt_len`` as for ``GPTLM.token_logprobs`` (shared prompts and
+        openings run once)."""
+        lm = self.lm
+        h = (lm.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len and lm.share_prompts
+             else lm.hidden(ids_BS, valid_BS))
+        with lm.autocast():
+            return self.head(h).squeeze(-1).float()
 
 
 def common_prefix(ids_BP: torch.Tensor, valid_BP: torch.Tensor) -> int:

@@ -338,14 +338,14 @@ class Reward:
         return RewardEval(loss, right, len(examples))
 
     @torch.no_grad()
-    def score(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def score(self, ids: torch.Tensor, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor:
         self.model.eval()
         if self.to_quantize:
             quantize_frozen(self.model.lm.gpt, ids)  # the value head stays fp32
             self.to_quantize = False
         out = []
         for s in self.model.lm.micro_batches(valid, self.cfg.step3.micro_batch_size):
-            values = self.model(ids[s], valid[s])
+            values = self.model(ids[s], valid[s], prompt_len)
             out.append(values[torch.arange(len(values), device=values.device),
                               last_real(valid[s])])
         self.train.settle()
@@ -396,9 +396,9 @@ class Critic:
                                  self.cfg.step3.iterations * self.cfg.step3.ppo_epochs)
 
     @torch.no_grad()
-    def values(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def values(self, ids: torch.Tensor, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor:
         self.model.eval()
-        out = torch.cat([self.model(ids[s], valid[s])[:, :-1]  # the state before each target
+        out = torch.cat([self.model(ids[s], valid[s], prompt_len)[:, :-1]  # before each target
                          for s in self.model.lm.micro_batches(
                              valid, self.cfg.step3.micro_batch_size)])
         self.train.settle()
@@ -409,7 +409,7 @@ class Critic:
         p = self.cfg.step3
         total, value_loss = exp.action.sum().clamp_min(1), 0.0
         for s in self.model.lm.micro_batches(exp.valid, p.micro_batch_size):
-            values = self.model(exp.ids[s], exp.valid[s])[:, :-1]
+            values = self.model(exp.ids[s], exp.valid[s], exp.prompt_len)[:, :-1]
             loss = exp.action[s].sum() / total * algorithms.value_loss(
                 values, exp.old_values[s], exp.returns[s], exp.action[s], p.value_clip)
             self.train.backward(loss)

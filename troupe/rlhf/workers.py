@@ -228,7 +228,7 @@ class RewardCalls:
     def reward_score(self, rollout: Rollout) -> torch.Tensor:
         """(B,) the reward model's score of each sequence."""
         r = self._here(rollout)
-        return self.reward_model.score(r.ids, r.valid)
+        return self.reward_model.score(r.ids, r.valid, r.prompt_len)
 
 
 def reward_of(graph, cfg: RLHFConfig):
@@ -262,7 +262,7 @@ class CriticActor(_TrainedShell, RewardCalls):
     def values(self, rollout: Rollout) -> torch.Tensor:
         """(B, S-1) the value of the state before each target."""
         r = self._here(rollout)
-        return self.role.values(r.ids, r.valid)
+        return self.role.values(r.ids, r.valid, r.prompt_len)
 
     @dispatch(Dispatch.SHARD)
     def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
