@@ -49,7 +49,7 @@ def tree_memory(root: psutil.Process) -> tuple[int, int, dict[str, int]]:
 
 def measure(cmd: list[str], every_s: float = 0.5) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=sys.stderr)  # this script's stdout: JSON lines only
     root = psutil.Process(proc.pid)
     peak_pss = peak_rss = 0
     at_peak: dict[str, int] = {}
