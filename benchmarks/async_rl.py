@@ -73,6 +73,7 @@ def run(a, name: str, extra: list[str], seed: int, tmp: Path) -> dict:
             "sync_mb": syncs[0]["sync_bytes"] / 2**20 if syncs else None,
             "staleness_mean": med("staleness_mean"),
             "padding": med("padding"), "padding_computed": med("padding_computed"),
+            "computed_share": med("computed_share"),
             "logprob_mismatch_mean": med("logprob_mismatch_mean"),
             "tis_truncated": med("tis_truncated"),
             "reward": [round(r["reward"], 3) for r in steps],
@@ -119,7 +120,9 @@ def main() -> None:
                    "gold_within_spread": {n: lo <= rs[0]["gold"] <= hi
                                           for n, rs in results.items() if n != "sync-2t"},
                    "padding_before_after_packing": [results["packed"][0]["padding"],
-                                                    results["packed"][0]["padding_computed"]]}
+                                                    results["packed"][0]["padding_computed"]],
+                   "computed_share_sync_packed": [results["sync-2t"][0]["computed_share"],
+                                                  results["packed"][0]["computed_share"]]}
         print(json.dumps(summary), flush=True)
         f.write(json.dumps(summary) + "\n")
 

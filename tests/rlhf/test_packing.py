@@ -112,3 +112,4 @@ def test_a_packed_run_learns_what_the_padded_run_learns(cluster, tmp_path):
             # (the padded run's own figure is of its shared prompt opening, "sort ": another
             # layout, troupe.models.PrefixTree)
             assert b["padding_computed"] < a["padding"]
+            assert b["computed_share"] < 1 and a["computed_share"] < 1  # both skip some

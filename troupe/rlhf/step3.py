@@ -128,6 +128,7 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     if padded:  # the policy update's share of padding, in the padded rows and as computed
         rec["padding"] = 1 - real / padded
         rec["padding_computed"] = 1 - real_computed / computed
+        rec["computed_share"] = computed / padded  # computed / padded positions
     if cstats:
         rec["value_loss"] = sum(s.value_loss for s in cstats) / len(cstats)
     if pstats[0].kl is not None:
