@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from troupe.models import GPT, GPTConfig
-from troupe.rlhf.batch import completions, left_pad, response_mask
+from troupe.rlhf.batch import completions, left_pad, response_mask, split_completions
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data import SortTask, read_jsonl
 from troupe.rlhf.experience import Experience, RolloutRequest
@@ -54,6 +54,37 @@ def test_batch_masks():
     ids, valid, mask = completions(Tok(), ["ab", "c"], ["x", "yz"])
     # row 0 is a b x eos: x and eos are predicted at positions 1 and 2; row 1 is c y z eos
     assert mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    ids, valid, mask, P = split_completions(Tok(), ["ab", "c"], ["x", "yz"])
+    # prompts right-aligned in P = 2 columns, then the responses: _ a b x eos _ / c y z eos
+    assert P == 2 and ids.tolist() == [[97, 98, 120, 0, 0], [0, 99, 121, 122, 0]]
+    assert valid.tolist() == [[True, True, True, True, False], [False, True, True, True, True]]
+    assert mask.tolist() == [[0, 1, 1, 0], [0, 1, 1, 1]]
+
+
+def test_dpo_log_probabilities_run_each_prompt_once_and_match_whole_rows():
+    """pair_logprobs (chosen and rejected side by side, their prompt and the prompts' shared
+    opening computed once) gives each response's summed log-probability as the plain
+    left-padded batch does, and its gradients."""
+    from troupe.rlhf.roles import pair_logprobs
+    cfg = RLHFConfig(**SMALL)
+    policy = Policy(cfg, None, 0)
+    pairs = [(e.prompt, e.chosen, e.rejected) for e in SortTask().preferences(6, 3)]
+    lm, tok = policy.lm, policy.tok
+    lm.padding = [0, 0, 0, 0]
+    chosen, rejected, n = pair_logprobs(lm, tok, pairs)
+    (chosen.sum() - 0.5 * rejected.sum()).backward()
+    shared = [p.grad.clone() for p in lm.parameters()]
+    assert lm.padding[2] < lm.padding[1]  # fewer positions than the padded rows
+    lm.zero_grad()
+    P = [p for p, _, _ in pairs]
+    ids, valid, mask = completions(tok, P + P, [c for _, c, _ in pairs] + [r for _, _, r in pairs])
+    whole = (lm.token_logprobs(ids, valid, mask) * mask).sum(1)
+    (whole[:6].sum() - 0.5 * whole[6:].sum()).backward()
+    torch.testing.assert_close(chosen, whole[:6], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rejected, whole[6:], atol=1e-5, rtol=1e-5)
+    assert n.tolist() == mask[:6].sum(1).tolist()
+    for a, b in zip(shared, [p.grad for p in lm.parameters()]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_sft_and_reward_losses_fall():

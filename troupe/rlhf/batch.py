@@ -42,6 +42,25 @@ def completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
     return ids, valid, mask
 
 
+def split_completions(tok: Tokenizer, prompt_texts: list[str], responses: list[str]):
+    """Prompt + response + eos with the prompts left-padded to a common ``prompt_len`` columns
+    and the responses after them, right-padded: (ids, valid, response_mask, prompt_len), the
+    mask as ``completions``'. The layout of rollouts, so that rows sharing a prompt (DPO's
+    chosen and rejected) or an opening (a system prompt) run it once
+    (``GPTLM.token_logprobs``' ``prompt_len``)."""
+    ps = [tok.prompt(p) for p in prompt_texts]
+    rs = [tok.encode(r) + [tok.eos_id] for r in responses]
+    P, R = max(map(len, ps)), max(map(len, rs))
+    ids = torch.full((len(ps), P + R), tok.pad_id, dtype=torch.long)  # host: (as left_pad's)
+    valid = torch.zeros(len(ps), P + R, dtype=torch.bool)  # host: (as ids)
+    mask = torch.zeros(len(ps), P + R - 1)  # host: (as ids)
+    for i, (p, r) in enumerate(zip(ps, rs)):
+        ids[i, P - len(p):P + len(r)] = torch.tensor(p + r)  # host: (as ids)
+        valid[i, P - len(p):P + len(r)] = True
+        mask[i, P - 1:P - 1 + len(r)] = 1.0  # target t+1 is predicted at t
+    return ids, valid, mask, P
+
+
 def response_mask(response_BN: torch.Tensor, eos_id: int) -> torch.Tensor:
     """1 for generated tokens up to and including the first eos, 0 after it."""
     is_eos = (response_BN == eos_id).long()

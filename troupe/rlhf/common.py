@@ -157,17 +157,15 @@ class PartitionedTrainable:
     """Trainable's interface over a module partitioned block by block over ``group``
     (zero_stage 3, troupe.parallel.zero3): each rank keeps 1/W of the weights, gradients and
     optimizer state. The weights are whole only inside ``gathered()`` (generation, saving)
-    or ``writable()`` (loading); the decoder's prompt sharing is turned off, so that every
-    rank runs the same blocks in the same order (the partitioned model's collectives)."""
+    or ``writable()`` (loading). Every rank runs the same blocks in the same order whatever
+    its data (the partitioned model's collectives): a forward is one ``GPT.hidden`` pass,
+    shared prompts included (troupe.models.PrefixTree)."""
 
     def __init__(self, module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,
                  cfg: RLHFConfig, device: torch.device):
         self.module, self.group, self.cfg, self.blocks = module, group, cfg, blocks
         self.scaler = LossScaler() if cfg.precision == "fp16" else None
         self.world = group.world_size if group is not None else 1
-        for m in module.modules():
-            if isinstance(m, GPTLM):
-                m.share_prompts = False
         # no expert parallelism in RLHF: experts reduce over the same group as the rest
         self.zero3 = Zero3(module, group, group, blocks=blocks, prefetch=cfg.zero_prefetch,
                            device=device)

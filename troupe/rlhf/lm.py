@@ -37,9 +37,6 @@ class GPTLM(nn.Module):
         self.packing_tokens = packing_tokens
         self.padding = [0, 0, 0, 0]
         self.hidden_size, self.max_len = gpt.cfg.d_model, gpt.cfg.seq_len
-        # run a prompt shared by consecutive rows once (off for a partitioned model, whose
-        # ranks must run the same blocks whatever their data: troupe.rlhf.common)
-        self.share_prompts = True
 
     @property
     def device(self) -> torch.device:
@@ -87,8 +84,8 @@ class GPTLM(nn.Module):
 
         prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
         same prompt (a group of samples) then run it once (``shared_hidden``)."""
-        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len)
-                 if prompt_len and self.share_prompts else self.hidden(ids_BS, valid_BS))
+        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
+                 else self.hidden(ids_BS, valid_BS))
         h_BRC = h_BSC[:, :-1]
         at = where_BR.bool()
         with self.autocast():
@@ -205,7 +202,7 @@ class ValueModel(nn.Module):
         """(B, S) values; ``prompt_len`` as for ``GPTLM.token_logprobs`` (shared prompts and
         openings run once)."""
         lm = self.lm
-        h = (lm.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len and lm.share_prompts
+        h = (lm.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
              else lm.hidden(ids_BS, valid_BS))
         with lm.autocast():
             return self.head(h).squeeze(-1).float()

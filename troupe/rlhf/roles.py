@@ -29,7 +29,7 @@ from troupe.models.io import load_module, save_module
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
 from troupe.parallel import weight_sync
 from troupe.rlhf import algorithms
-from troupe.rlhf.batch import completions
+from troupe.rlhf.batch import completions, split_completions
 from troupe.rlhf.common import Trainable, build_lm, build_trainable
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.experience import (
@@ -70,11 +70,12 @@ class Policy:
                  coef: float = 1.0) -> float:
         """Backward of ``coef`` x the mean next-token loss on the responses of (prompt,
         response) pairs, micro-batch by micro-batch; returns the loss."""
-        ids, valid, mask = move(completions(self.tok, [p for p, _ in pairs],
-                                            [r for _, r in pairs]), self.device)
+        *batch, P = split_completions(self.tok, [p for p, _ in pairs], [r for _, r in pairs])
+        ids, valid, mask = move(batch, self.device)
         total, loss = mask.sum().clamp_min(1), 0.0
         for s in self.lm.micro_batches(valid, micro):
-            part = -(self.lm.token_logprobs(ids[s], valid[s], mask[s]) * mask[s]).sum() / total
+            logp = self.lm.token_logprobs(ids[s], valid[s], mask[s], prompt_len=P)
+            part = -(logp * mask[s]).sum() / total
             self.train.backward(coef * part)
             loss += part.item()
         return loss
@@ -470,11 +471,12 @@ def pair_logprobs(lm: GPTLM, tok, pairs: list):
     """Summed response log-probabilities (B,) of the chosen and of the rejected responses of
     (prompt, chosen, rejected) rows, in one batch of 2B sequences, and the chosen responses'
     token counts (B,)."""
-    P, B = [p for p, _, _ in pairs], len(pairs)
-    ids, valid, mask = move(completions(tok, P + P, [c for _, c, _ in pairs]
-                                        + [r for _, _, r in pairs]), lm.device)
-    total = (lm.token_logprobs(ids, valid, mask) * mask).sum(1)
-    return total[:B], total[B:], mask[:B].sum(1)
+    # each prompt's chosen and rejected side by side: the prompt runs once for both
+    prompts = [p for p, _, _ in pairs for _ in range(2)]
+    *batch, P = split_completions(tok, prompts, [x for _, c, r in pairs for x in (c, r)])
+    ids, valid, mask = move(batch, lm.device)
+    total = (lm.token_logprobs(ids, valid, mask, prompt_len=P) * mask).sum(1)
+    return total[0::2], total[1::2], mask[0::2].sum(1)
 
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
