@@ -335,59 +335,17 @@ def test_half_precision_steps_track_fp32_and_keep_fp32_weights(half):
     assert v16.dtype == torch.float32 and v16.shape == v32.shape
 
 
-@pytest.mark.parametrize("arch", [
+ARCHS = [
     dict(),  # troupe's GPT: learned positions, LayerNorm, GELU
     dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),  # Llama
-])
-def test_shared_prompts_give_the_same_logprobs_and_gradients(arch):
-    """GRPO's samples of one prompt run the prompt once (SharedPrefix): values and gradients
-    equal running every row whole; groups of 3, 1 and 2 rows, prompts left-padded."""
-    torch.manual_seed(0)
-    lm = GPTLM(GPT(GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=32, vocab_size=50, **arch),
-                   seed=0))
-    P, R, rows = 7, 5, []
-    for n_prompt, count in ((7, 3), (4, 1), (6, 2)):
-        prompt = torch.randint(0, 50, (n_prompt,))
-        for _ in range(count):
-            ids, valid = torch.zeros(P + R, dtype=torch.long), torch.zeros(P + R, dtype=torch.bool)
-            ids[P - n_prompt:P], valid[P - n_prompt:P] = prompt, True
-            n = int(torch.randint(1, R + 1, ()))
-            ids[P:P + n], valid[P:P + n] = torch.randint(0, 50, (n,)), True
-            rows.append((ids, valid))
-    ids, valid = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-    where = torch.zeros(len(rows), P + R - 1)
-    where[:, P - 1:] = valid[:, P:].float()
-    results = []
-    for prompt_len in (0, P):
-        lm.zero_grad()
-        logp, ent = lm.token_logprobs(ids, valid, where, entropy=True, prompt_len=prompt_len)
-        (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
-        results.append((logp.detach(), ent, [p.grad.clone() for p in lm.parameters()]))
-    (a, ea, ga), (b, eb, gb) = results
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
-    for x, y in zip(ga, gb):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+]
 
 
-@pytest.mark.parametrize("arch", [
-    dict(),
-    dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),
-])
-def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
-    """Prompts that open with the same tokens (a chat template's system prompt) run that
-    opening once for all of them, then each prompt's rest, then the samples: log-probabilities,
-    entropies and gradients equal running every row whole, and the positions computed are
-    the opening once, each prompt's rest once and each sample's tokens."""
-    torch.manual_seed(1)
-    lm = GPTLM(GPT(GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=32, vocab_size=50, **arch),
-                   seed=0))
-    system = torch.randint(0, 50, (6,))
-    P, R, rows, tails = 11, 4, [], []
-    for n_tail, count in ((5, 2), (1, 1), (3, 3)):
-        prompt = torch.cat([system, torch.randint(0, 50, (n_tail,))])
-        prompt[len(system)] = 50 - 1 - len(tails)  # each differs right after the opening
-        tails.append(n_tail)
+def _sampled_rows(prompts: list[tuple[torch.Tensor, int]], P: int, R: int):
+    """``count`` rows per (prompt, count), each the prompt left-padded to P columns and a
+    random continuation of 1 to R tokens: (ids, valid, where) as a rollout lays them out."""
+    rows = []
+    for prompt, count in prompts:
         for _ in range(count):
             ids, valid = torch.zeros(P + R, dtype=torch.long), torch.zeros(P + R, dtype=torch.bool)
             ids[P - len(prompt):P], valid[P - len(prompt):P] = prompt, True
@@ -397,6 +355,12 @@ def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
     ids, valid = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
     where = torch.zeros(len(rows), P + R - 1)
     where[:, P - 1:] = valid[:, P:].float()
+    return ids, valid, where
+
+
+def _shared_against_whole(lm: GPTLM, ids, valid, where, P: int) -> None:
+    """token_logprobs with the prompts shared (prompt_len=P) equals every row whole: values,
+    entropies and gradients; ``lm.padding`` is left with the shared run's counts."""
     results = []
     for prompt_len in (0, P):
         lm.zero_grad()
@@ -404,7 +368,45 @@ def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
         logp, ent = lm.token_logprobs(ids, valid, where, entropy=True, prompt_len=prompt_len)
         (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
         results.append((logp.detach(), ent, [p.grad.clone() for p in lm.parameters()]))
-    assert lm.padding[2] == len(system) + 3 * (P - len(system)) + len(rows) * R
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+def _tiny_lm(arch: dict) -> GPTLM:
+    return GPTLM(GPT(GPTConfig(seq_len=64, n_layer=2, n_head=4, d_model=32, vocab_size=50, **arch),
+                     seed=0))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompts_give_the_same_logprobs_and_gradients(arch):
+    """GRPO's samples of one prompt run the prompt once (PrefixTree): values and gradients
+    equal running every row whole; groups of 3, 1 and 2 rows, prompts left-padded."""
+    torch.manual_seed(0)
+    lm = _tiny_lm(arch)
+    prompts = [(torch.randint(0, 50, (n,)), count) for n, count in ((7, 3), (4, 1), (6, 2))]
+    _shared_against_whole(lm, *_sampled_rows(prompts, 7, 5), 7)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
+    """Prompts that open with the same tokens (a chat template's system prompt) run that
+    opening once for all of them, then each prompt's rest, then the samples: log-probabilities,
+    entropies and gradients equal running every row whole, and the positions computed are
+    the opening once, each prompt's rest once and each sample's tokens."""
+    torch.manual_seed(1)
+    lm = _tiny_lm(arch)
+    system = torch.randint(0, 50, (6,))
+    P, R, prompts, tails = 11, 4, [], [5, 1, 3]
+    for i, (n_tail, count) in enumerate(zip(tails, (2, 1, 3))):
+        prompt = torch.cat([system, torch.randint(0, 50, (n_tail,))])
+        prompt[len(system)] = 49 - i  # each differs right after the opening
+        prompts.append((prompt, count))
+    ids, valid, where = _sampled_rows(prompts, P, R)
+    _shared_against_whole(lm, ids, valid, where, P)
+    assert lm.padding[2] == len(system) + 3 * (P - len(system)) + len(ids) * R
     assert lm.padding[3] == len(system) + sum(tails) + int(valid[:, P:].sum())
     with torch.no_grad():  # every real token's hidden state, the prompts' included
         shared, whole = lm.shared_hidden(ids, valid, P), lm.hidden(ids, valid)
@@ -413,11 +415,6 @@ def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
         values = critic(ids, valid, P), critic(ids, valid)
     torch.testing.assert_close(shared[valid], whole[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(values[0][valid], values[1][valid], atol=1e-5, rtol=1e-5)
-    (a, ea, ga), (b, eb, gb) = results
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ea, eb, atol=1e-5, rtol=1e-5)
-    for x, y in zip(ga, gb):
-        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -83,7 +83,8 @@ class GPTLM(nn.Module):
         With ``entropy``: also the entropy of the next-token distribution there, (B, S-1).
 
         prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
-        same prompt (a group of samples) then run it once (``shared_hidden``)."""
+        same prompt (a group of samples) then run it once, and the opening all prompts share
+        once (``shared_hidden``)."""
         h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
                  else self.hidden(ids_BS, valid_BS))
         h_BRC = h_BSC[:, :-1]
