@@ -338,6 +338,7 @@ def test_half_precision_steps_track_fp32_and_keep_fp32_weights(half):
 ARCHS = [
     dict(),  # troupe's GPT: learned positions, LayerNorm, GELU
     dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),  # Llama
+    dict(moe=dict(num_experts=4, top_k=2, capacity_factor=100.0)),  # MoE (no token dropped)
 ]
 
 
