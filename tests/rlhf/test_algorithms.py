@@ -11,7 +11,6 @@ from troupe.config import ConfigError, validate
 from troupe.rlhf import algorithms
 from troupe.rlhf.algorithms import (
     Scores,
-    group_ids,
     overlong_penalty,
     sequence_policy_loss,
     spread_groups,
