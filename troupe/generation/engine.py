@@ -367,8 +367,7 @@ class ContinuousBatcher:
         # the few tokens after a cached prefix go through the packed product when there are
         # at most MAX_ROWS of them, as a decode step's do (MKL reads the weights at a third of
         # the speed for so few rows: kernels/small_gemm.py)
-        with self._routed([adapter]), self.packed.active() if self.packed else \
-                contextlib.nullcontext():
+        with self._routed([adapter]), self._products():
             h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         self.prefill_tokens += T - n
         logits = self._logits(h[:, -1])
@@ -398,13 +397,13 @@ class ContinuousBatcher:
                 return self._choose(seqs, *self.fused.logits(idx, self.valid, self.cache))
             h = self.fused.hidden(idx, self.valid, self.cache)
             return self._choose(seqs, self._logits(h))
-        with self._routed([s.params.adapter for s in seqs]):
-            if self.packed:
-                with self.packed.active():
-                    h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
-                return self._choose(seqs, self.packed.logits(h[:, -1]))
+        with self._routed([s.params.adapter for s in seqs]), self._products():
             h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
-        return self._choose(seqs, self.model.logits(h[:, -1]))
+        return self._choose(seqs, self._logits(h[:, -1]))
+
+    def _products(self):
+        """The packed products for the enclosed forwards, when the engine holds them."""
+        return self.packed.active() if self.packed else contextlib.nullcontext()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits of hidden states, through the packed output projection when the

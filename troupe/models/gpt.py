@@ -135,7 +135,7 @@ class PrefixTree:
     ``valid`` (rows, width) marks each level's real tokens (the rest is padding).
 
     ``GPT.hidden(tree.pack(ids), cache=tree)`` runs every level's tokens side by side as one
-    sequence of ``tokens`` positions: every weight is read, and its gradient written, once a
+    sequence: every weight is read, and its gradient written, once a
     layer, as for one batch (a pass per level would write each weight's gradient once per
     level). Only attention sees the levels: a row attends causally to its own tokens and to
     all of its ancestors' (their keys and values gathered for it), as if the row held its
@@ -164,11 +164,10 @@ class PrefixTree:
             pos.append((path.long().cumsum(1) - 1).clamp_min(0)[:, -valid.shape[1]:])
         self.positions = torch.cat([p.reshape(1, -1) for p in pos], 1)  # (1, tokens)
         self.sizes = [v.numel() for v in self.valid]
-        self.tokens = sum(self.sizes)
         self.span = sum(v.shape[1] for v in self.valid)  # a row's whole path, padding included
 
     def pack(self, ids: list[torch.Tensor]) -> torch.Tensor:
-        """(1, tokens): the levels' (rows, width) ids laid end to end."""
+        """(1, all levels' positions): the levels' (rows, width) ids laid end to end."""
         return torch.cat([x.reshape(1, -1) for x in ids], 1)
 
     def unpack(self, h_1TC: torch.Tensor) -> list[torch.Tensor]:

@@ -85,9 +85,7 @@ class GPTLM(nn.Module):
         prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
         same prompt (a group of samples) then run it once, and the opening all prompts share
         once (``shared_hidden``)."""
-        h_BSC = (self.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
-                 else self.hidden(ids_BS, valid_BS))
-        h_BRC = h_BSC[:, :-1]
+        h_BRC = self.shared_hidden(ids_BS, valid_BS, prompt_len)[:, :-1]
         at = where_BR.bool()
         with self.autocast():
             logits_NV = self.gpt.logits(h_BRC[at])
@@ -109,9 +107,9 @@ class GPTLM(nn.Module):
         when the distinct prompts open with the same tokens (a chat template's system
         prompt, an instruction before each question), those run once for all of them. The
         same values and gradients as ``hidden`` at the real tokens; GRPO's 4-16 samples of a
-        prompt cost one prompt's compute instead of 4-16."""
+        prompt cost one prompt's compute instead of 4-16. ``prompt_len`` 0: ``hidden``."""
         P, (B, S) = prompt_len, ids_BS.shape
-        if P >= S:
+        if not P or P >= S:
             return self.hidden(ids_BS, valid_BS)
         prompt_ids, prompt_valid = ids_BS[:, :P], valid_BS[:, :P]
         same = ((prompt_ids[1:] == prompt_ids[:-1]).all(1)
@@ -202,10 +200,8 @@ class ValueModel(nn.Module):
                 prompt_len: int = 0) -> torch.Tensor:
         """(B, S) values; ``prompt_len`` as for ``GPTLM.token_logprobs`` (shared prompts and
         openings run once)."""
-        lm = self.lm
-        h = (lm.shared_hidden(ids_BS, valid_BS, prompt_len) if prompt_len
-             else lm.hidden(ids_BS, valid_BS))
-        with lm.autocast():
+        h = self.lm.shared_hidden(ids_BS, valid_BS, prompt_len)
+        with self.lm.autocast():
             return self.head(h).squeeze(-1).float()
 
 
