@@ -56,6 +56,18 @@ class Member:
                                      weight_sync.sync_tensors(self.model), version,
                                      bucket_bytes, timeout_s))
 
+    def send_in_background(self, version: int, bucket_bytes: int, timeout_s: float) -> dict:
+        """Stage, start the send, change the weights while it runs, then its report."""
+        staged = weight_sync.stage(weight_sync.sync_tensors(self.model), bucket_bytes)
+        sending = weight_sync.BackgroundSend(collectives.get_group("weights"), staged,
+                                             version, timeout_s)
+        self.perturb()  # the trainer's next update, while the staged copy travels
+        report = vars(sending.result())
+        again = weight_sync.stage(weight_sync.sync_tensors(self.model), bucket_bytes,
+                                  into=staged.buffer)
+        report["reused"] = again.buffer.data_ptr() == staged.buffer.data_ptr()
+        return report
+
     def receive(self, version: int, bucket_bytes: int, timeout_s: float,
                 corrupt: int | None = None) -> dict:
         comm = collectives.get_group("weights")
@@ -109,6 +121,22 @@ def test_buckets_carry_every_weight_bit_for_bit(members):
     for state in replicas.call("state"):
         assert state.keys() == want.keys()
         assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_a_background_send_carries_the_weights_as_staged(members):
+    """The staged copy is what arrives, bit for bit, though the trainer's weights changed
+    while it travelled; a later stage reuses the buffer."""
+    trainer, replicas = members
+    before = trainer.call("state")[0]
+    r = replicas.call_async("receive", 8, 1024, 30.0)
+    [sent] = trainer.call("send_in_background", 8, 1024, 30.0)
+    assert sent["version"] == 8 and sent["buckets"] > 3 and sent["seconds"] > 0
+    assert sent["reused"]
+    assert all(g["version"] == 8 for g in r.result())
+    after = trainer.call("state")[0]
+    assert not torch.equal(after["0.weight"], before["0.weight"])
+    for state in replicas.call("state"):
+        assert all(torch.equal(state[k], before[k]) for k in before)
 
 
 def test_a_corrupted_bucket_is_caught_and_not_applied(members):

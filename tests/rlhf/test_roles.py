@@ -367,7 +367,7 @@ def _shared_against_whole(lm: GPTLM, ids, valid, where, P: int) -> None:
         lm.zero_grad()
         lm.padding = [0, 0, 0, 0]
         logp, ent = lm.token_logprobs(ids, valid, where, entropy=True, prompt_len=prompt_len)
-        (logp * torch.linspace(0.5, 1.5, logp.shape[1])).sum().backward()
+        (logp * torch.linspace(0.5, 1.5, logp.shape[1], device=logp.device)).sum().backward()
         results.append((logp.detach(), ent, [p.grad.clone() for p in lm.parameters()]))
     (a, ea, ga), (b, eb, gb) = results
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -416,6 +416,34 @@ def test_a_system_prompt_shared_by_every_prompt_runs_once(arch):
         values = critic(ids, valid, P), critic(ids, valid)
     torch.testing.assert_close(shared[valid], whole[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(values[0][valid], values[1][valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompts_on_cuda_match_whole_rows_and_the_cpu(arch):
+    """The PrefixTree path on cuda (ancestor K/V gathered on the device): log-probabilities,
+    entropies and gradients equal every row run whole on cuda, and the CPU's shared run
+    within 1e-4 (fp32 in another order; TF32 off)."""
+    torch.manual_seed(2)
+    system = torch.randint(0, 50, (5,))
+    prompts = []
+    for i, (n_tail, count) in enumerate(((4, 3), (1, 1), (2, 2))):
+        prompt = torch.cat([system, torch.randint(0, 50, (n_tail,))])
+        prompt[len(system)] = 49 - i
+        prompts.append((prompt, count))
+    ids, valid, where = _sampled_rows(prompts, 9, 4)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        lm = _tiny_lm(arch).to(device)
+        _shared_against_whole(lm, ids.to(device), valid.to(device), where.to(device), 9)
+        lm.zero_grad()
+        logp = lm.token_logprobs(ids.to(device), valid.to(device), where.to(device),
+                                 prompt_len=9)
+        logp.sum().backward()
+        runs[device] = logp.detach().cpu(), [p.grad.cpu() for p in lm.parameters()]
+    torch.testing.assert_close(runs["cuda"][0], runs["cpu"][0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(runs["cuda"][1], runs["cpu"][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.gpu

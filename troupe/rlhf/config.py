@@ -206,7 +206,10 @@ class RolloutConfig(Config):
     generated a batch may be: 0 generates each batch after the update before it (the
     synchronous order); 1 generates the next batch while the policy trains on this one
     (one-step-off); k keeps up to k batches in flight. Off-policy tokens are corrected by
-    step3.tis_cap (2 when left None with max_staleness > 0). max_restarts: how often a dead
+    step3.tis_cap (2 when left None with max_staleness > 0). overlap_sync (with max_staleness
+    >= 1, host weights): the policy stages its weights (a copy of the model's bytes) and sends
+    them from a thread while it scores and trains the next batch, so a sync costs the trainer
+    the copy, not the transfer; off (or on cuda), it sends them before it goes on. max_restarts: how often a dead
     replica is restarted, re-synced and its prompts re-issued before the run fails."""
 
     replicas: int = Field(default=0, ge=0)
@@ -216,6 +219,7 @@ class RolloutConfig(Config):
     threads: int | None = Field(default=None, ge=1)
     bucket_mb: float = Field(default=64.0, gt=0)
     sync_timeout_s: float = Field(default=120.0, gt=0)
+    overlap_sync: bool = True
     max_restarts: int = Field(default=4, ge=0)
 
 

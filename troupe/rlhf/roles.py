@@ -59,6 +59,8 @@ class Policy:
         self.ema = None
         self.algorithm = cfg.algo()
         self.engine = RolloutEngine(cfg, self.tok)
+        self.sending: weight_sync.BackgroundSend | None = None  # a sync still on its way
+        self.staged: weight_sync.Staged | None = None  # its copy of the weights, kept for reuse
 
     # step 1 ---------------------------------------------------------------------------------
     def sft_step(self, pairs: list[tuple[str, str]], step: int) -> SFTStats:
@@ -109,22 +111,40 @@ class Policy:
         with self.train.gathered():  # a partitioned policy: gathered once per rollout
             return self.engine.generate(model, request)
 
-    def send_weights(self, group: Communicator | None, version: int) -> dict | None:
+    def send_weights(self, group: Communicator | None, version: int,
+                     background: bool = False) -> dict | None:
         """The current weights, as ``version``, to the rollout replicas of ``group`` (rank 0
         sends; every rank calls: a partitioned policy gathers once for the whole sync); LoRA
-        adapters are folded in for the sync and taken out after. Returns rank 0's report."""
+        adapters are folded in for the sync and taken out after. Returns rank 0's report.
+        ``background`` (host weights): the weights are staged, a copy of their bytes, and
+        sent from a thread while this policy goes on (the report's ``seconds`` is None;
+        ``sync_done`` gives the transfer's). A sync still on its way is finished first."""
+        self.sync_done()
         r = self.cfg.step3.rollout
         with self.train.gathered():
             if self.rank != 0 or group is None:
                 return None
             fused = fuse_lora(self.lm)
             try:
-                report = weight_sync.send(group, weight_sync.sync_tensors(self.lm.gpt), version,
-                                          int(r.bucket_mb * 2**20), r.sync_timeout_s)
+                tensors, bucket = weight_sync.sync_tensors(self.lm.gpt), int(r.bucket_mb * 2**20)
+                if background and self.device.type == "cpu":
+                    self.staged = weight_sync.stage(tensors, bucket, into=getattr(
+                        self.staged, "buffer", None))
+                    self.sending = weight_sync.BackgroundSend(group, self.staged, version,
+                                                              r.sync_timeout_s)
+                    return {"version": version, "buckets": self.sending.buckets,
+                            "bytes": self.sending.nbytes, "seconds": None}
+                report = weight_sync.send(group, tensors, version, bucket, r.sync_timeout_s)
             finally:
                 if fused:
                     unfuse_lora(self.lm)
         return vars(report)
+
+    def sync_done(self) -> dict | None:
+        """The report of the background sync on its way (waiting for it; its error raised
+        here), or None when there is none."""
+        sending, self.sending = self.sending, None
+        return None if sending is None else vars(sending.result())
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
                  prompt_len: int = 0) -> torch.Tensor:

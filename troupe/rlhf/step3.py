@@ -303,8 +303,7 @@ def _iterate(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: Pa
     p, t0 = cfg.step3, time.perf_counter()
     rec = run_iteration(graph, cfg, data, it, state.rng, reward_fn, replicas)
     if replicas is not None:
-        if it < p.iterations:
-            rec.update(replicas.sync(it, it))
+        rec.update(replicas.sync(it, it) if it < p.iterations else replicas.drain(it))
         rec["rollout_restarts"] = replicas.restarts
     rec["iteration_s"] = time.perf_counter() - t0  # the whole iteration, its sync included
     log.write(rec)

@@ -152,10 +152,16 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
         return self.role.generate(request)
 
     @dispatch(Dispatch.ALL)
-    def send_weights(self, topology: RLHFTopology, version: int) -> dict | None:
+    def send_weights(self, topology: RLHFTopology, version: int,
+                     background: bool = False) -> dict | None:
         """The weights as ``version`` to the rollout replicas (rank 0's report; None on the
-        other ranks)."""
-        return self.role.send_weights(communicator(topology.weights), version)
+        other ranks); ``background``: sent from a thread while the policy goes on."""
+        return self.role.send_weights(communicator(topology.weights), version, background)
+
+    @dispatch(Dispatch.ALL)
+    def sync_done(self) -> dict | None:
+        """The background sync's report once it has finished (rank 0's; None without one)."""
+        return self.role.sync_done()
 
     @dispatch(Dispatch.SHARD)
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
