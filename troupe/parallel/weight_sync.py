@@ -177,9 +177,9 @@ def stage(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int,
     """A copy of ``tensors`` laid out as ``send`` lays them (the model's bytes once more), in
     ``into`` when it is the right size (an earlier sync's ``Staged.buffer``: no new pages)."""
     layout = Layout.of(tensors, bucket_bytes)
-    size = layout.nbytes + len(layout.buckets) * _TRAILER
-    big = into if into is not None and into.numel() == size else torch.empty(
-        size, dtype=torch.uint8, device=tensors[0][1].device)
+    total = layout.nbytes + len(layout.buckets) * _TRAILER
+    big = into if into is not None and into.numel() == total else torch.empty(
+        total, dtype=torch.uint8, device=tensors[0][1].device)
     parts, at = [], 0
     for size, members in zip(layout.buckets, layout.by_bucket()):
         parts.append(_pack(big[at:at + size + _TRAILER], tensors, members))

@@ -128,8 +128,8 @@ class Policy:
             try:
                 tensors, bucket = weight_sync.sync_tensors(self.lm.gpt), int(r.bucket_mb * 2**20)
                 if background and self.device.type == "cpu":
-                    self.staged = weight_sync.stage(tensors, bucket, into=getattr(
-                        self.staged, "buffer", None))
+                    reuse = None if self.staged is None else self.staged.buffer
+                    self.staged = weight_sync.stage(tensors, bucket, into=reuse)
                     self.sending = weight_sync.BackgroundSend(group, self.staged, version,
                                                               r.sync_timeout_s)
                     return {"version": version, "buckets": self.sending.buckets,
