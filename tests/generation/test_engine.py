@@ -191,3 +191,29 @@ def test_a_shared_prompt_is_prefilled_once_and_sampled_apart():
         one.add("x", prompt, p)
         assert together[f"s{i}"] == run(one)["x"]
     assert len({tuple(together[f"s{i}"]) for i in range(4)}) > 1  # the seeds differ
+
+
+@pytest.mark.parametrize("arch", [{}, dict(positions="rope", norm="rmsnorm", mlp="swiglu",
+                                           n_kv_head=1)])
+def test_an_opening_every_prompt_shares_runs_once(arch):
+    """Prompts that open with the same 20 tokens (a system prompt) admitted together: the
+    opening runs once, copied to every row (prefill_tokens counts it once), and each
+    sequence's greedy tokens equal decoding it alone; first logits as the whole prompts'."""
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(vocab_size=257, seq_len=64, n_layer=2, n_head=2, d_model=32, **arch),
+                seed=3).eval()
+    rng = random.Random(3)
+    opening = [rng.randrange(256) for _ in range(20)]
+    prompts = [opening + [rng.randrange(256) for _ in range(n)] for n in (1, 5, 3, 7)]
+    engine = ContinuousBatcher(model, EOS, max_batch=4)
+    for i, p in enumerate(prompts):
+        engine.add(str(i), p, SamplingParams(max_tokens=8, logprobs=0))
+    first = {ev.seq_id: ev for ev in engine.step() if ev.token is not None}
+    assert engine.prefill_tokens == 20 + 1 + 5 + 3 + 7
+    out = run(engine)
+    for i, p in enumerate(prompts):
+        want = alone(model, p, 8)
+        assert [first[str(i)].token] + out.get(str(i), []) == want
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p]))[0][0, -1], -1)[want[0]]
+        assert abs(first[str(i)].logprob - float(logp)) < 1e-5

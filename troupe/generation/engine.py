@@ -14,6 +14,7 @@ when the columns run out, the ones that no sequence uses any more are dropped.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +29,14 @@ from troupe.generation.decode_layers import DecodeLayers
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT, KVCache
 from troupe.models.adapters import Adapters
+
+
+SHARED_OPENING = 16  # tokens: a shorter opening shared by a prefill's prompts runs with each
+
+
+def shared_opening(prompts: list[list[int]]) -> int:
+    """How many first tokens all ``prompts`` share, leaving each at least one of its own."""
+    return min(len(os.path.commonprefix(prompts)), min(len(x) for x in prompts) - 1)
 
 
 @dataclass
@@ -323,30 +332,47 @@ class ContinuousBatcher:
 
     def _prefill_cold(self, seqs: list[_Sequence]) -> list[Event]:
         """Prompts run together (left-padded), their keys and values merged into the batch's
-        cache (and kept in the prefix cache)."""
+        cache (and kept in the prefix cache). An opening that every prompt shares (a chat
+        template's system prompt: SHARED_OPENING tokens or more, under one adapter) runs once,
+        its keys and values copied to every row, and each prompt's rest after it, left-padded
+        (the gap between them is padding, as ``GPT.hidden`` allows)."""
         first: dict[tuple, int] = {}
         rows = [first.setdefault((tuple(s.prompt), s.params.adapter), len(first)) for s in seqs]
-        prompts = [p for p, _ in first]
+        prompts = [list(p) for p, _ in first]
         adapters = [a for _, a in first]
-        P = max(len(x) for x in prompts)
+        B = len(prompts)
+        L = shared_opening(prompts) if B > 1 and len(set(adapters)) == 1 else 0
+        L = L if L >= SHARED_OPENING else 0
+        rests = [x[L:] for x in prompts]
+        R = max(len(x) for x in rests)
         # filled from Python lists in host memory, then moved to the model's device in one copy
-        idx = torch.full((len(prompts), P), self.eos_id or 0, dtype=torch.long)  # host: padding
-        valid = torch.zeros(len(prompts), P, dtype=torch.bool)  # host: (as idx)
-        for i, x in enumerate(prompts):
-            idx[i, P - len(x):] = torch.tensor(x)  # host: (as idx)
-            valid[i, P - len(x):] = True
+        idx = torch.full((B, R), self.eos_id or 0, dtype=torch.long)  # host: padding
+        valid = torch.zeros(B, L + R, dtype=torch.bool)  # host: (as idx)
+        valid[:, :L] = True
+        for i, x in enumerate(rests):
+            idx[i, R - len(x):] = torch.tensor(x)  # host: (as idx)
+            valid[i, L + R - len(x):] = True
         idx, valid = idx.to(self.device), valid.to(self.device)
         # room for the prompt and a few tokens; decoding grows it (see _make_room)
-        cache = KVCache.empty(self.cfg, len(prompts), min(P + 16, self.cfg.seq_len),
+        cache = KVCache.empty(self.cfg, B, min(L + R + 16, self.cfg.seq_len),
                               device=self.device, dtype=self._dtype())
         with self._routed(adapters):
+            if L:
+                opening = KVCache.empty(self.cfg, 1, L, device=self.device, dtype=self._dtype())
+                self.model.hidden(torch.tensor([prompts[0][:L]], device=self.device),
+                                  valid_BS=valid[:1, :L], cache=opening)
+                for ours, theirs in zip(cache.k + cache.v, opening.k + opening.v):
+                    ours[:, :, :L] = theirs
+                cache.length = L
             h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
-        self.prefill_tokens += int(valid.sum())
+        self.prefill_tokens += int(valid.sum()) - (B - 1) * L
         logits = self.model.logits(h[:, -1])
         if self.prefix_cache is not None:
-            for i, x in enumerate(prompts):
-                self.prefix_cache.insert(list(x), [t[i, :, P - len(x):P] for t in cache.k],
-                                         [t[i, :, P - len(x):P] for t in cache.v],
+            S = L + R
+            for i, x in enumerate(rests):
+                cols = list(range(L)) + list(range(S - len(x), S))
+                self.prefix_cache.insert(prompts[i], [t[i, :, cols] for t in cache.k],
+                                         [t[i, :, cols] for t in cache.v],
                                          self._namespace(adapters[i]))
         return self._admit_rows(cache, valid, logits, rows, seqs)
 
