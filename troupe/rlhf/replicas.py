@@ -117,25 +117,30 @@ class Replicas:
         if self.inflight is None:
             return {}, {}
         recv, self.inflight = self.inflight, None
-        r = self.cfg.step3.rollout
-        done = self.graph["policy"].invoke_async(PolicyActor.sync_done)
-        errors, report = [], None
-        for call in (recv, done):
-            try:
-                got = call.result(r.sync_timeout_s + 60)
-                report = got[0] if call is done else report
-            except (WorkerDiedError, WorkerCallError) as e:
-                errors.append(e)
-        dead = {e.rank: e for e in errors if _lost(e)}
+        report, dead = self._both(recv, self.graph["policy"].invoke_async(PolicyActor.sync_done))
         if dead:  # the policy's error, if any, is about them
             self.version = current
             return {}, dead
-        if errors:
+        return ({} if report is None or report["seconds"] is None
+                else {"sync_transfer_s": report["seconds"]}), {}
+
+    def _both(self, recv: Call, policy: Call) -> tuple[Any, dict[int, WorkerError]]:
+        """Wait for a sync's two sides, the replicas' receives and the policy's call: the
+        policy's rank-0 answer and the replicas lost meanwhile. Any other failure is raised,
+        a WeightSyncError (naming the replica at fault) before the rest."""
+        errors, answer = [], None
+        for call in (recv, policy):
+            try:
+                got = call.result(self.cfg.step3.rollout.sync_timeout_s + 60)
+                answer = got[0] if call is policy else answer
+            except (WorkerDiedError, WorkerCallError) as e:
+                errors.append(e)
+        dead = {e.rank: e for e in errors if _lost(e)}
+        if errors and not dead:
             cause = next((e.cause for e in errors
                           if isinstance(getattr(e, "cause", None), WeightSyncError)), None)
             raise (cause or errors[0]) from None
-        return ({} if report is None or report["seconds"] is None
-                else {"sync_transfer_s": report["seconds"]}), {}
+        return answer, dead
 
     def _send(self, version: int, step: int) -> dict:
         r = self.cfg.step3.rollout
@@ -148,25 +153,11 @@ class Replicas:
             t0 = time.perf_counter()
             self.version = None
             recv = self.group.invoke_async(RolloutActor.receive_weights, self.topology, version)
-            send = self.graph["policy"].invoke_async(PolicyActor.send_weights, self.topology,
-                                                     version)
-            errors, sent = [], None
-            for call in (recv, send):
-                try:
-                    got = call.result(r.sync_timeout_s + 60)
-                    sent = got[0] if call is send else sent
-                except (WorkerDiedError, WorkerCallError) as e:
-                    errors.append(e)
-            dead = {e.rank: e for e in errors if _lost(e)}
+            sent, dead = self._both(recv, self.graph["policy"].invoke_async(
+                PolicyActor.send_weights, self.topology, version))
             if dead:
                 self._restart(dead, step)
                 continue
-            if errors:
-                cause = next((e.cause for e in errors
-                              if isinstance(getattr(e, "cause", None), WeightSyncError)), None)
-                if cause is not None:
-                    raise cause from None
-                raise errors[0]
             self.version = version
             return {"sync_s": time.perf_counter() - t0, "sync_bytes": sent["bytes"],
                     "sync_buckets": sent["buckets"], "weight_version": version}
