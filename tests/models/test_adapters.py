@@ -92,6 +92,24 @@ def test_four_adapters_in_one_batch_equal_each_merged_alone(base, tmp_path):
     assert adapters.slots == {"a0": 0, "a1": 1, "a2": 2, "a3": 3}
 
 
+def test_prompts_sharing_an_opening_under_one_adapter(base, tmp_path):
+    """An opening (20 tokens) that every prompt shares, prefilled once under their adapter:
+    each sequence's tokens equal the merged model's alone."""
+    adapter_dir, merged_dir = write_adapter(base, tmp_path / "a", 7)
+    model = from_pretrained(base).eval()
+    adapters = Adapters(model)
+    adapters.add(load_peft(adapter_dir, model, name="a"))
+    g = torch.Generator().manual_seed(6)
+    opening = torch.randint(0, 300, (20,), generator=g).tolist()
+    prompts = [opening + torch.randint(0, 300, (n,), generator=g).tolist() for n in (2, 5, 3)]
+    engine = ContinuousBatcher(model, None, max_batch=3, adapters=adapters)
+    got = greedy(engine, [(f"r{i}", p, "a") for i, p in enumerate(prompts)])
+    assert engine.prefill_tokens == 20 + 2 + 5 + 3
+    want = greedy(ContinuousBatcher(from_pretrained(merged_dir).eval(), None),
+                  [(f"r{i}", p, None) for i, p in enumerate(prompts)])
+    assert got == want
+
+
 def test_what_does_not_fit_is_named(base, tmp_path):
     model = from_pretrained(base).eval()
     adapter_dir, _ = write_adapter(base, tmp_path / "x", 0)

@@ -356,14 +356,15 @@ class ContinuousBatcher:
         # room for the prompt and a few tokens; decoding grows it (see _make_room)
         cache = KVCache.empty(self.cfg, B, min(L + R + 16, self.cfg.seq_len),
                               device=self.device, dtype=self._dtype())
-        with self._routed(adapters):
-            if L:
-                opening = KVCache.empty(self.cfg, 1, L, device=self.device, dtype=self._dtype())
+        if L:  # one row, under the adapter all the prompts use
+            opening = KVCache.empty(self.cfg, 1, L, device=self.device, dtype=self._dtype())
+            with self._routed(adapters[:1]):
                 self.model.hidden(torch.tensor([prompts[0][:L]], device=self.device),
                                   valid_BS=valid[:1, :L], cache=opening)
-                for ours, theirs in zip(cache.k + cache.v, opening.k + opening.v):
-                    ours[:, :, :L] = theirs
-                cache.length = L
+            for ours, theirs in zip(cache.k + cache.v, opening.k + opening.v):
+                ours[:, :, :L] = theirs
+            cache.length = L
+        with self._routed(adapters):
             h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
         self.prefill_tokens += int(valid.sum()) - (B - 1) * L
         logits = self.model.logits(h[:, -1])
