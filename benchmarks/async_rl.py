@@ -102,7 +102,8 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results-async_rl.jsonl"))
     a = p.parse_args()
     head = {"bench": "async_rl", "machine": machine(), "device": a.device, "cores": a.cores,
-            "overrides": a.overrides, "steps": a.steps, "prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens}
+            "overrides": a.overrides, "steps": a.steps, "prompts": a.prompts, "group": a.group,
+            "new_tokens": a.new_tokens}
     plan = runs(a.cores)
     sync, half = list(plan)[:2]
     unknown = set(a.runs or ()) - set(plan)

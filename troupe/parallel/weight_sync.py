@@ -193,7 +193,7 @@ class BackgroundSend:
     its report or raises its error. Nothing else may use ``comm`` until then."""
 
     def __init__(self, comm: Communicator, staged: Staged, version: int, timeout_s: float):
-        self.version, self.nbytes, self.buckets = version, staged.layout.nbytes, len(staged.parts)
+        self.nbytes, self.buckets = staged.layout.nbytes, len(staged.parts)
         self._report: SyncReport | None = None
         self._error: BaseException | None = None
 

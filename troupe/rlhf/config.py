@@ -209,8 +209,9 @@ class RolloutConfig(Config):
     step3.tis_cap (2 when left None with max_staleness > 0). overlap_sync (with max_staleness
     >= 1, host weights): the policy stages its weights (a copy of the model's bytes) and sends
     them from a thread while it scores and trains the next batch, so a sync costs the trainer
-    the copy, not the transfer; off (or on cuda), it sends them before it goes on. max_restarts: how often a dead
-    replica is restarted, re-synced and its prompts re-issued before the run fails."""
+    the copy, not the transfer; off (or on cuda), it sends them before it goes on.
+    max_restarts: how often a dead replica is restarted, re-synced and its prompts re-issued
+    before the run fails."""
 
     replicas: int = Field(default=0, ge=0)
     max_staleness: int = Field(default=0, ge=0)

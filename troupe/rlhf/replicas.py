@@ -78,7 +78,7 @@ class Replicas:
         have answered what they were given. Returns the sync's figures (seconds the driver
         waited, bytes, buckets; ``sync_transfer_s``: the previous begun sync's transfer);
         raises WeightSyncError naming the replica at fault."""
-        figures, dead = self._finish(version)
+        figures, dead = self._finish()
         if self.version is not None:  # what a replica restarted while settling is brought to:
             self.version = version    # the policy's weights now
         self._settle(step, also=dead)
@@ -98,28 +98,26 @@ class Replicas:
                                                  version, True).result()[0]
         self.inflight, self.version = recv, version
         if sent["seconds"] is not None:  # sent inline: the sync is over once they have it
-            self._settle(step, also=self._finish(version)[1])
+            self._settle(step, also=self._finish()[1])
         return {"sync_s": time.perf_counter() - t0, "sync_bytes": sent["bytes"],
                 "sync_buckets": sent["buckets"], "weight_version": version}
 
     def drain(self, step: int) -> dict:
         """The begun sync finished (the run's end): its figures; lost replicas restarted."""
-        figures, dead = self._finish(self.version)
+        figures, dead = self._finish()
         self._settle(step, also=dead)
         return figures
 
-    def _finish(self, current: int | None) -> tuple[dict, dict[int, WorkerError]]:
+    def _finish(self) -> tuple[dict, dict[int, WorkerError]]:
         """Wait for the begun sync, if any: its figures (``sync_transfer_s``: the policy's
-        seconds sending it), and the replicas lost during it (``self.version`` becomes
-        ``current``, the policy's weights now, which the restarted replicas are brought to
-        by the caller's ``_settle``). A corrupted bucket, or a sync that failed with every
-        replica alive, is raised."""
+        seconds sending it), and the replicas lost during it (the caller's ``_settle``
+        restarts them and brings them to ``self.version``). A corrupted bucket, or a sync
+        that failed with every replica alive, is raised."""
         if self.inflight is None:
             return {}, {}
         recv, self.inflight = self.inflight, None
         report, dead = self._both(recv, self.graph["policy"].invoke_async(PolicyActor.sync_done))
         if dead:  # the policy's error, if any, is about them
-            self.version = current
             return {}, dead
         return ({} if report is None or report["seconds"] is None
                 else {"sync_transfer_s": report["seconds"]}), {}
@@ -144,7 +142,7 @@ class Replicas:
 
     def _send(self, version: int, step: int) -> dict:
         r = self.cfg.step3.rollout
-        self._finish(version)  # a begun sync first; the replicas it lost are found below
+        self._finish()  # a begun sync first; the replicas it lost are found below
         for _ in range(r.max_restarts + 2):
             lost = self._lost()  # a replica known gone now is not waited for until the deadline
             if lost:
