@@ -104,8 +104,11 @@ def test_an_app_logs_its_training_records_to_tensorboard(cluster, tmp_path):
             assert got[("eval/val_loss", r["step"])] == pytest.approx(r["val_loss"], rel=1e-6)
 
 
-def test_the_records_reach_an_mlflow_run(tmp_path):
+def test_the_records_reach_an_mlflow_run(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow")  # an extra: troupe[mlflow]
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the run's files go to its out_dir, none to the working dir
     log = MetricsLog(tmp_path / "metrics.jsonl", LoggingConfig(backends=["mlflow"]),
                      {"seed": 3})
     for r in RECORDS:
@@ -116,3 +119,6 @@ def test_the_records_reach_an_mlflow_run(tmp_path):
     got = {(key, m.step): m.value for key in run.data.metrics
            for m in client.get_metric_history(run.info.run_id, key)}
     assert got == EXPECTED
+    assert list(elsewhere.iterdir()) == []
+    assert json.loads((tmp_path / "mlartifacts" / run.info.run_id / "artifacts"
+                       / "config.json").read_text()) == {"seed": 3}

@@ -24,7 +24,8 @@ class LoggingConfig(Config):
     - wandb: a Weights & Biases run in <out_dir>/wandb, offline unless ``wandb_mode`` is
       online (``wandb sync <out_dir>/wandb/offline-run-*`` uploads an offline one);
     - mlflow: an MLflow run under ``mlflow_tracking_uri`` (default the SQLite store
-      <out_dir>/mlflow.db: ``mlflow ui --backend-store-uri sqlite:///<out_dir>/mlflow.db``).
+      <out_dir>/mlflow.db, its artifacts in <out_dir>/mlartifacts:
+      ``mlflow ui --backend-store-uri sqlite:///<out_dir>/mlflow.db``).
     Each record is logged as ``<kind>/<key>`` = value at its ``step`` (numbers only; a
     record's kind is its own x axis in W&B). ``project``: W&B's project, MLflow's experiment;
     ``run_name``: default the out_dir's name. The optional packages are extras:
@@ -128,6 +129,10 @@ class _MLflow:
         self.mlflow = mlflow
         mlflow.set_tracking_uri(cfg.mlflow_tracking_uri
                                 or f"sqlite:///{(out / 'mlflow.db').resolve()}")
+        if cfg.mlflow_tracking_uri is None and mlflow.get_experiment_by_name(cfg.project) is None:
+            # MLflow's default artifact root is ./mlruns of the working directory
+            mlflow.create_experiment(cfg.project,
+                                     artifact_location=(out / "mlartifacts").resolve().as_uri())
         mlflow.set_experiment(cfg.project)
         self.run = mlflow.start_run(run_name=cfg.run_name or out.resolve().name)
         mlflow.log_dict(run_config, "config.json")
