@@ -1,5 +1,3 @@
-import io
-
 import pytest
 import torch
 from hypothesis import given, settings

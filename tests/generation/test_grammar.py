@@ -88,17 +88,17 @@ def test_masked_and_model_log_probabilities(setup):
     c = Constraint("regex", r"[a-z]{3,6}")
     _, _, events = _generate(setup, c, n=4, logprobs=0)
     tokens = [ev for ev in events if ev.token is not None]
-    assert tokens and all(ev.masked_logprob is not None for ev in tokens)
-    assert all(ev.masked_logprob >= ev.logprob - 1e-5 and ev.masked_logprob <= 0
+    assert tokens and all(ev.sampled_logprob is not None for ev in tokens)
+    assert all(ev.sampled_logprob >= ev.logprob - 1e-5 and ev.sampled_logprob <= 0
                for ev in tokens)
-    assert any(ev.masked_logprob > ev.logprob + 1e-3 for ev in tokens)
+    assert any(ev.sampled_logprob > ev.logprob + 1e-3 for ev in tokens)
     tok, model, grammars = setup
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, logprobs=0, constraint=c)
     engine = ContinuousBatcher(model, tok.eos_id, max_batch=4, grammars=grammars)
     engine.add("a", tok.encode("x"), params)
     _, logp = engine.run_with_logprobs()
     engine.add("a", tok.encode("x"), params)  # the same sequence again, event by event
-    masked = [ev.masked_logprob for ev in engine.run_events()]
+    masked = [ev.sampled_logprob for ev in engine.run_events()]
     assert logp["a"] == masked
 
 

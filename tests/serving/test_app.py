@@ -39,10 +39,10 @@ def app(cluster, serve_port, tmp_path_factory):
     serve.shutdown()
 
 
-def alone(model, prompt: str, n: int) -> str:
+def alone(model, prompt: str, n: int, **sampling) -> str:
     """The greedy text one sequence gets when decoded by itself."""
     engine = ContinuousBatcher(model, 256, max_batch=1)
-    engine.add("x", list(prompt.encode()), SamplingParams(max_tokens=n))
+    engine.add("x", list(prompt.encode()), SamplingParams(max_tokens=n, **sampling))
     text = ""
     while engine.has_work():
         text += "".join(e.delta for e in engine.step())
@@ -113,6 +113,14 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
     (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
     (json.dumps({"model": NAME, "prompt": "hi", "n": 17}).encode(), 400, "n"),
     (json.dumps({"model": "gpt-5", "prompt": "hi"}).encode(), 404, "not served here"),
+    (json.dumps({"model": NAME, "prompt": "hi", "logit_bias": {"257": 5}}).encode(), 400,
+     "logit_bias: token 257 is not in this model's vocabulary"),
+    (json.dumps({"model": NAME, "prompt": "hi", "logit_bias": {"7": 101}}).encode(), 400,
+     "logit_bias.7"),
+    (json.dumps({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}).encode(), 400,
+     "presence_penalty"),
+    (json.dumps({"model": NAME, "prompt": "hi", "echo": True}).encode(), 400, "echo: not"),
+    (json.dumps({"model": NAME, "prompt": "hi", "best_of": 3}).encode(), 400, "best_of: not"),
 ])
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(app, body, status, words):
     code, out = post(app["url"], body)
@@ -175,6 +183,27 @@ def test_logprobs_are_the_models_log_softmax(app):
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(app):
+    """OpenAI's logit_bias and penalties, and vLLM's repetition_penalty and top_k (through the
+    client's extra_body), give what the engine gives with them alone."""
+    ask = dict(model=NAME, prompt="abc", max_tokens=8, temperature=0)
+    forced = app["client"].completions.create(logit_bias={str(ord("z")): 100}, **ask)
+    assert forced.choices[0].text == "z" * 8
+    penalised = app["client"].completions.create(frequency_penalty=1.5, presence_penalty=0.5,
+                                                 extra_body={"repetition_penalty": 1.4}, **ask)
+    want = alone(app["model"], "abc", 8, frequency_penalty=1.5, presence_penalty=0.5,
+                 repetition_penalty=1.4)
+    assert penalised.choices[0].text == want != alone(app["model"], "abc", 8)
+    chat = app["client"].chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logit_bias={str(ord("q")): 100})
+    assert chat.choices[0].message.content == "qqqq"
+    sampled = app["client"].completions.create(
+        model=NAME, prompt="abc", max_tokens=8, temperature=1.5, seed=4, extra_body={"top_k": 2})
+    assert sampled.choices[0].text == alone(app["model"], "abc", 8, temperature=1.5, seed=4,
+                                            top_k=2)
 
 
 def test_n_choices_match_seeded_single_requests(app):

@@ -24,7 +24,8 @@ import torch
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
 from troupe.generation.grammar import Grammars, Matcher
 from troupe.generation.prefix_cache import PrefixCache
-from troupe.generation.sampling import NON_FINITE, SamplingParams, checked, draw, finite_rows
+from troupe.generation.sampling import (NON_FINITE, LogitAdjust, SamplingParams, checked, draw,
+                                        finite_rows)
 from troupe.generation.decode_layers import DecodeLayers
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT, KVCache
@@ -52,8 +53,9 @@ class Event:
     error: str | None = None
     logprob: float | None = None  # of ``token``, when the sequence asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token, log-probability), likeliest first
-    masked_logprob: float | None = None  # under a constraint: of ``token`` in the masked
-    # distribution it was sampled from (``logprob`` is the model's own)
+    sampled_logprob: float | None = None  # of ``token`` in the distribution it was sampled
+    # from (before temperature, top-k and top-p), when that is not the model's own
+    # (``logprob``): under a constraint's mask, a logit_bias or penalties
 
 
 @dataclass
@@ -67,6 +69,7 @@ class _Sequence:
     text: str = ""      # decoded output so far
     sent: int = 0       # characters of ``text`` already handed out
     matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
+    adjust: LogitAdjust | None = None  # its logit_bias and penalties
 
 
 class ContinuousBatcher:
@@ -173,9 +176,11 @@ class ContinuousBatcher:
                 raise ValueError("constraint: this engine has no grammar support (it needs "
                                  "the model's Hugging Face tokenizer)")
             matcher = self.grammars.matcher(params.constraint)  # GrammarError, a ValueError
+        adjust = LogitAdjust(params, prompt, self.cfg.vocab_size) \
+            if LogitAdjust.wanted(params) else None
         with self._lock:
             self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok,
-                                           matcher=matcher))
+                                           matcher=matcher, adjust=adjust))
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence (its client went away); it frees its slot at the next step."""
@@ -197,9 +202,9 @@ class ContinuousBatcher:
 
     def run_with_logprobs(self) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
         """``run``, and the log-probability of each chosen token under the model's own
-        distribution (softmax of the logits: no temperature, top-p or penalty; under a
-        constraint, of the masked logits it was sampled from) for the sequences whose
-        parameters ask for logprobs (empty lists for the others)."""
+        distribution (softmax of the logits: no temperature, top-k or top-p; under a
+        constraint, a logit_bias or penalties, of the adjusted logits it was sampled from) for
+        the sequences whose parameters ask for logprobs (empty lists for the others)."""
         out: dict[str, list[int]] = {}
         logp: dict[str, list[float]] = {}
         while self.has_work():
@@ -208,8 +213,8 @@ class ContinuousBatcher:
                     raise RuntimeError(f"sequence {ev.seq_id}: {ev.error}")
                 out.setdefault(ev.seq_id, []).append(ev.token)
                 lp = logp.setdefault(ev.seq_id, [])
-                if ev.logprob is not None:  # under a constraint, the distribution sampled
-                    lp.append(ev.masked_logprob if ev.masked_logprob is not None
+                if ev.logprob is not None:  # adjusted: the distribution sampled
+                    lp.append(ev.sampled_logprob if ev.sampled_logprob is not None
                               else ev.logprob)
         return out, logp
 
@@ -464,17 +469,23 @@ class ContinuousBatcher:
         if greedy is None:
             greedy = logits_BV.argmax(-1).tolist()
         for i, (s, logits) in enumerate(zip(seqs, logits_BV)):
-            masked = None
+            sampled = None  # the logits sampled from, where they are not the model's
             try:
                 if not finite[i]:
                     raise FloatingPointError(NON_FINITE)
+                if s.adjust is not None:
+                    sampled = s.adjust.apply(logits)
                 if s.matcher is not None:  # only what the grammar allows
-                    masked = logits.masked_fill(~s.matcher.allowed(), float("-inf"))
-                    greedy[i] = int(masked.argmax())
+                    sampled = (logits if sampled is None else sampled).masked_fill(
+                        ~s.matcher.allowed(), float("-inf"))
+                if sampled is not None:
+                    greedy[i] = int(sampled.argmax())
                 token = greedy[i] if s.params.temperature <= 0 else \
-                    draw(logits if masked is None else masked, s.params, s.generator)
+                    draw(logits if sampled is None else sampled, s.params, s.generator)
                 if s.matcher is not None:
                     s.matcher.accept(token)
+                if s.adjust is not None:
+                    s.adjust.accept(token)
             except Exception as e:  # this sequence ends; the others go on
                 events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
                 continue
@@ -483,8 +494,8 @@ class ContinuousBatcher:
             if s.params.logprobs is not None:
                 logp = torch.log_softmax(logits, -1)
                 ev.logprob = float(logp[token])
-                if masked is not None:
-                    ev.masked_logprob = float(torch.log_softmax(masked, -1)[token])
+                if sampled is not None:
+                    ev.sampled_logprob = float(torch.log_softmax(sampled, -1)[token])
                 if s.params.logprobs:
                     top = logp.topk(s.params.logprobs)
                     ev.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))

@@ -16,7 +16,7 @@ and needs no other package, where xgrammar pulls triton and a TVM runtime.
 Which log-probabilities: the engine samples from the masked distribution (the model's logits
 with the disallowed tokens at -inf, renormalised) and reports a chosen token's log-probability
 under both, the model's own (``Event.logprob``, as without a grammar) and the masked one
-(``Event.masked_logprob``); a policy trained on constrained rollouts is asked for the
+(``Event.sampled_logprob``); a policy trained on constrained rollouts is asked for the
 distribution it samples from, so the RL side takes the masked one when a constraint is set.
 """
 

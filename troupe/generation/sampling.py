@@ -1,11 +1,11 @@
-"""Sampling one token from next-token logits: temperature, nucleus (top-p), a seed per
-sequence."""
+"""Sampling one token from next-token logits: a bias per token, presence, frequency and
+repetition penalties, temperature, top-k, nucleus (top-p), a seed per sequence."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -22,7 +22,16 @@ class SamplingParams:
     temperature and top-p) and that many of the most likely tokens beside it (None: none);
     constraint: what the output must be (troupe.generation.grammar: a JSON schema, any JSON
     object, a regex, a Lark grammar), enforced by masking the logits at every token; adapter:
-    the LoRA adapter this sequence runs with (troupe.models.adapters; None: the base model)."""
+    the LoRA adapter this sequence runs with (troupe.models.adapters; None: the base model).
+
+    Adjusting the logits before temperature, top-k and top-p (OpenAI's and vLLM's fields, the
+    same meanings; LogitAdjust applies them): ``logit_bias``, (token id, bias in [-100, 100])
+    pairs (a dict is taken too), added to the token's logit; ``repetition_penalty`` (> 0, 1:
+    off) divides the positive logits, and multiplies the negative ones, of every token the
+    prompt or the output holds, as transformers' and vLLM's do; ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2]) subtract, from each token's logit, its count in the
+    output so far times the first and, once it occurs, the second. ``top_k`` keeps the k most
+    likely tokens (0: all)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -32,6 +41,11 @@ class SamplingParams:
     logprobs: int | None = None
     constraint: "Constraint | None" = None
     adapter: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_k: int = 0
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead
@@ -50,9 +64,81 @@ def checked(p: SamplingParams) -> SamplingParams:
         raise ValueError(f"top_p: must be in (0, 1], got {p.top_p!r}")
     if p.logprobs is not None and not (isinstance(p.logprobs, int) and 0 <= p.logprobs <= 20):
         raise ValueError(f"logprobs: must be a whole number in [0, 20], got {p.logprobs!r}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty: must be a finite number > 0, got "
+                         f"{p.repetition_penalty!r}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(p, name)
+        if not (math.isfinite(value) and -2 <= value <= 2):
+            raise ValueError(f"{name}: must be in [-2, 2], got {value!r}")
+    if not (isinstance(p.top_k, int) and p.top_k >= 0):
+        raise ValueError(f"top_k: must be a whole number >= 0 (0: every token), got {p.top_k!r}")
     temperature = p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0
     seed = p.seed % SEED_RANGE if p.seed is not None else None
-    return replace(p, temperature=temperature, seed=seed, stop=tuple(p.stop))
+    return replace(p, temperature=temperature, seed=seed, stop=tuple(p.stop),
+                   logit_bias=_bias_pairs(p.logit_bias))
+
+
+def _bias_pairs(bias: dict | Iterable) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token, bias) pairs, each checked."""
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    out = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias: token ids are whole numbers >= 0, got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:  # NaN fails the comparison too
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
+                             f"[-100, 100], got {value!r}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
+
+
+class LogitAdjust:
+    """One sequence's ``logit_bias`` and penalties (SamplingParams), with what they read: the
+    tokens its prompt holds and how often each occurs in its output. ``apply`` gives the
+    adjusted logits of a step (a new tensor); ``accept`` counts the token chosen."""
+
+    def __init__(self, p: SamplingParams, prompt: list[int], vocab_size: int):
+        self.p = p
+        for token, _ in p.logit_bias:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias: token {token} is not in the model's vocabulary "
+                                 f"(ids 0 to {vocab_size - 1})")
+        self.bias = None
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            self.bias = torch.zeros(vocab_size).index_put_((torch.tensor(ids),),
+                                                            torch.tensor(values))
+        self.counts = torch.zeros(vocab_size)  # the output's, per token
+        self.seen = None  # the prompt's tokens and the output's, for the repetition penalty
+        if p.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
+            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+
+    @staticmethod
+    def wanted(p: SamplingParams) -> bool:
+        return bool(p.logit_bias) or p.repetition_penalty != 1.0 \
+            or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+    def apply(self, logits_V: torch.Tensor) -> torch.Tensor:
+        p, out = self.p, logits_V.float().clone()
+        if self.seen is not None:
+            hit = out[self.seen]
+            out[self.seen] = torch.where(hit > 0, hit / p.repetition_penalty,
+                                         hit * p.repetition_penalty)
+        if p.frequency_penalty:
+            out -= p.frequency_penalty * self.counts
+        if p.presence_penalty:
+            out -= p.presence_penalty * (self.counts > 0).float()
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def accept(self, token: int) -> None:
+        self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
 
 
 NON_FINITE = "the model produced non-finite logits for this sequence"
@@ -77,8 +163,13 @@ def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
 
 
 def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """``sample``'s draw at a temperature above 0, for logits already known to be finite."""
+    """``sample``'s draw at a temperature above 0, for logits already known to be finite:
+    top-k first, then top-p over what top-k kept."""
     probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one
+    if 0 < p.top_k < probs.numel():
+        top = probs.topk(p.top_k)
+        probs = torch.zeros_like(probs).scatter(0, top.indices, top.values)
+        probs /= probs.sum()
     if p.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the first token is always kept

@@ -126,7 +126,7 @@ class AgentLoop:
         if ev.error is not None:
             raise RuntimeError(f"trajectory {t.key}, turn {t.turns}: {ev.error}")
         t.turn_tokens.append(ev.token)
-        t.turn_logprobs.append(ev.masked_logprob if ev.masked_logprob is not None
+        t.turn_logprobs.append(ev.sampled_logprob if ev.sampled_logprob is not None
                                else ev.logprob or 0.0)
         if ev.finish_reason is None:
             return

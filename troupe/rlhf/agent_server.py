@@ -133,7 +133,7 @@ class RecordingServer:
                 if ev.error is not None:
                     raise RequestError(500, f"generation failed: {ev.error}", type="server_error")
                 tokens.append(ev.token)
-                logprobs.append(ev.masked_logprob if ev.masked_logprob is not None
+                logprobs.append(ev.sampled_logprob if ev.sampled_logprob is not None
                                 else ev.logprob)
                 text, finish = text + ev.delta, ev.finish_reason
         finally:

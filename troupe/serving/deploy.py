@@ -149,7 +149,7 @@ class ExpertParallelReplica(ServeReplica):
         graph = g.build(timeout_s=300, call_timeout_s=300)
         infos = graph["expert"].invoke(ServeRank.setup, topology)
         return ExpertParallelBatcher(graph), {
-            "seq_len": infos[0].seq_len, "expert_parallel": P,
+            "seq_len": infos[0].seq_len, "vocab_size": infos[0].vocab_size, "expert_parallel": P,
             "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}
 
 

@@ -5,10 +5,11 @@ an HTTP status in the 4xx range."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -174,7 +175,12 @@ class ResponseFormat(BaseModel):
 class _Request(BaseModel):
     """A request's common fields. Structured outputs: ``response_format`` (OpenAI's), or one of
     the extension fields ``guided_regex`` (the whole output matches the regular expression)
-    and ``guided_grammar`` (a Lark grammar, its ``start`` rule), as vLLM names them."""
+    and ``guided_grammar`` (a Lark grammar, its ``start`` rule), as vLLM names them.
+    Sampling: OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]),
+    ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty`` and
+    ``top_k`` (troupe.generation.sampling says what each does). Fields OpenAI clients send that
+    change nothing here (``user``, ``metadata``, ...) are ignored; ``echo``, ``suffix`` and
+    ``best_of`` other than n, which would change the answer, are refused naming the field."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
@@ -190,6 +196,26 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = \
+        Field(default=None, max_length=1024)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=100)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1 (vLLM's "off"): every token
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _refused(self) -> "_Request":
+        if self.echo:
+            raise ValueError("echo: not supported (the prompt is not returned with the answer)")
+        if self.suffix:
+            raise ValueError("suffix: not supported (no insertion; send the prompt alone)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported other than equal to n (every choice "
+                             "is returned; none is ranked)")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "_Request":
@@ -229,7 +255,7 @@ class _Request(BaseModel):
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings")
+            raise ValueError("at most 4 non-empty strings")
         return v
 
     def sampling(self, default_max: int, limits: Limits) -> SamplingParams:
@@ -243,7 +269,11 @@ class _Request(BaseModel):
         constraint = self.constraint()
         return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed, stop=stop, logprobs=self.top_logprobs_wanted(),
-                              constraint=constraint and constraint[0])
+                              constraint=constraint and constraint[0],
+                              logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+                              repetition_penalty=self.repetition_penalty,
+                              frequency_penalty=self.frequency_penalty,
+                              presence_penalty=self.presence_penalty, top_k=max(self.top_k, 0))
 
 
 class CompletionRequest(_Request):
@@ -411,6 +441,9 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
             raise RequestError(400, f"the request body is not valid JSON: {first['msg']}")
         where = ".".join(str(x) for x in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")
+        named = re.match(r"([a-z_][\w.]*): ", msg)
+        if where is None and named:  # a check across fields names the one at fault first
+            raise RequestError(400, msg, named.group(1)) from None
         raise RequestError(400, f"{where or 'the request body'}: {msg}", where) from None
 
 

@@ -94,7 +94,8 @@ class ServeReplica:
                                     packed_decode=DecodeWeights(model, huge_pages=True),
                                     prefix_cache=PrefixCache(int(mb * 2**20)) if mb else None,
                                     adapters=adapters)
-        return batcher, {"seq_len": model.cfg.seq_len, "weight_bytes": weight_bytes(model),
+        return batcher, {"seq_len": model.cfg.seq_len, "vocab_size": model.cfg.vocab_size,
+                         "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,
                          "device": str(model.device)}
 
@@ -272,6 +273,11 @@ class ServeReplica:
         params = replace(req.sampling(context - len(ids) if chat else 16, lim), adapter=adapter)
         if params.constraint is not None:
             self._check_constraint(*req.constraint())
+        vocab = self.details["vocab_size"]
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(400, f"logit_bias: token {outside[0]} is not in this model's "
+                               f"vocabulary (ids 0 to {vocab - 1})", "logit_bias")
         if len(ids) + params.max_tokens > context:
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
                                f"({params.max_tokens}) exceed the model's context of {context} "
@@ -482,6 +488,7 @@ class RankModel:
     seq_len: int
     weight_bytes: int
     quantized: dict[str, str]  # module name -> quantization mode
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -513,7 +520,7 @@ class ServeRank:
         modes = quantize_served(model, self.cfg, outliers)
         self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
                                          lockstep=True, tokenizer=tok.hf)
-        return RankModel(model.cfg.seq_len, weight_bytes(model), modes)
+        return RankModel(model.cfg.seq_len, weight_bytes(model), modes, model.cfg.vocab_size)
 
     @dispatch(Dispatch.ALL)
     def step(self, work: tuple[list, list]) -> list[Event]:

@@ -1,0 +1,166 @@
+"""logit_bias, the repetition, frequency and presence penalties and top-k: each against a
+reference (transformers' logits processors, or the formula applied to a plain forward)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from troupe.generation import ContinuousBatcher, SamplingParams  # noqa: E402
+from troupe.models import from_pretrained  # noqa: E402
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama, as transformers has it and as troupe loads it."""
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(cfg).eval()
+    reference.generation_config.eos_token_id = None  # every sequence runs to max_tokens
+    path = tmp_path_factory.mktemp("llama") / "hf"
+    reference.save_pretrained(path)
+    return reference, from_pretrained(path)
+
+
+PROMPT = [5, 17, 5, 40, 17, 9, 88, 5]
+# PROMPT and the first tokens the model continues it with (greedy), which it would choose
+# again: a penalty on the prompt's tokens changes the choice
+REPEATS = PROMPT + [16, 70, 50, 80, 62, 80]
+
+
+def engine_tokens(model, params, prompts=(PROMPT,), logprobs=False):
+    engine = ContinuousBatcher(model, None, max_batch=4)
+    for i, prompt in enumerate(prompts):
+        engine.add(str(i), list(prompt), params)
+    events = engine.run_events()
+    tokens = [[ev.token for ev in events if ev.seq_id == str(i)] for i in range(len(prompts))]
+    return (tokens, events) if logprobs else tokens
+
+
+@torch.no_grad()
+def reference_tokens(reference, n, adjust, prompt=PROMPT):
+    """Greedy decoding by recomputing the whole sequence, ``adjust(logits, output)`` applied
+    to each step's logits."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        logits = reference(torch.tensor([ids])).logits[0, -1].float()
+        token = int(adjust(logits.clone(), out).argmax())
+        out.append(token)
+        ids.append(token)
+    return out
+
+
+def test_repetition_penalty_chooses_what_transformers_chooses(llama):
+    """Over the prompt's tokens and the output's, as transformers' and vLLM's penalty."""
+    reference, ours = llama
+    assert engine_tokens(ours, SamplingParams(max_tokens=6))[0] == REPEATS[len(PROMPT):]
+    for penalty in (1.3, 0.7):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([REPEATS]), max_new_tokens=24,
+                                      do_sample=False, repetition_penalty=penalty, pad_token_id=0,
+                                      attention_mask=torch.ones(1, len(REPEATS), dtype=torch.long))
+        got = engine_tokens(ours, SamplingParams(max_tokens=24, repetition_penalty=penalty),
+                            prompts=[REPEATS])
+        assert got == [want[0, len(REPEATS):].tolist()]
+        assert got != engine_tokens(ours, SamplingParams(max_tokens=24), prompts=[REPEATS])
+
+
+def test_frequency_and_presence_penalties_and_logit_bias_follow_the_formula(llama):
+    reference, ours = llama
+    bias = {3: 2.5, 40: -1.5, 61: 1.0}
+
+    def adjusted(frequency, presence):
+        def adjust(logits, out):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=VOCAB)
+            logits -= frequency * counts.float() + presence * (counts > 0).float()
+            for token, b in bias.items():
+                logits[token] += b
+            return logits
+        return adjust
+
+    plain = reference_tokens(reference, 24, lambda logits, out: logits)
+    # a negative frequency penalty brings repeats, whose count then tells it from presence
+    for frequency, presence in ((0.9, 0.6), (-0.4, 1.5)):
+        params = SamplingParams(max_tokens=24, frequency_penalty=frequency,
+                                presence_penalty=presence, logit_bias=bias)
+        want = reference_tokens(reference, 24, adjusted(frequency, presence))
+        assert engine_tokens(ours, params) == [want]
+        assert want != plain
+    assert want != reference_tokens(reference, 24, adjusted(frequency + presence, 0))
+
+
+def test_a_full_bias_forces_or_bans_a_token_and_sampled_logprobs_say_so(llama):
+    _, ours = llama
+    (forced,), events = engine_tokens(
+        ours, SamplingParams(max_tokens=6, temperature=1.0, seed=1, logit_bias={42: 100},
+                             logprobs=0), logprobs=True)
+    assert forced == [42] * 6
+    for ev in events:  # the model's own distribution, and the biased one it was drawn from
+        assert ev.logprob < -1 and ev.sampled_logprob == pytest.approx(0, abs=1e-6)
+    plain = engine_tokens(ours, SamplingParams(max_tokens=6))[0]
+    banned = engine_tokens(ours, SamplingParams(max_tokens=6, logit_bias={plain[0]: -100}))[0]
+    assert banned[0] != plain[0]
+    unbiased = engine_tokens(ours, SamplingParams(max_tokens=6, logprobs=0), logprobs=True)[1]
+    assert all(ev.sampled_logprob is None for ev in unbiased)
+
+
+def test_top_k_draws_only_among_the_k_likeliest(llama):
+    reference, ours = llama
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT])).logits[0, -1]
+    top3 = set(logits.topk(3).indices.tolist())
+    firsts = {engine_tokens(ours, SamplingParams(max_tokens=1, temperature=2.0, top_k=3,
+                                                 seed=seed))[0][0] for seed in range(40)}
+    assert firsts <= top3 and len(firsts) > 1
+    wide = {engine_tokens(ours, SamplingParams(max_tokens=1, temperature=2.0, seed=seed))[0][0]
+            for seed in range(40)}
+    assert not wide <= top3  # without top-k, a temperature of 2 strays beyond them
+
+
+def test_rows_with_and_without_adjustments_batch_together(llama):
+    """Each row's adjustments are its own: batched, every sequence gets its tokens alone."""
+    _, ours = llama
+    settings = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, logit_bias={7: 5}),
+                SamplingParams(max_tokens=10, repetition_penalty=1.5),
+                SamplingParams(max_tokens=10, frequency_penalty=-2.0)]
+    alone = [engine_tokens(ours, p)[0] for p in settings]
+    engine = ContinuousBatcher(ours, None, max_batch=4)
+    for i, p in enumerate(settings):
+        engine.add(str(i), PROMPT, p)
+    got = engine.run()
+    assert [got[str(i)] for i in range(4)] == alone
+    assert len({tuple(t) for t in alone}) == 4
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(logit_bias={VOCAB: 1.0}), "logit_bias: token 97 is not in the model's vocabulary"),
+    (dict(logit_bias={3: 101}), "logit_bias: the bias of token 3"),
+    (dict(logit_bias={3: float("nan")}), "logit_bias: the bias of token 3"),
+    (dict(logit_bias={-1: 1}), "logit_bias: token ids"),
+    (dict(repetition_penalty=0.0), "repetition_penalty:"),
+    (dict(frequency_penalty=2.5), "frequency_penalty:"),
+    (dict(presence_penalty=float("inf")), "presence_penalty:"),
+    (dict(top_k=-1), "top_k:"),
+])
+def test_bad_settings_are_refused_naming_the_field(llama, bad, match):
+    engine = ContinuousBatcher(llama[1], None)
+    with pytest.raises(ValueError, match=match):
+        engine.add("x", PROMPT, SamplingParams(max_tokens=2, **bad))
+    assert not engine.has_work()
+
+
+def test_top_p_applies_to_what_top_k_kept():
+    """As transformers' and vLLM's samplers: top-k, renormalised, then top-p."""
+    from troupe.generation.sampling import draw
+    logits = torch.tensor([0.40, 0.35, 0.25]).log()
+    gen = torch.Generator().manual_seed(0)
+    # top-2 leaves 0.53 and 0.47, of which top-p 0.5 keeps the first alone (without the
+    # renormalisation, 0.40 < 0.5 would keep the second too)
+    p = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    assert {draw(logits, p, gen) for _ in range(50)} == {0}
+    p = SamplingParams(temperature=1.0, top_k=2)
+    assert {draw(logits, p, gen) for _ in range(50)} == {0, 1}
