@@ -64,6 +64,20 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         file_documents([tmp_path / "c.csv"])
 
 
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path):
+    """A byte-order mark is allowed (editors write one); other bytes outside UTF-8 name the
+    file and line instead of a bare UnicodeDecodeError."""
+    marked, latin = tmp_path / "marked.jsonl", tmp_path / "latin.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "caf\u00e9"}).encode() + b"\n")
+    assert file_documents([marked]) == ["caf\u00e9"]
+    latin.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not UTF-8 text \(byte 14 of the line\)"):
+        file_documents([latin])
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"latin.txt: not UTF-8 text \(byte 4\)"):
+        file_documents([tmp_path / "latin.txt"])
+
+
 def test_parquet_rows_are_documents_and_bad_rows_named(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa

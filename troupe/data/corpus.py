@@ -70,10 +70,16 @@ def _parse_stdlib(root: Path, min_chars: int) -> list[str]:
 
 
 def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of a JSON-lines file; a line that is not
-    a JSON object raises ValueError naming the file and line."""
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
+    """(line number, object) for each non-blank line of a JSON-lines file (UTF-8, a byte-order
+    mark allowed); a line that is not UTF-8 or not a JSON object raises DataError naming the
+    file and line."""
+    with path.open("rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{i}: not UTF-8 text (byte {e.start + 1} of the "
+                                "line)") from None
             if not line.strip():
                 continue
             try:
@@ -106,7 +112,10 @@ def file_documents(paths: list[str | Path], text_key: str = "text") -> list[str]
         if not p.is_file():
             raise FileNotFoundError(f"data file {p} does not exist")
         if p.suffix == ".txt":
-            docs.append(p.read_text(encoding="utf-8"))
+            try:
+                docs.append(p.read_text(encoding="utf-8-sig"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}: not UTF-8 text (byte {e.start + 1})") from None
         elif p.suffix in (".jsonl", ".parquet"):
             rows = jsonl_objects(p) if p.suffix == ".jsonl" else parquet_rows(p)
             for i, row in rows:
