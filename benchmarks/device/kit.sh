@@ -38,6 +38,7 @@ WHEELS=(
   httpx2 httpcore2 truststore llguidance==1.9.1
 )
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$KIT/wheels" "${WHEELS[@]}"
 for w in "$KIT"/wheels/*.whl; do python3 -m zipfile -e "$w" "$KIT/site"; done
