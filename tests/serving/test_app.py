@@ -120,6 +120,12 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
     (json.dumps({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}).encode(), 400,
      "presence_penalty"),
     (json.dumps({"model": NAME, "prompt": "hi", "echo": True}).encode(), 400, "echo: not"),
+    (json.dumps({"model": NAME, "prompt": [104, 300]}).encode(), 400,
+     "prompt.1: token 300 is not in this model's vocabulary"),
+    (json.dumps({"model": NAME, "prompt": [104, -1]}).encode(), 400, "token ids are whole"),
+    (json.dumps({"model": NAME, "prompt": [[104], [105]]}).encode(), 400, "give one prompt"),
+    (json.dumps({"model": NAME, "prompt": []}).encode(), 400, "the prompt is empty"),
+    (json.dumps({"model": NAME, "prompt": [1] * 49}).encode(), 400, "at most 48"),
     (json.dumps({"model": NAME, "prompt": "hi", "best_of": 3}).encode(), 400, "best_of: not"),
 ])
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(app, body, status, words):
@@ -183,6 +189,19 @@ def test_logprobs_are_the_models_log_softmax(app):
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_a_prompt_of_token_ids_runs_as_given(app):
+    """OpenAI's prompt as token ids (or a list of one such list): the same answer as the text
+    those ids encode, with as many prompt tokens."""
+    text = app["client"].completions.create(model=NAME, prompt="Hello, troupe", max_tokens=10,
+                                            temperature=0)
+    ids = list("Hello, troupe".encode())
+    for prompt in (ids, [ids]):
+        out = app["client"].completions.create(model=NAME, prompt=prompt, max_tokens=10,
+                                               temperature=0)
+        assert out.choices[0].text == text.choices[0].text
+        assert out.usage.prompt_tokens == len(ids)
 
 
 def test_logit_bias_and_penalties_reach_the_sampler(app):

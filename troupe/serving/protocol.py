@@ -277,7 +277,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    """A completion request. ``prompt`` is one prompt, as OpenAI's API spells it: a string, a
+    list of token ids (the model's, run as they are: what an RL client that keeps its own
+    tokens sends), or a list holding one of those."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
     def top_logprobs_wanted(self) -> int | None:
@@ -286,10 +290,13 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _single(cls, v):
-        if isinstance(v, list):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
-                raise ValueError("give one prompt (a string, or a list of one string)")
-            return v[0]
+                raise ValueError("give one prompt (a string or a list of token ids, or a list "
+                                 "of one of them)")
+            v = v[0]
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids are whole numbers >= 0")
         return v
 
 

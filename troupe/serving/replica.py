@@ -241,6 +241,8 @@ class ServeReplica:
                                    f"/v1/models lists {served}", "model", "model_not_found")
             adapter = req.model
         field = "messages" if chat else "prompt"
+        if not chat and isinstance(req.prompt, list):
+            return self._token_prompt(req, adapter)
         chars = sum(m.chars() for m in req.messages) if chat else len(req.prompt)
         if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
             raise RequestError(400, f"{field}: {chars} characters; this server accepts at most "
@@ -260,17 +262,38 @@ class ServeReplica:
                    else self.tok.chat(req.conversation()))
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"{field}: {e}", field) from None
+        self._check_length(ids, field)
+        return ids, self._params(req, chat, ids, adapter)
+
+    def _token_prompt(self, req, adapter: str | None) -> tuple[list[int], SamplingParams]:
+        """A completion's prompt given as token ids: checked against the vocabulary and the
+        limits, then run as it is."""
+        ids, vocab = list(req.prompt), self.details["vocab_size"]
+        self._check_length(ids, "prompt")
+        outside = next((i for i, t in enumerate(ids) if t >= vocab), None)
+        if outside is not None:
+            raise RequestError(400, f"prompt.{outside}: token {ids[outside]} is not in this "
+                               f"model's vocabulary (ids 0 to {vocab - 1})", "prompt")
+        return ids, self._params(req, False, ids, adapter)
+
+    def _check_length(self, ids: list[int], field: str) -> None:
+        limit = self.cfg.limits.max_prompt_tokens
         if not ids:
             raise RequestError(400, f"{field}: the prompt is empty", field)
-        if len(ids) > lim.max_prompt_tokens:
+        if len(ids) > limit:
             raise RequestError(400, f"{field}: {len(ids)} tokens; this server accepts at most "
-                               f"{lim.max_prompt_tokens}", field)
-        context = self.seq_len
-        if len(ids) >= context:
+                               f"{limit}", field)
+        if len(ids) >= self.seq_len:
             raise RequestError(400, f"{field}: {len(ids)} tokens fill the model's context of "
-                               f"{context} tokens", field)
+                               f"{self.seq_len} tokens", field)
+
+    def _params(self, req, chat: bool, ids: list[int], adapter: str | None) -> SamplingParams:
+        """The request's sampling parameters for a prompt of ``ids``, checked against the
+        model (its context, its vocabulary, the grammar library)."""
+        context = self.seq_len
         # a chat answer runs to the end of the context (or the limit), as OpenAI's does
-        params = replace(req.sampling(context - len(ids) if chat else 16, lim), adapter=adapter)
+        params = replace(req.sampling(context - len(ids) if chat else 16, self.cfg.limits),
+                         adapter=adapter)
         if params.constraint is not None:
             self._check_constraint(*req.constraint())
         vocab = self.details["vocab_size"]
@@ -279,10 +302,11 @@ class ServeReplica:
             raise RequestError(400, f"logit_bias: token {outside[0]} is not in this model's "
                                f"vocabulary (ids 0 to {vocab - 1})", "logit_bias")
         if len(ids) + params.max_tokens > context:
+            field = "messages" if chat else "prompt"
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
                                f"({params.max_tokens}) exceed the model's context of {context} "
                                "tokens", "max_tokens")
-        return ids, params
+        return params
 
     def _check_constraint(self, constraint: Constraint, field: str) -> None:
         """The request's constraint compiles for this model's tokenizer (compiled once and
