@@ -187,6 +187,8 @@ def test_two_graphs_of_one_name_coexist(cluster):
             second.shutdown()
     finally:
         first.shutdown()
+    with pytest.raises(RuntimeError, match="graph 'twin' was shut down"):
+        first["critic"]
 
 
 def test_killed_worker_gives_typed_error(cluster):

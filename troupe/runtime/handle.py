@@ -239,8 +239,11 @@ class Graph:
         self.roles = roles
         self.placement_groups = placement_groups
         self.collectives = collectives  # group name -> Wiring
+        self.closed = False
 
     def __getitem__(self, role: str) -> RoleGroup:
+        if self.closed:
+            raise RuntimeError(f"graph {self.name!r} was shut down: its workers are gone")
         try:
             return self.roles[role]
         except KeyError:
@@ -253,7 +256,7 @@ class Graph:
                 ray.kill(actor, no_restart=True)
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
-        self.roles, self.placement_groups = {}, []
+        self.roles, self.placement_groups, self.closed = {}, [], True
 
     def __enter__(self) -> "Graph":
         return self
