@@ -164,3 +164,55 @@ def test_top_p_applies_to_what_top_k_kept():
     assert {draw(logits, p, gen) for _ in range(50)} == {0}
     p = SamplingParams(temperature=1.0, top_k=2)
     assert {draw(logits, p, gen) for _ in range(50)} == {0, 1}
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(llama):
+    reference, ours = llama
+    plain = reference_tokens(reference, 12, lambda logits, out: logits)
+    eos, stop = plain[3], plain[2]
+
+    def ended(eos_id, **params):
+        engine = ContinuousBatcher(ours, eos_id, max_batch=2)
+        engine.add("x", PROMPT, SamplingParams(max_tokens=12, **params))
+        events = engine.run_events()
+        return [ev.token for ev in events], events[-1].finish_reason
+
+    assert ended(eos) == (plain[:4], "stop")
+    assert ended(eos, ignore_eos=True) == (plain, "length")
+    assert ended(None, stop_token_ids=(stop,)) == (plain[:3], "stop")
+
+    def banned_before(k):
+        def adjust(logits, out):
+            if len(out) < k:
+                logits[[eos, stop]] = float("-inf")
+            return logits
+        return adjust
+
+    want = reference_tokens(reference, 12, banned_before(6))
+    end = next((i for i, t in enumerate(want) if i >= 6 and t in (eos, stop)), None)
+    tokens, finish = ended(eos, min_tokens=6, stop_token_ids=(stop,))
+    assert eos not in tokens[:6] and stop not in tokens[:6]
+    assert (tokens, finish) == ((want, "length") if end is None else (want[:end + 1], "stop"))
+
+
+def test_stop_strings_include_and_min_tokens():
+    """A byte-level model, whose text is its tokens: a stop string ends the text before it
+    (or after it, with include_stop_str_in_output); before min_tokens it does not count."""
+    from tests.generation.test_engine import EOS, tiny
+    model = tiny()
+    letters = {ord(c): 20.0 for c in "abcdefghijklmnopqrstuvwxyz"}  # a text of letters
+
+    def text(**params):
+        engine = ContinuousBatcher(model, EOS)
+        engine.add("x", [5, 6, 7], SamplingParams(max_tokens=24, temperature=1.0, seed=3,
+                                                  logit_bias=letters, **params))
+        events = engine.run_events()
+        return "".join(ev.delta for ev in events), events[-1].finish_reason
+
+    whole, finish = text()
+    assert finish == "length" and len(whole) == 24 and whole.isalpha()
+    at = next(i for i in range(4, 12) if whole.count(whole[i:i + 2]) == 1)
+    stop = whole[at:at + 2]
+    assert text(stop=(stop,)) == (whole[:at], "stop")
+    assert text(stop=(stop,), include_stop_str_in_output=True) == (whole[:at + 2], "stop")
+    assert text(stop=(stop,), min_tokens=at + 3) == (whole, "length")

@@ -120,6 +120,10 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
     (json.dumps({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}).encode(), 400,
      "presence_penalty"),
     (json.dumps({"model": NAME, "prompt": "hi", "echo": True}).encode(), 400, "echo: not"),
+    (json.dumps({"model": NAME, "prompt": "hi", "stop_token_ids": [257]}).encode(), 400,
+     "stop_token_ids: token 257 is not in this model's vocabulary"),
+    (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}).encode(),
+     400, "min_tokens=5 exceeds max_tokens=4"),
     (json.dumps({"model": NAME, "prompt": [104, 300]}).encode(), 400,
      "prompt.1: token 300 is not in this model's vocabulary"),
     (json.dumps({"model": NAME, "prompt": [104, -1]}).encode(), 400, "token ids are whole"),
@@ -219,6 +223,17 @@ def test_logit_bias_and_penalties_reach_the_sampler(app):
         model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
         logit_bias={str(ord("q")): 100})
     assert chat.choices[0].message.content == "qqqq"
+    z = str(ord("z"))
+    ended = app["client"].completions.create(logit_bias={z: 100}, extra_body={
+        "stop_token_ids": [ord("z")], "min_tokens": 3}, **ask)  # z is banned 3 tokens long
+    assert (ended.choices[0].text, ended.choices[0].finish_reason) == (
+        alone(app["model"], "abc", 3, logit_bias={ord("z"): 100}, min_tokens=3,
+              stop_token_ids=(ord("z"),)), "stop")
+    assert ended.usage.completion_tokens == 4  # the stop token counts, as the end-of-text does
+    ask_eos = dict(ask, logit_bias={"256": 100})  # the byte model's end-of-text, forced
+    assert app["client"].completions.create(**ask_eos).usage.completion_tokens == 1
+    forever = app["client"].completions.create(extra_body={"ignore_eos": True}, **ask_eos)
+    assert forever.usage.completion_tokens == 8 and forever.choices[0].finish_reason == "length"
     sampled = app["client"].completions.create(
         model=NAME, prompt="abc", max_tokens=8, temperature=1.5, seed=4, extra_body={"top_k": 2})
     assert sampled.choices[0].text == alone(app["model"], "abc", 8, temperature=1.5, seed=4,

@@ -68,6 +68,7 @@ class _Sequence:
     out: list[int] = field(default_factory=list)
     text: str = ""      # decoded output so far
     sent: int = 0       # characters of ``text`` already handed out
+    searched: int = 0   # characters of ``text`` already searched for stop strings
     matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
     adjust: LogitAdjust | None = None  # its logit_bias and penalties
 
@@ -176,7 +177,9 @@ class ContinuousBatcher:
                 raise ValueError("constraint: this engine has no grammar support (it needs "
                                  "the model's Hugging Face tokenizer)")
             matcher = self.grammars.matcher(params.constraint)  # GrammarError, a ValueError
-        adjust = LogitAdjust(params, prompt, self.cfg.vocab_size) \
+        enders = list(params.stop_token_ids) + (
+            [self.eos_id] if self.eos_id is not None and not params.ignore_eos else [])
+        adjust = LogitAdjust(params, prompt, self.cfg.vocab_size, enders) \
             if LogitAdjust.wanted(params) else None
         with self._lock:
             self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok,
@@ -505,24 +508,31 @@ class ContinuousBatcher:
     def _advance(self, s: _Sequence, token: int) -> Event:
         """Account for ``token``: extend the text, check stop strings and limits, and say how
         much text is final (text that could still become a stop string is held back)."""
-        finish = None
-        if token == self.eos_id:
+        finish, p = None, s.params
+        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
             finish = "stop"
         else:
             s.text += s.detok.add(token)
             if s.matcher is not None and s.matcher.done:  # the grammar's output is complete
                 finish = "stop"
-        stops = s.params.stop
-        cut = min((i for i in (s.text.find(x) for x in stops) if i >= 0), default=-1)
+        # a stop string counts where it ends in this token's text (none before min_tokens)
+        longest = max((len(x) for x in p.stop), default=0)
+        cut, stop = -1, ""
+        if len(s.out) >= p.min_tokens:
+            start = max(0, s.searched - longest + 1)
+            cut, stop = min(((i, x) for x in p.stop if (i := s.text.find(x, start)) >= 0),
+                            default=(-1, ""))
+        s.searched = len(s.text)
         if cut >= 0:
+            cut += len(stop) if p.include_stop_str_in_output else 0
             s.text, finish = s.text[:cut], "stop"
-        elif finish is None and len(s.out) >= s.params.max_tokens:
+        elif finish is None and len(s.out) >= p.max_tokens:
             finish = "length"
         if finish is not None:
             s.text += s.detok.finish() if cut < 0 else ""
             ready = len(s.text)
         else:
-            ready = len(s.text) - max((len(x) - 1 for x in stops), default=0)
+            ready = len(s.text) - max(longest - 1, 0)
         delta = s.text[s.sent:max(ready, s.sent)]
         s.sent += len(delta)
         return Event(s.seq_id, token, delta, finish)

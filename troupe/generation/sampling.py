@@ -31,7 +31,14 @@ class SamplingParams:
     prompt or the output holds, as transformers' and vLLM's do; ``frequency_penalty`` and
     ``presence_penalty`` (in [-2, 2]) subtract, from each token's logit, its count in the
     output so far times the first and, once it occurs, the second. ``top_k`` keeps the k most
-    likely tokens (0: all)."""
+    likely tokens (0: all).
+
+    Ending (vLLM's fields): ``stop_token_ids`` end the sequence as the end-of-text token does
+    (each is counted in the output, none in the text); ``ignore_eos`` lets the end-of-text
+    token pass as any other, so that only max_tokens, stop strings and stop_token_ids end the
+    sequence; before ``min_tokens`` tokens, the end-of-text and stop tokens cannot be chosen
+    and stop strings do not end it; ``include_stop_str_in_output`` keeps the stop string
+    that ended the text in it."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -46,6 +53,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead
@@ -73,10 +84,17 @@ def checked(p: SamplingParams) -> SamplingParams:
             raise ValueError(f"{name}: must be in [-2, 2], got {value!r}")
     if not (isinstance(p.top_k, int) and p.top_k >= 0):
         raise ValueError(f"top_k: must be a whole number >= 0 (0: every token), got {p.top_k!r}")
+    if not (isinstance(p.min_tokens, int) and 0 <= p.min_tokens <= p.max_tokens):
+        raise ValueError(f"min_tokens: must be a whole number in [0, max_tokens="
+                         f"{p.max_tokens}], got {p.min_tokens!r}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+               for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids: token ids are whole numbers >= 0, got "
+                         f"{list(p.stop_token_ids)!r}")
     temperature = p.temperature if p.temperature >= MIN_TEMPERATURE else 0.0
     seed = p.seed % SEED_RANGE if p.seed is not None else None
     return replace(p, temperature=temperature, seed=seed, stop=tuple(p.stop),
-                   logit_bias=_bias_pairs(p.logit_bias))
+                   logit_bias=_bias_pairs(p.logit_bias), stop_token_ids=tuple(p.stop_token_ids))
 
 
 def _bias_pairs(bias: dict | Iterable) -> tuple[tuple[int, float], ...]:
@@ -95,16 +113,23 @@ def _bias_pairs(bias: dict | Iterable) -> tuple[tuple[int, float], ...]:
 
 
 class LogitAdjust:
-    """One sequence's ``logit_bias`` and penalties (SamplingParams), with what they read: the
-    tokens its prompt holds and how often each occurs in its output. ``apply`` gives the
-    adjusted logits of a step (a new tensor); ``accept`` counts the token chosen."""
+    """One sequence's ``logit_bias``, penalties and ``min_tokens`` (SamplingParams), with what
+    they read: the tokens its prompt holds, how often each occurs in its output, and the
+    tokens that would end it (``enders``: end-of-text and stop tokens, banned before
+    min_tokens). ``apply`` gives the adjusted logits of a step (a new tensor); ``accept``
+    counts the token chosen."""
 
-    def __init__(self, p: SamplingParams, prompt: list[int], vocab_size: int):
+    def __init__(self, p: SamplingParams, prompt: list[int], vocab_size: int,
+                 enders: list[int] = ()):
         self.p = p
-        for token, _ in p.logit_bias:
-            if token >= vocab_size:
-                raise ValueError(f"logit_bias: token {token} is not in the model's vocabulary "
-                                 f"(ids 0 to {vocab_size - 1})")
+        for field, tokens in (("logit_bias", [t for t, _ in p.logit_bias]),
+                              ("stop_token_ids", p.stop_token_ids)):
+            for token in tokens:
+                if token >= vocab_size:
+                    raise ValueError(f"{field}: token {token} is not in the model's vocabulary "
+                                     f"(ids 0 to {vocab_size - 1})")
+        self.generated = 0
+        self.enders = torch.tensor(sorted(set(enders)), dtype=torch.long)
         self.bias = None
         if p.logit_bias:
             ids, values = zip(*p.logit_bias)
@@ -119,7 +144,8 @@ class LogitAdjust:
     @staticmethod
     def wanted(p: SamplingParams) -> bool:
         return bool(p.logit_bias) or p.repetition_penalty != 1.0 \
-            or p.frequency_penalty != 0 or p.presence_penalty != 0
+            or p.frequency_penalty != 0 or p.presence_penalty != 0 or p.min_tokens > 0 \
+            or bool(p.stop_token_ids)
 
     def apply(self, logits_V: torch.Tensor) -> torch.Tensor:
         p, out = self.p, logits_V.float().clone()
@@ -133,9 +159,12 @@ class LogitAdjust:
             out -= p.presence_penalty * (self.counts > 0).float()
         if self.bias is not None:
             out += self.bias
+        if self.generated < p.min_tokens and len(self.enders):
+            out[self.enders] = float("-inf")
         return out
 
     def accept(self, token: int) -> None:
+        self.generated += 1
         self.counts[token] += 1
         if self.seen is not None:
             self.seen[token] = True

@@ -177,8 +177,9 @@ class _Request(BaseModel):
     the extension fields ``guided_regex`` (the whole output matches the regular expression)
     and ``guided_grammar`` (a Lark grammar, its ``start`` rule), as vLLM names them.
     Sampling: OpenAI's ``logit_bias`` (token ids as strings, biases in [-100, 100]),
-    ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty`` and
-    ``top_k`` (troupe.generation.sampling says what each does). Fields OpenAI clients send that
+    ``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty``,
+    ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and
+    ``include_stop_str_in_output`` (troupe.generation.sampling says what each does). Fields OpenAI clients send that
     change nothing here (``user``, ``metadata``, ...) are ignored; ``echo``, ``suffix`` and
     ``best_of`` other than n, which would change the answer, are refused naming the field."""
 
@@ -202,6 +203,10 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=100)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1 (vLLM's "off"): every token
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -265,6 +270,9 @@ class _Request(BaseModel):
         if n > limits.max_tokens:
             raise RequestError(400, f"max_tokens={n} exceeds this server's limit of "
                                f"{limits.max_tokens}", "max_tokens")
+        if self.min_tokens > n:
+            raise RequestError(400, f"min_tokens={self.min_tokens} exceeds max_tokens={n}",
+                               "min_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         constraint = self.constraint()
         return SamplingParams(max_tokens=n, temperature=self.temperature, top_p=self.top_p,
@@ -273,7 +281,10 @@ class _Request(BaseModel):
                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
                               repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty,
-                              presence_penalty=self.presence_penalty, top_k=max(self.top_k, 0))
+                              presence_penalty=self.presence_penalty, top_k=max(self.top_k, 0),
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(_Request):

@@ -297,10 +297,12 @@ class ServeReplica:
         if params.constraint is not None:
             self._check_constraint(*req.constraint())
         vocab = self.details["vocab_size"]
-        outside = [t for t, _ in params.logit_bias if t >= vocab]
-        if outside:
-            raise RequestError(400, f"logit_bias: token {outside[0]} is not in this model's "
-                               f"vocabulary (ids 0 to {vocab - 1})", "logit_bias")
+        for field, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
+                              ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in tokens if t >= vocab]
+            if outside:
+                raise RequestError(400, f"{field}: token {outside[0]} is not in this model's "
+                                   f"vocabulary (ids 0 to {vocab - 1})", field)
         if len(ids) + params.max_tokens > context:
             field = "messages" if chat else "prompt"
             raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
