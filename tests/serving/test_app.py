@@ -127,7 +127,11 @@ def test_eight_concurrent_greedy_requests_equal_one_by_one(app):
     (json.dumps({"model": NAME, "prompt": [104, 300]}).encode(), 400,
      "prompt.1: token 300 is not in this model's vocabulary"),
     (json.dumps({"model": NAME, "prompt": [104, -1]}).encode(), 400, "token ids are whole"),
-    (json.dumps({"model": NAME, "prompt": [[104], [105]]}).encode(), 400, "give one prompt"),
+    (json.dumps({"model": NAME, "prompt": ["a"] * 9, "n": 2}).encode(), 400,
+     "9 prompts x n=2 make 18 choices"),
+    (json.dumps({"model": NAME, "prompt": ["ok", "x" * 60]}).encode(), 400, "prompt.1: "),
+    (json.dumps({"model": NAME, "prompt": [[104], [105, -2]]}).encode(), 400,
+     "prompt.1: token ids are whole"),
     (json.dumps({"model": NAME, "prompt": []}).encode(), 400, "the prompt is empty"),
     (json.dumps({"model": NAME, "prompt": [1] * 49}).encode(), 400, "at most 48"),
     (json.dumps({"model": NAME, "prompt": "hi", "best_of": 3}).encode(), 400, "best_of: not"),
@@ -206,6 +210,29 @@ def test_a_prompt_of_token_ids_runs_as_given(app):
                                                temperature=0)
         assert out.choices[0].text == text.choices[0].text
         assert out.usage.prompt_tokens == len(ids)
+
+
+def test_several_prompts_in_one_request_answer_as_one_by_one(app):
+    """OpenAI's list of prompts (text or token ids): prompt i's n choices at indices i * n + j,
+    each what a request for that prompt alone gets; usage counts every prompt once; streamed,
+    the same text per index."""
+    prompts = ["Hello", "abc", "request 7: xyz"]
+    ask = dict(model=NAME, max_tokens=7, temperature=1.0, seed=5, n=2)
+    many = app["client"].completions.create(prompt=prompts, **ask)
+    assert [c.index for c in many.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone_ = app["client"].completions.create(prompt=prompt, **ask)
+        assert [c.text for c in many.choices[2 * i:2 * i + 2]] == \
+            [c.text for c in alone_.choices]
+    assert many.usage.prompt_tokens == sum(len(p.encode()) for p in prompts)
+    as_ids = app["client"].completions.create(prompt=[list(p.encode()) for p in prompts], **ask)
+    assert [c.text for c in as_ids.choices] == [c.text for c in many.choices]
+    parts = list(app["client"].completions.create(prompt=prompts, stream=True,
+                                                  stream_options={"include_usage": True}, **ask))
+    for c in many.choices:
+        assert "".join(p.choices[0].text for p in parts
+                       if p.choices and p.choices[0].index == c.index) == c.text
+    assert parts[-1].usage.prompt_tokens == many.usage.prompt_tokens
 
 
 def test_logit_bias_and_penalties_reach_the_sampler(app):

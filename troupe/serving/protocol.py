@@ -125,6 +125,9 @@ class ServeConfig(AppConfig):
         return known_modes(rules)
 
 
+MAX_CHOICES = 16  # choices a request may ask for (n, times its prompts)
+
+
 class RequestError(Exception):
     """A request the server refuses: HTTP ``status``, OpenAI error ``type``, ``param``."""
 
@@ -189,7 +192,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -288,9 +291,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """A completion request. ``prompt`` is one prompt, as OpenAI's API spells it: a string, a
-    list of token ids (the model's, run as they are: what an RL client that keeps its own
-    tokens sends), or a list holding one of those."""
+    """A completion request. ``prompt`` is a prompt or a list of them, as OpenAI's API spells
+    it: a string, a list of token ids (the model's, run as they are: what an RL client that
+    keeps its own tokens sends), a list of strings or a list of token-id lists. Prompt i's
+    choices come at indices i * n to i * n + n - 1; a request holds at most MAX_CHOICES
+    choices in all (prompts x n)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -298,17 +303,22 @@ class CompletionRequest(_Request):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt")
-    @classmethod
-    def _single(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("give one prompt (a string or a list of token ids, or a list "
-                                 "of one of them)")
-            v = v[0]
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids are whole numbers >= 0")
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+
+    @model_validator(mode="after")
+    def _prompts(self) -> "CompletionRequest":
+        prompts = self.prompts()
+        for i, one in enumerate(prompts):
+            if isinstance(one, list) and any(t < 0 for t in one):
+                where = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+                raise ValueError(f"{where}: token ids are whole numbers >= 0")
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt: {len(prompts)} prompts x n={self.n} make "
+                             f"{len(prompts) * self.n} choices; a request holds at most "
+                             f"{MAX_CHOICES}")
+        return self
 
 
 class CallFunction(BaseModel):

@@ -231,8 +231,9 @@ class ServeReplica:
         await self.engine.between_steps(adapters.add, adapter)
         return JSONResponse({"status": "ok", "lora_name": name})
 
-    def _prompt(self, req, chat: bool) -> tuple[list[int], SamplingParams]:
-        lim = self.cfg.limits
+    def _prompt(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
+        """The request's prompts as token ids (chat: one; completions: one or more) and its
+        sampling parameters, each checked against the limits and the model."""
         adapter = None
         if req.model != self.cfg.model.name:
             if req.model not in self.adapter_names():
@@ -240,41 +241,59 @@ class ServeReplica:
                 raise RequestError(404, f"model {req.model!r} is not served here; GET "
                                    f"/v1/models lists {served}", "model", "model_not_found")
             adapter = req.model
-        field = "messages" if chat else "prompt"
-        if not chat and isinstance(req.prompt, list):
-            return self._token_prompt(req, adapter)
-        chars = sum(m.chars() for m in req.messages) if chat else len(req.prompt)
-        if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
-            raise RequestError(400, f"{field}: {chars} characters; this server accepts at most "
-                               f"{lim.max_prompt_tokens} tokens (and at most {CHARS_PER_TOKEN} "
-                               "characters a token before tokenizing)", field)
-        texts = [m.content or "" for m in req.messages] if chat else [req.prompt]
-        for i, text in enumerate(texts):
-            over = self._over_limit(text, lim.max_prompt_tokens)
-            if over is not None:
-                where = f"messages.{i}.content" if chat else field
-                raise RequestError(400, f"{where}: more than {over} tokens; this server "
-                                   f"accepts at most {lim.max_prompt_tokens}", where)
-        try:
-            specs = req.tool_specs() if chat else None
-            ids = (self.tok.encode(req.prompt) if not chat
-                   else self.tok.chat(req.conversation(), specs) if specs
-                   else self.tok.chat(req.conversation()))
-        except Exception as e:  # the model's chat template refused the conversation
-            raise RequestError(400, f"{field}: {e}", field) from None
-        self._check_length(ids, field)
-        return ids, self._params(req, chat, ids, adapter)
+        if chat:
+            prompts = [self._chat_ids(req)]
+        else:
+            many = len(req.prompts()) > 1
+            prompts = [self._completion_ids(one, f"prompt.{i}" if many else "prompt")
+                       for i, one in enumerate(req.prompts())]
+        return prompts, self._params(req, chat, prompts, adapter)
 
-    def _token_prompt(self, req, adapter: str | None) -> tuple[list[int], SamplingParams]:
-        """A completion's prompt given as token ids: checked against the vocabulary and the
-        limits, then run as it is."""
-        ids, vocab = list(req.prompt), self.details["vocab_size"]
-        self._check_length(ids, "prompt")
-        outside = next((i for i, t in enumerate(ids) if t >= vocab), None)
-        if outside is not None:
-            raise RequestError(400, f"prompt.{outside}: token {ids[outside]} is not in this "
-                               f"model's vocabulary (ids 0 to {vocab - 1})", "prompt")
-        return ids, self._params(req, False, ids, adapter)
+    def _chat_ids(self, req) -> list[int]:
+        lim = self.cfg.limits
+        chars = sum(m.chars() for m in req.messages)
+        if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
+            raise RequestError(400, f"messages: {chars} characters; this server accepts at "
+                               f"most {lim.max_prompt_tokens} tokens (and at most "
+                               f"{CHARS_PER_TOKEN} characters a token before tokenizing)",
+                               "messages")
+        for i, m in enumerate(req.messages):
+            self._check_text(m.content or "", f"messages.{i}.content")
+        try:
+            specs = req.tool_specs()
+            ids = self.tok.chat(req.conversation(), specs) if specs \
+                else self.tok.chat(req.conversation())
+        except Exception as e:  # the model's chat template refused the conversation
+            raise RequestError(400, f"messages: {e}", "messages") from None
+        self._check_length(ids, "messages")
+        return ids
+
+    def _completion_ids(self, prompt: str | list[int], field: str) -> list[int]:
+        """One completion prompt: text, tokenized, or token ids, checked against the
+        vocabulary and run as they are."""
+        if isinstance(prompt, list):
+            ids, vocab = list(prompt), self.details["vocab_size"]
+            self._check_length(ids, field)
+            outside = next((i for i, t in enumerate(ids) if t >= vocab), None)
+            if outside is not None:
+                raise RequestError(400, f"{field}.{outside}: token {ids[outside]} is not in "
+                                   f"this model's vocabulary (ids 0 to {vocab - 1})", field)
+            return ids
+        limit = self.cfg.limits.max_prompt_tokens
+        if len(prompt) > CHARS_PER_TOKEN * limit:
+            raise RequestError(400, f"{field}: {len(prompt)} characters; this server accepts "
+                               f"at most {limit} tokens (and at most {CHARS_PER_TOKEN} "
+                               "characters a token before tokenizing)", field)
+        self._check_text(prompt, field)
+        ids = self.tok.encode(prompt)
+        self._check_length(ids, field)
+        return ids
+
+    def _check_text(self, text: str, field: str) -> None:
+        over = self._over_limit(text, self.cfg.limits.max_prompt_tokens)
+        if over is not None:
+            raise RequestError(400, f"{field}: more than {over} tokens; this server accepts "
+                               f"at most {self.cfg.limits.max_prompt_tokens}", field)
 
     def _check_length(self, ids: list[int], field: str) -> None:
         limit = self.cfg.limits.max_prompt_tokens
@@ -287,13 +306,14 @@ class ServeReplica:
             raise RequestError(400, f"{field}: {len(ids)} tokens fill the model's context of "
                                f"{self.seq_len} tokens", field)
 
-    def _params(self, req, chat: bool, ids: list[int], adapter: str | None) -> SamplingParams:
-        """The request's sampling parameters for a prompt of ``ids``, checked against the
-        model (its context, its vocabulary, the grammar library)."""
+    def _params(self, req, chat: bool, prompts: list[list[int]],
+                adapter: str | None) -> SamplingParams:
+        """The request's sampling parameters for its prompts, checked against the model (its
+        context, its vocabulary, the grammar library)."""
         context = self.seq_len
         # a chat answer runs to the end of the context (or the limit), as OpenAI's does
-        params = replace(req.sampling(context - len(ids) if chat else 16, self.cfg.limits),
-                         adapter=adapter)
+        params = replace(req.sampling(context - len(prompts[0]) if chat else 16,
+                                      self.cfg.limits), adapter=adapter)
         if params.constraint is not None:
             self._check_constraint(*req.constraint())
         vocab = self.details["vocab_size"]
@@ -303,11 +323,12 @@ class ServeReplica:
             if outside:
                 raise RequestError(400, f"{field}: token {outside[0]} is not in this model's "
                                    f"vocabulary (ids 0 to {vocab - 1})", field)
-        if len(ids) + params.max_tokens > context:
-            field = "messages" if chat else "prompt"
-            raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
-                               f"({params.max_tokens}) exceed the model's context of {context} "
-                               "tokens", "max_tokens")
+        for i, ids in enumerate(prompts):
+            if len(ids) + params.max_tokens > context:
+                field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
+                raise RequestError(400, f"{field} ({len(ids)} tokens) plus max_tokens "
+                                   f"({params.max_tokens}) exceed the model's context of "
+                                   f"{context} tokens", "max_tokens")
         return params
 
     def _check_constraint(self, constraint: Constraint, field: str) -> None:
@@ -349,11 +370,11 @@ class ServeReplica:
         self.refuse_if_broken()
         self.admission.refuse_if_full()  # full already: refused before any reading or parsing
         body = await self.admission.body(request.receive)
-        req, ids, params = await asyncio.get_running_loop().run_in_executor(
+        req, prompts, params = await asyncio.get_running_loop().run_in_executor(
             self._prepare_pool, self._prepare, body, chat)
         place = await self.admission.place()
         try:
-            return await self._answer(req, chat, ids, params, place)
+            return await self._answer(req, chat, prompts, params, place)
         finally:
             place.release()  # idempotent: a stream gives its own back when it ends
 
@@ -361,26 +382,30 @@ class ServeReplica:
         req = parse(ChatRequest if chat else CompletionRequest, body)
         return (req, *self._prompt(req, chat))
 
-    async def _answer(self, req, chat: bool, ids: list[int], params: SamplingParams,
+    async def _answer(self, req, chat: bool, prompts: list[list[int]], params: SamplingParams,
                       place: Place):
         """Answer an admitted request (JSON, or a stream that holds ``place`` until it
         ends)."""
         from starlette.responses import JSONResponse, StreamingResponse
 
         rid = completion_id(chat)
-        self.metrics.prompt_tokens += len(ids)
+        prompt_tokens = sum(map(len, prompts))
+        self.metrics.prompt_tokens += prompt_tokens
         route, start = CHAT if chat else COMPLETIONS, time.monotonic()
-        # n choices: sequences of their own (the engine prefills the shared prompt once),
-        # choice i seeded with seed + i, so that it equals a single request with that seed
-        samples = [(f"{rid}-{i}", replace(params, seed=None if params.seed is None
-                                          else params.seed + i)) for i in range(req.n)]
+        # each prompt's n choices: sequences of their own (the engine prefills a shared prompt
+        # once), choice j seeded with seed + j, so that it equals a single request with that
+        # seed; prompt i's choices at indices i * n + j
+        samples = [(f"{rid}-{i * req.n + j}", ids,
+                    replace(params, seed=None if params.seed is None else params.seed + j))
+                   for i, ids in enumerate(prompts) for j in range(req.n)]
         if req.stream:  # the stream holds the place until its last event (see _stream)
-            body = self._stream(rid, ids, samples, chat, req.include_usage(), start, place,
-                                chat and req.uses_tools())
+            body = self._stream(rid, samples, prompt_tokens, chat, req.include_usage(), start,
+                                place, chat and req.uses_tools())
             weakref.finalize(body, place.release, True)  # a stream dropped before it started
             place.handed_over = True
             return StreamingResponse(body, media_type="text/event-stream")
-        tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start)) for sid, p in samples]
+        tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start))
+                 for sid, ids, p in samples]
         try:
             choices = await asyncio.gather(*tasks)
         except SequenceFailed as e:
@@ -394,7 +419,7 @@ class ServeReplica:
             for c in choices:
                 c.text, c.tool_calls = tools.parse(c.text)
                 c.finish = "tool_calls" if c.tool_calls else c.finish
-        return JSONResponse(completion(rid, self.cfg.model.name, choices, len(ids), chat))
+        return JSONResponse(completion(rid, self.cfg.model.name, choices, prompt_tokens, chat))
 
     async def _timed(self, seq_id: str, ids: list[int], params: SamplingParams,
                      start: float) -> AsyncIterator[Event]:
@@ -429,8 +454,8 @@ class ServeReplica:
         text = self.tok.decode([ev.token])
         return text, ev.logprob, [(self.tok.decode([t]), lp) for t, lp in ev.top_logprobs or []]
 
-    async def _stream(self, rid: str, ids: list[int], samples: list[tuple[str, SamplingParams]],
-                      chat: bool, include_usage: bool, start: float,
+    async def _stream(self, rid: str, samples: list[tuple[str, list[int], SamplingParams]],
+                      prompt_tokens: int, chat: bool, include_usage: bool, start: float,
                       place: Place, parse_tools: bool = False) -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
@@ -441,7 +466,7 @@ class ServeReplica:
         name = self.cfg.model.name
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, seq_id: str, params: SamplingParams) -> None:
+        async def pump(index: int, seq_id: str, ids: list[int], params: SamplingParams) -> None:
             try:
                 async for ev in self._timed(seq_id, ids, params, start):
                     await queue.put((index, ev))
@@ -450,7 +475,7 @@ class ServeReplica:
             finally:
                 await queue.put((index, None))
 
-        tasks = [asyncio.ensure_future(pump(i, sid, p)) for i, (sid, p) in enumerate(samples)]
+        tasks = [asyncio.ensure_future(pump(i, *sample)) for i, sample in enumerate(samples)]
         generated, offsets, open_ = 0, [0] * len(samples), len(samples)
         splitters = [tools.ToolStream() for _ in samples]
         try:
@@ -486,7 +511,7 @@ class ServeReplica:
             else:
                 self.metrics.finished(CHAT if chat else COMPLETIONS, "ok")
                 if include_usage:
-                    yield _sse(usage_chunk(rid, name, chat, len(ids), generated))
+                    yield _sse(usage_chunk(rid, name, chat, prompt_tokens, generated))
         finally:
             for t in tasks:
                 t.cancel()
