@@ -235,6 +235,62 @@ def test_several_prompts_in_one_request_answer_as_one_by_one(app):
     assert parts[-1].usage.prompt_tokens == many.usage.prompt_tokens
 
 
+def test_return_token_ids_gives_the_tokens_that_ran(app):
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids (what the
+    engine chose, the end-of-text included), whole or streamed."""
+    ask = dict(model=NAME, prompt=["Hello", "abc"], max_tokens=9, temperature=1.0, seed=2,
+               n=2, extra_body={"return_token_ids": True})
+    whole = app["client"].completions.create(**ask).model_dump()
+    for c in whole["choices"]:
+        prompt = ["Hello", "abc"][c["index"] // 2]
+        assert c["prompt_token_ids"] == list(prompt.encode())
+        assert bytes(t for t in c["token_ids"] if t < 256).decode("utf-8", "replace") == \
+            c["text"]
+    assert sum(len(c["token_ids"]) for c in whole["choices"]) == \
+        whole["usage"]["completion_tokens"]
+    parts = [p.model_dump() for p in app["client"].completions.create(stream=True, **ask)]
+    for c in whole["choices"]:
+        mine = [p["choices"][0] for p in parts if p["choices"][0]["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+        assert all("prompt_token_ids" not in m for m in mine[1:])
+        assert [t for m in mine for t in m["token_ids"]] == c["token_ids"]
+    chat = app["client"].chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"return_token_ids": True}).model_dump()
+    assert chat["prompt_token_ids"] == list("user: Hi\nassistant:".encode())
+    assert bytes(t for t in chat["choices"][0]["token_ids"] if t < 256).decode() == \
+        chat["choices"][0]["message"]["content"]
+    plain = app["client"].completions.create(model=NAME, prompt="abc", max_tokens=3).model_dump()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_tokenize_and_detokenize_are_the_tokens_requests_run(app):
+    """POST /tokenize gives the ids a completion or a chat request runs (its usage counts
+    them), /detokenize their text; both behind the key, bad input named."""
+    code, out = post(app["url"], json.dumps({"model": NAME, "prompt": "Hello"}).encode(),
+                     path="/tokenize")
+    assert code == 200 and out == {"count": 5, "max_model_len": 96,
+                                   "tokens": list(b"Hello")}
+    messages = [{"role": "user", "content": "Hi"}]
+    code, out = post(app["url"], json.dumps({"model": NAME, "messages": messages}).encode(),
+                     path="/tokenize")
+    chat = app["client"].chat.completions.create(model=NAME, messages=messages, max_tokens=2)
+    assert code == 200 and out["count"] == chat.usage.prompt_tokens
+    code, out = post(app["url"], json.dumps({"model": NAME, "tokens": out["tokens"]}).encode(),
+                     path="/detokenize")
+    assert code == 200 and out == {"prompt": "user: Hi\nassistant:"}
+    for path, body, words in [
+            ("/tokenize", {"model": NAME}, "give a prompt or messages"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, "not served here"),
+            ("/detokenize", {"model": NAME, "tokens": [300]}, "tokens.0: token 300"),
+            ("/detokenize", {"model": NAME, "tokens": [-1]}, "tokens.0")]:
+        code, out = post(app["url"], json.dumps(body).encode(), path=path)
+        assert code in (400, 404) and words in out["error"]["message"], out
+    code, _ = post(app["url"], json.dumps({"model": NAME, "prompt": "x"}).encode(),
+                   key="wrong", path="/tokenize")
+    assert code == 401
+
+
 def test_logit_bias_and_penalties_reach_the_sampler(app):
     """OpenAI's logit_bias and penalties, and vLLM's repetition_penalty and top_k (through the
     client's extra_body), give what the engine gives with them alone."""

@@ -184,7 +184,10 @@ class _Request(BaseModel):
     ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens`` and
     ``include_stop_str_in_output`` (troupe.generation.sampling says what each does). Fields OpenAI clients send that
     change nothing here (``user``, ``metadata``, ...) are ignored; ``echo``, ``suffix`` and
-    ``best_of`` other than n, which would change the answer, are refused naming the field."""
+    ``best_of`` other than n, which would change the answer, are refused naming the field.
+    ``return_token_ids`` (vLLM's): the answer carries the prompt's token ids and each
+    choice's generated ones (the end-of-text or stop token that ended it included), so that
+    a client that trains on tokens (RL) need not tokenize the text again."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
 
@@ -210,6 +213,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -459,7 +463,36 @@ class ChatRequest(_Request):
         return super().sampling(default_max, limits)
 
 
-def parse(kind: type[_Request], body: bytes) -> _Request:
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's route): a ``prompt``'s token ids, or those of chat ``messages``
+    through the model's chat template (with ``tools``, and the assistant's turn begun unless
+    ``add_generation_prompt`` is false), exactly as a completion or chat request runs them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=64)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give a prompt or messages (one of them)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's route): the text of ``tokens``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 16)
+
+
+def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
     """Validate a JSON body; malformed JSON or fields raise RequestError(400) naming them."""
     try:
         return kind.model_validate_json(body)
@@ -489,6 +522,7 @@ class Choice:
     tokens: int = 0
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
     tool_calls: list[ToolCall] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 def logprobs_body(items, chat: bool, offset: int = 0) -> dict[str, Any] | None:
@@ -510,7 +544,10 @@ def logprobs_body(items, chat: bool, offset: int = 0) -> dict[str, Any] | None:
 
 
 def completion(rid: str, model: str, choices: list[Choice], prompt_tokens: int,
-               chat: bool) -> dict[str, Any]:
+               chat: bool, prompt_ids: list[list[int]] | None = None) -> dict[str, Any]:
+    """The whole answer. ``prompt_ids`` (return_token_ids): each choice's prompt, as the
+    tokens ran; chat gives its one prompt's at the top, as vLLM does, completions each
+    choice's with it."""
     out = []
     for i, c in enumerate(choices):
         choice: dict[str, Any] = {"index": i, "finish_reason": c.finish,
@@ -521,11 +558,18 @@ def completion(rid: str, model: str, choices: list[Choice], prompt_tokens: int,
                 choice["message"]["tool_calls"] = [call.body() for call in c.tool_calls]
         else:
             choice["text"] = c.text
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids[i]
+        if c.token_ids is not None:
+            choice["token_ids"] = c.token_ids
         out.append(choice)
     generated = sum(c.tokens for c in choices)
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": out,
             "usage": usage(prompt_tokens, generated)}
+    if chat and prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids[0]
+    return body
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -535,7 +579,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
           first: bool = False, index: int = 0, logprobs=None,
-          offset: int = 0, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+          offset: int = 0, tool_calls: list[dict] | None = None,
+          token_ids: list[int] | None = None,
+          prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``. With return_token_ids, ``token_ids``: the
+    tokens this chunk adds; ``prompt_ids``: the prompt's, in a choice's first chunk (chat:
+    at the top, as the whole answer has them)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish,
                               "logprobs": logprobs_body(logprobs, chat, offset)}
     if chat:
@@ -544,8 +593,15 @@ def chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
             {"tool_calls": tool_calls} if tool_calls else {})
     else:
         choice["text"] = text
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = prompt_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+    if chat and prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return body
 
 
 def usage_chunk(rid: str, model: str, chat: bool, prompt_tokens: int,

@@ -39,8 +39,10 @@ from troupe.serving.protocol import (
     ChatRequest,
     Choice,
     CompletionRequest,
+    DetokenizeRequest,
     RequestError,
     ServeConfig,
+    TokenizeRequest,
     chunk,
     completion,
     completion_id,
@@ -178,9 +180,12 @@ class ServeReplica:
             if path in (COMPLETIONS, CHAT):
                 self._method(request, "POST")
                 return await self._complete(request, chat=path == CHAT)
+            if path in ("/tokenize", "/detokenize"):
+                self._method(request, "POST")
+                return await self._tokens(request, path == "/tokenize")
             raise RequestError(404, f"no route {path}; this server has /v1/completions, "
                                "/v1/chat/completions, /v1/models, /v1/load_lora_adapter, "
-                               "/health and /metrics")
+                               "/tokenize, /detokenize, /health and /metrics")
         except RequestError as e:
             headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401 else
                        {"Retry-After": "1"} if e.status in (429, 503) else None)
@@ -234,13 +239,7 @@ class ServeReplica:
     def _prompt(self, req, chat: bool) -> tuple[list[list[int]], SamplingParams]:
         """The request's prompts as token ids (chat: one; completions: one or more) and its
         sampling parameters, each checked against the limits and the model."""
-        adapter = None
-        if req.model != self.cfg.model.name:
-            if req.model not in self.adapter_names():
-                served = [self.cfg.model.name, *self.adapter_names()]
-                raise RequestError(404, f"model {req.model!r} is not served here; GET "
-                                   f"/v1/models lists {served}", "model", "model_not_found")
-            adapter = req.model
+        adapter = self._served(req.model)
         if chat:
             prompts = [self._chat_ids(req)]
         else:
@@ -248,6 +247,16 @@ class ServeReplica:
             prompts = [self._completion_ids(one, f"prompt.{i}" if many else "prompt")
                        for i, one in enumerate(req.prompts())]
         return prompts, self._params(req, chat, prompts, adapter)
+
+    def _served(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names (None: the base model), or a 404."""
+        if model == self.cfg.model.name:
+            return None
+        if model not in self.adapter_names():
+            served = [self.cfg.model.name, *self.adapter_names()]
+            raise RequestError(404, f"model {model!r} is not served here; GET /v1/models "
+                               f"lists {served}", "model", "model_not_found")
+        return model
 
     def _chat_ids(self, req) -> list[int]:
         lim = self.cfg.limits
@@ -364,6 +373,44 @@ class ServeReplica:
             size *= 2
         return None
 
+    async def _tokens(self, request, encode: bool):
+        """POST /tokenize and /detokenize, run where requests are tokenized (off the event
+        loop, behind the same body limits)."""
+        from starlette.responses import JSONResponse
+
+        self.refuse_if_broken()
+        body = await self.admission.body(request.receive)
+        out = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, self._tokenize if encode else self._detokenize, body)
+        return JSONResponse(out)
+
+    def _tokenize(self, body: bytes) -> dict[str, Any]:
+        req = parse(TokenizeRequest, body)
+        self._served(req.model)
+        if req.prompt is not None:
+            self._check_text(req.prompt, "prompt")
+            ids = self.tok.encode(req.prompt)
+        else:
+            for i, m in enumerate(req.messages):
+                self._check_text(m.content or "", f"messages.{i}.content")
+            chat = ChatRequest(model=req.model, messages=req.messages, tools=req.tools)
+            try:
+                ids = self.tok.chat(chat.conversation(), chat.tool_specs(),
+                                    add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:  # the model's chat template refused the conversation
+                raise RequestError(400, f"messages: {e}", "messages") from None
+        return {"count": len(ids), "max_model_len": self.seq_len, "tokens": ids}
+
+    def _detokenize(self, body: bytes) -> dict[str, Any]:
+        req = parse(DetokenizeRequest, body)
+        self._served(req.model)
+        vocab = self.details["vocab_size"]
+        outside = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
+        if outside is not None:
+            raise RequestError(400, f"tokens.{outside}: token {req.tokens[outside]} is not in "
+                               f"this model's vocabulary (ids 0 to {vocab - 1})", "tokens")
+        return {"prompt": self.tok.decode(req.tokens)}
+
     # ---- completions ------------------------------------------------------------------------
     async def _complete(self, request, chat: bool):
         """Admission's three gates (troupe.serving.admission), then the answer."""
@@ -400,11 +447,11 @@ class ServeReplica:
                    for i, ids in enumerate(prompts) for j in range(req.n)]
         if req.stream:  # the stream holds the place until its last event (see _stream)
             body = self._stream(rid, samples, prompt_tokens, chat, req.include_usage(), start,
-                                place, chat and req.uses_tools())
+                                place, chat and req.uses_tools(), req.return_token_ids)
             weakref.finalize(body, place.release, True)  # a stream dropped before it started
             place.handed_over = True
             return StreamingResponse(body, media_type="text/event-stream")
-        tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start))
+        tasks = [asyncio.ensure_future(self._collect(sid, ids, p, start, req.return_token_ids))
                  for sid, ids, p in samples]
         try:
             choices = await asyncio.gather(*tasks)
@@ -419,7 +466,9 @@ class ServeReplica:
             for c in choices:
                 c.text, c.tool_calls = tools.parse(c.text)
                 c.finish = "tool_calls" if c.tool_calls else c.finish
-        return JSONResponse(completion(rid, self.cfg.model.name, choices, prompt_tokens, chat))
+        return JSONResponse(completion(
+            rid, self.cfg.model.name, choices, prompt_tokens, chat,
+            [ids for _, ids, _ in samples] if req.return_token_ids else None))
 
     async def _timed(self, seq_id: str, ids: list[int], params: SamplingParams,
                      start: float) -> AsyncIterator[Event]:
@@ -437,10 +486,13 @@ class ServeReplica:
             yield ev
 
     async def _collect(self, seq_id: str, ids: list[int], params: SamplingParams,
-                       start: float) -> Choice:
-        c = Choice(logprobs=[] if params.logprobs is not None else None)
+                       start: float, token_ids: bool = False) -> Choice:
+        c = Choice(logprobs=[] if params.logprobs is not None else None,
+                   token_ids=[] if token_ids else None)
         async for ev in self._timed(seq_id, ids, params, start):
             c.text, c.finish, c.tokens = c.text + ev.delta, ev.finish_reason, c.tokens + 1
+            if token_ids:
+                c.token_ids.append(ev.token)
             if c.logprobs is not None and self._reported(ev):
                 c.logprobs.append(self._logprob(ev))
         return c
@@ -456,13 +508,16 @@ class ServeReplica:
 
     async def _stream(self, rid: str, samples: list[tuple[str, list[int], SamplingParams]],
                       prompt_tokens: int, chat: bool, include_usage: bool, start: float,
-                      place: Place, parse_tools: bool = False) -> AsyncIterator[str]:
+                      place: Place, parse_tools: bool = False,
+                      token_ids: bool = False) -> AsyncIterator[str]:
         """Server-sent events, the choices' chunks as they come (each names its index); a
         failed sequence ends the stream with an error event; with include_usage a last chunk
         carries the usage. It holds the request's place and gives it back at its end (one that
         never starts, the client gone first, gives it back when it is dropped). With
         ``parse_tools`` each choice's text goes through a troupe.generation.tools.ToolStream:
-        content as it comes, each call as one ``tool_calls`` delta once its block closes."""
+        content as it comes, each call as one ``tool_calls`` delta once its block closes.
+        With ``token_ids`` every token gets a chunk carrying it, and each choice's first
+        chunk its prompt's."""
         name = self.cfg.model.name
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -478,10 +533,13 @@ class ServeReplica:
         tasks = [asyncio.ensure_future(pump(i, *sample)) for i, sample in enumerate(samples)]
         generated, offsets, open_ = 0, [0] * len(samples), len(samples)
         splitters = [tools.ToolStream() for _ in samples]
+        prompts = [ids if token_ids else None for _, ids, _ in samples]  # until first sent
         try:
             if chat:
                 for i in range(len(samples)):
-                    yield _sse(chunk(rid, name, "", None, chat, first=True, index=i))
+                    yield _sse(chunk(rid, name, "", None, chat, first=True, index=i,
+                                     prompt_ids=prompts[i]))
+                    prompts[i] = None
             while open_:
                 index, ev = await queue.get()
                 if ev is None:
@@ -503,11 +561,14 @@ class ServeReplica:
                 for k, call in enumerate(calls):
                     yield _sse(chunk(rid, name, "", None, chat, index=index,
                                      tool_calls=[call.body(index=sent + k)]))
-                if text or finish or lp:
+                if text or finish or lp or token_ids:
                     yield _sse(chunk(rid, name, text, finish, chat, index=index,
                                      logprobs=lp if ev.logprob is not None else None,
-                                     offset=offsets[index]))
+                                     offset=offsets[index],
+                                     token_ids=[ev.token] if token_ids else None,
+                                     prompt_ids=prompts[index]))
                     offsets[index] += len(text)
+                    prompts[index] = None
             else:
                 self.metrics.finished(CHAT if chat else COMPLETIONS, "ok")
                 if include_usage:
