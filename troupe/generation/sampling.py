@@ -128,18 +128,19 @@ class LogitAdjust:
                 if token >= vocab_size:
                     raise ValueError(f"{field}: token {token} is not in the model's vocabulary "
                                      f"(ids 0 to {vocab_size - 1})")
+        # every tensor here is the host's: the engine samples from logits copied to the host
+        # (its generators are CPU ones)
         self.generated = 0
-        self.enders = torch.tensor(sorted(set(enders)), dtype=torch.long)
+        self.enders = torch.tensor(sorted(set(enders)), dtype=torch.long)  # host: see above
         self.bias = None
         if p.logit_bias:
-            ids, values = zip(*p.logit_bias)
-            self.bias = torch.zeros(vocab_size).index_put_((torch.tensor(ids),),
-                                                            torch.tensor(values))
-        self.counts = torch.zeros(vocab_size)  # the output's, per token
+            ids, values = (torch.tensor(v) for v in zip(*p.logit_bias))  # host: see above
+            self.bias = torch.zeros(vocab_size).index_put_((ids,), values)  # host: see above
+        self.counts = torch.zeros(vocab_size)  # host: the output's count of each token
         self.seen = None  # the prompt's tokens and the output's, for the repetition penalty
         if p.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool)
-            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # host: see above
+            self.seen[torch.tensor(prompt, dtype=torch.long)] = True  # host: see above
 
     @staticmethod
     def wanted(p: SamplingParams) -> bool:
