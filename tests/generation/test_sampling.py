@@ -216,3 +216,27 @@ def test_stop_strings_include_and_min_tokens():
     assert text(stop=(stop,)) == (whole[:at], "stop")
     assert text(stop=(stop,), include_stop_str_in_output=True) == (whole[:at + 2], "stop")
     assert text(stop=(stop,), min_tokens=at + 3) == (whole, "length")
+
+
+def test_draws_follow_the_distribution_and_stay_in_the_nucleus():
+    """The draw (one uniform number through the cumulative sum) picks each token as often as
+    its probability says, never one the mask excluded, and under top-p only from the nucleus
+    a full sort gives, whichever of its paths (top 64, top 1024, all sorted) found it."""
+    from troupe.generation.sampling import draw
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0, float("-inf")])
+    probs = torch.softmax(logits, -1)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(logits, SamplingParams(temperature=1.0), gen)
+                                          for _ in range(n)]), minlength=7).double()
+    assert counts[3] == counts[6] == 0
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 5 * sigma + 1e-9).all(), (counts / n, probs)
+    for scale in (12.0, 4.0, 0.3):  # the nucleus within 64 tokens, within 1024, beyond
+        logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * scale
+        ordered, order = torch.softmax(logits, -1).sort(descending=True)
+        for top_p in (0.5, 0.9):
+            nucleus = set(order[:int((ordered.cumsum(0) - ordered < top_p).sum())].tolist())
+            p = SamplingParams(temperature=1.0, top_p=top_p)
+            drawn = {draw(logits, p, gen) for _ in range(300)}
+            assert drawn <= nucleus and len(drawn) > min(len(nucleus), 10) // 2

@@ -481,7 +481,7 @@ class ContinuousBatcher:
                 if s.matcher is not None:  # only what the grammar allows
                     sampled = (logits if sampled is None else sampled).masked_fill(
                         ~s.matcher.allowed(), float("-inf"))
-                if sampled is not None:
+                if sampled is not None and s.params.temperature <= 0:
                     greedy[i] = int(sampled.argmax())
                 token = greedy[i] if s.params.temperature <= 0 else \
                     draw(logits if sampled is None else sampled, s.params, s.generator)

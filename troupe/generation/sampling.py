@@ -129,18 +129,21 @@ class LogitAdjust:
                     raise ValueError(f"{field}: token {token} is not in the model's vocabulary "
                                      f"(ids 0 to {vocab_size - 1})")
         # every tensor here is the host's: the engine samples from logits copied to the host
-        # (its generators are CPU ones)
+        # (its generators are CPU ones). All of them are short lists of token ids, so that a
+        # step's adjustments touch those tokens, not the whole vocabulary.
         self.generated = 0
         self.enders = torch.tensor(sorted(set(enders)), dtype=torch.long)  # host: see above
         self.bias = None
         if p.logit_bias:
-            ids, values = (torch.tensor(v) for v in zip(*p.logit_bias))  # host: see above
-            self.bias = torch.zeros(vocab_size).index_put_((ids,), values)  # host: see above
-        self.counts = torch.zeros(vocab_size)  # host: the output's count of each token
-        self.seen = None  # the prompt's tokens and the output's, for the repetition penalty
-        if p.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # host: see above
-            self.seen[torch.tensor(prompt, dtype=torch.long)] = True  # host: see above
+            self.bias = tuple(torch.tensor(v) for v in zip(*p.logit_bias))  # host: see above
+        self.counts: dict[int, int] = {}  # the output's count of each token
+        self.penalty = None  # (ids, what to subtract) of the frequency and presence penalties
+        self.seen = set(prompt) if p.repetition_penalty != 1.0 else None  # prompt and output
+        self.seen_ids = None if self.seen is None else self._ids(self.seen)
+
+    @staticmethod
+    def _ids(tokens) -> torch.Tensor:
+        return torch.tensor(sorted(tokens), dtype=torch.long)  # host: see __init__
 
     @staticmethod
     def wanted(p: SamplingParams) -> bool:
@@ -150,25 +153,29 @@ class LogitAdjust:
 
     def apply(self, logits_V: torch.Tensor) -> torch.Tensor:
         p, out = self.p, logits_V.float().clone()
-        if self.seen is not None:
-            hit = out[self.seen]
-            out[self.seen] = torch.where(hit > 0, hit / p.repetition_penalty,
-                                         hit * p.repetition_penalty)
-        if p.frequency_penalty:
-            out -= p.frequency_penalty * self.counts
-        if p.presence_penalty:
-            out -= p.presence_penalty * (self.counts > 0).float()
+        if self.seen_ids is not None:
+            hit = out[self.seen_ids]
+            out[self.seen_ids] = torch.where(hit > 0, hit / p.repetition_penalty,
+                                             hit * p.repetition_penalty)
+        if self.penalty is not None:
+            out.index_add_(0, *self.penalty)
         if self.bias is not None:
-            out += self.bias
+            out.index_add_(0, *self.bias)
         if self.generated < p.min_tokens and len(self.enders):
             out[self.enders] = float("-inf")
         return out
 
     def accept(self, token: int) -> None:
+        p = self.p
         self.generated += 1
-        self.counts[token] += 1
-        if self.seen is not None:
-            self.seen[token] = True
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if p.frequency_penalty or p.presence_penalty:
+            ids = self._ids(self.counts)
+            counts = torch.tensor([float(self.counts[t]) for t in ids.tolist()])  # host: above
+            self.penalty = (ids, -(p.frequency_penalty * counts + p.presence_penalty))
+        if self.seen is not None and token not in self.seen:
+            self.seen.add(token)
+            self.seen_ids = self._ids(self.seen)
 
 
 NON_FINITE = "the model produced non-finite logits for this sequence"
@@ -194,14 +201,41 @@ def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
 
 def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """``sample``'s draw at a temperature above 0, for logits already known to be finite:
-    top-k first, then top-p over what top-k kept."""
-    probs = torch.softmax(logits_V.float().cpu() / p.temperature, -1)  # the generator is a CPU one
-    if 0 < p.top_k < probs.numel():
-        top = probs.topk(p.top_k)
-        probs = torch.zeros_like(probs).scatter(0, top.indices, top.values)
-        probs /= probs.sum()
+    top-k first, then top-p over what top-k kept. One uniform number from the sequence's
+    generator picks the token through the distribution's cumulative sum (torch.multinomial
+    took 1.2 ms for one draw over SmolLM2's 49,152 tokens, a quarter of a decode step at
+    batch 8; this takes 0.04 ms)."""
+    logits, ids = logits_V.float().cpu() / p.temperature, None  # the generator is a CPU one
+    if 0 < p.top_k < logits.numel():
+        logits, ids = logits.topk(p.top_k)  # the likeliest first
+    probs = torch.softmax(logits, -1)
     if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the first token is always kept
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+        if ids is None:
+            probs, ids = _likeliest(probs, p.top_p)
+        keep = int((probs.cumsum(0) - probs < p.top_p).sum())  # the first token is always kept
+        probs, ids = probs[:keep], ids[:keep]
+    i = _inverse_cdf(probs, gen)
+    return i if ids is None else int(ids[i])
+
+
+def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The likeliest tokens, in order, enough of them to hold ``mass``: the top 64, else the
+    top 1024, else all of them sorted (sorting SmolLM2's 49,152 takes 2-4 ms a draw; a model's
+    distribution is mostly far narrower than 64 tokens)."""
+    for k in (64, 1024):
+        if k < probs.numel():
+            top = probs.topk(k)
+            if float(top.values.sum()) >= mass:
+                return top.values, top.indices
+    return probs.sort(descending=True)
+
+
+def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """The index whose share of the cumulative sum holds a uniform draw in [0, total): each
+    index with the probability it has, a zero-probability one never."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]  # host: as the generator
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= len(cdf):  # u rounded up to the total: the last index that has probability
+        i = int((probs > 0).nonzero()[-1])
+    return i
