@@ -16,22 +16,24 @@ from troupe.serving import deploy as serve
 from troupe.serving.model import save_model
 from troupe.serving.protocol import ServeConfig
 
-N, TEMPERATURE, TOP_P = 10, 0.9, 0.95
+N, TEMPERATURE, TOP_P, SFT = 10, 0.9, 0.95, 60
 
 
 @pytest.fixture(scope="module")
 def policy_and_server(cluster, serve_port, tmp_path_factory):
     cfg = RLHFConfig(model=dict(gpt=dict(seq_len=48, n_layer=2, n_head=2, d_model=32)),
-                     sft=dict(steps=15), step3=dict(max_new_tokens=N, temperature=TEMPERATURE,
-                                                 top_p=TOP_P))
+                     sft=dict(steps=SFT), step3=dict(max_new_tokens=N, temperature=TEMPERATURE,
+                                                  top_p=TOP_P))
     policy = Policy(cfg, None, 0)
-    policy.train.use_optimizer(cfg.sft.optimizer, 15)
-    for step in range(1, 16):  # a little SFT, so that some responses end with eos
+    policy.train.use_optimizer(cfg.sft.optimizer, SFT)
+    for step in range(1, SFT + 1):  # some SFT, so that about half the responses end with eos
         policy.sft_step(SortTask().demonstrations(16, step), step)
     path = tmp_path_factory.mktemp("one-engine") / "policy.trp"
     save_model(policy.lm.gpt, path)
+    # the rollout's weights (fp32), not the server's default W8A8: quantized logits move the
+    # bounds between tokens, and a draw near one would then land on another token
     url = serve.deploy(ServeConfig(model={"file": str(path), "name": "policy"}, port=serve_port,
-                                   limits={"max_tokens": N, "max_batch": 4}))
+                                   quantize={}, limits={"max_tokens": N, "max_batch": 4}))
     yield policy, url
     serve.shutdown()
 

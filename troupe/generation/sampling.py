@@ -214,8 +214,13 @@ def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
             probs, ids = _likeliest(probs, p.top_p)
         keep = int((probs.cumsum(0) - probs < p.top_p).sum())  # the first token is always kept
         probs, ids = probs[:keep], ids[:keep]
-    i = _inverse_cdf(probs, gen)
-    return i if ids is None else int(ids[i])
+    if ids is None:
+        return _inverse_cdf(probs, gen)
+    # the kept tokens in the vocabulary's order, not the probabilities': two nearly equal
+    # probabilities that swap places under rounding (another batch, another kernel) would
+    # otherwise swap which of them a draw lands on
+    ids, order = ids.sort()
+    return int(ids[_inverse_cdf(probs[order], gen)])
 
 
 def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
