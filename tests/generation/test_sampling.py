@@ -240,3 +240,15 @@ def test_draws_follow_the_distribution_and_stay_in_the_nucleus():
             p = SamplingParams(temperature=1.0, top_p=top_p)
             drawn = {draw(logits, p, gen) for _ in range(300)}
             assert drawn <= nucleus and len(drawn) > min(len(nucleus), 10) // 2
+
+
+def test_stop_tokens_alone_leave_the_distribution_the_models(llama):
+    """Stop tokens end a sequence without changing what it samples from: no adjusted
+    log-probability is reported for them, and a stop id outside the vocabulary is named."""
+    _, ours = llama
+    (tokens,), events = engine_tokens(ours, SamplingParams(max_tokens=8, logprobs=0,
+                                                           stop_token_ids=(VOCAB - 1,)),
+                                      logprobs=True)
+    assert all(ev.sampled_logprob is None for ev in events)
+    with pytest.raises(ValueError, match="stop_token_ids: token 97 is not in the model's"):
+        ContinuousBatcher(ours, None).add("x", PROMPT, SamplingParams(stop_token_ids=(VOCAB,)))

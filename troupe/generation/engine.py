@@ -24,8 +24,8 @@ import torch
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
 from troupe.generation.grammar import Grammars, Matcher
 from troupe.generation.prefix_cache import PrefixCache
-from troupe.generation.sampling import (NON_FINITE, LogitAdjust, SamplingParams, checked, draw,
-                                        finite_rows)
+from troupe.generation.sampling import (NON_FINITE, LogitAdjust, SamplingParams, check_tokens,
+                                        checked, draw, finite_rows)
 from troupe.generation.decode_layers import DecodeLayers
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT, KVCache
@@ -177,6 +177,7 @@ class ContinuousBatcher:
                 raise ValueError("constraint: this engine has no grammar support (it needs "
                                  "the model's Hugging Face tokenizer)")
             matcher = self.grammars.matcher(params.constraint)  # GrammarError, a ValueError
+        check_tokens(params, self.cfg.vocab_size)
         enders = list(params.stop_token_ids) + (
             [self.eos_id] if self.eos_id is not None and not params.ignore_eos else [])
         adjust = LogitAdjust(params, prompt, self.cfg.vocab_size, enders) \

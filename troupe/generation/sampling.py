@@ -97,6 +97,16 @@ def checked(p: SamplingParams) -> SamplingParams:
                    logit_bias=_bias_pairs(p.logit_bias), stop_token_ids=tuple(p.stop_token_ids))
 
 
+def check_tokens(p: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the field for a token id of ``p`` outside the vocabulary."""
+    for field, tokens in (("logit_bias", [t for t, _ in p.logit_bias]),
+                          ("stop_token_ids", p.stop_token_ids)):
+        outside = [t for t in tokens if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{field}: token {outside[0]} is not in the model's vocabulary "
+                             f"(ids 0 to {vocab_size - 1})")
+
+
 def _bias_pairs(bias: dict | Iterable) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` as sorted (token, bias) pairs, each checked."""
     pairs = bias.items() if isinstance(bias, dict) else bias
@@ -122,12 +132,6 @@ class LogitAdjust:
     def __init__(self, p: SamplingParams, prompt: list[int], vocab_size: int,
                  enders: list[int] = ()):
         self.p = p
-        for field, tokens in (("logit_bias", [t for t, _ in p.logit_bias]),
-                              ("stop_token_ids", p.stop_token_ids)):
-            for token in tokens:
-                if token >= vocab_size:
-                    raise ValueError(f"{field}: token {token} is not in the model's vocabulary "
-                                     f"(ids 0 to {vocab_size - 1})")
         # every tensor here is the host's: the engine samples from logits copied to the host
         # (its generators are CPU ones). All of them are short lists of token ids, so that a
         # step's adjustments touch those tokens, not the whole vocabulary.
@@ -147,9 +151,9 @@ class LogitAdjust:
 
     @staticmethod
     def wanted(p: SamplingParams) -> bool:
+        """Whether ``p`` samples from other than the model's own distribution."""
         return bool(p.logit_bias) or p.repetition_penalty != 1.0 \
-            or p.frequency_penalty != 0 or p.presence_penalty != 0 or p.min_tokens > 0 \
-            or bool(p.stop_token_ids)
+            or p.frequency_penalty != 0 or p.presence_penalty != 0 or p.min_tokens > 0
 
     def apply(self, logits_V: torch.Tensor) -> torch.Tensor:
         p, out = self.p, logits_V.float().clone()

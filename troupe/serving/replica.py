@@ -23,6 +23,7 @@ import torch
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation.sampling import check_tokens
 from troupe.generation.grammar import Constraint, GrammarError, Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.kernels.small_gemm import DecodeWeights
@@ -325,13 +326,11 @@ class ServeReplica:
                                       self.cfg.limits), adapter=adapter)
         if params.constraint is not None:
             self._check_constraint(*req.constraint())
-        vocab = self.details["vocab_size"]
-        for field, tokens in (("logit_bias", [t for t, _ in params.logit_bias]),
-                              ("stop_token_ids", params.stop_token_ids)):
-            outside = [t for t in tokens if t >= vocab]
-            if outside:
-                raise RequestError(400, f"{field}: token {outside[0]} is not in this model's "
-                                   f"vocabulary (ids 0 to {vocab - 1})", field)
+        try:
+            check_tokens(params, self.details["vocab_size"])
+        except ValueError as e:
+            field = str(e).split(":")[0]
+            raise RequestError(400, str(e), field) from None
         for i, ids in enumerate(prompts):
             if len(ids) + params.max_tokens > context:
                 field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
