@@ -166,9 +166,9 @@ def test_rendering_a_prompt_leaves_the_event_loop_free(replica):
     delays /health by nothing: before, it ran on the event loop and /health waited it out."""
     render = replica.tok.chat
 
-    def slow_chat(messages):
+    def slow_chat(messages, *args, **kwargs):  # the tokenizer's signature (tools, ...)
         time.sleep(1.0)
-        return render(messages)
+        return render(messages, *args, **kwargs)
 
     replica.tok.chat = slow_chat
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],

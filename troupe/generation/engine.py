@@ -70,7 +70,7 @@ class _Sequence:
     sent: int = 0       # characters of ``text`` already handed out
     searched: int = 0   # characters of ``text`` already searched for stop strings
     matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
-    adjust: LogitAdjust | None = None  # its logit_bias and penalties
+    adjust: LogitAdjust | None = None  # its logit_bias, penalties and min_tokens
 
 
 class ContinuousBatcher:

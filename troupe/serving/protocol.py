@@ -492,6 +492,13 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=1 << 16)
 
 
+def named_field(message: str) -> str | None:
+    """The field a check's message names first, as troupe's checks word them ("field: what
+    is wrong"), or None."""
+    m = re.match(r"([a-z_][\w.]*): ", message)
+    return m.group(1) if m else None
+
+
 def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
     """Validate a JSON body; malformed JSON or fields raise RequestError(400) naming them."""
     try:
@@ -502,9 +509,9 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
             raise RequestError(400, f"the request body is not valid JSON: {first['msg']}")
         where = ".".join(str(x) for x in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")
-        named = re.match(r"([a-z_][\w.]*): ", msg)
+        named = named_field(msg)
         if where is None and named:  # a check across fields names the one at fault first
-            raise RequestError(400, msg, named.group(1)) from None
+            raise RequestError(400, msg, named) from None
         raise RequestError(400, f"{where or 'the request body'}: {msg}", where) from None
 
 

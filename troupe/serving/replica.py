@@ -48,6 +48,7 @@ from troupe.serving.protocol import (
     completion,
     completion_id,
     models,
+    named_field,
     parse,
     usage_chunk,
 )
@@ -243,6 +244,7 @@ class ServeReplica:
         adapter = self._served(req.model)
         if chat:
             prompts = [self._chat_ids(req)]
+            self._check_length(prompts[0], "messages")
         else:
             many = len(req.prompts()) > 1
             prompts = [self._completion_ids(one, f"prompt.{i}" if many else "prompt")
@@ -259,45 +261,48 @@ class ServeReplica:
                                f"lists {served}", "model", "model_not_found")
         return model
 
-    def _chat_ids(self, req) -> list[int]:
-        lim = self.cfg.limits
-        chars = sum(m.chars() for m in req.messages)
-        if chars > CHARS_PER_TOKEN * lim.max_prompt_tokens:
-            raise RequestError(400, f"messages: {chars} characters; this server accepts at "
-                               f"most {lim.max_prompt_tokens} tokens (and at most "
-                               f"{CHARS_PER_TOKEN} characters a token before tokenizing)",
-                               "messages")
+    def _chat_ids(self, req, add_generation_prompt: bool = True) -> list[int]:
+        """A chat's ids through the model's chat template (its tools rendered), its texts
+        checked against the prompt limit before they are rendered."""
+        self._check_chars(sum(m.chars() for m in req.messages), "messages")
         for i, m in enumerate(req.messages):
             self._check_text(m.content or "", f"messages.{i}.content")
         try:
-            specs = req.tool_specs()
-            ids = self.tok.chat(req.conversation(), specs) if specs \
-                else self.tok.chat(req.conversation())
+            return self.tok.chat(req.conversation(), req.tool_specs(),
+                                 add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"messages: {e}", "messages") from None
-        self._check_length(ids, "messages")
-        return ids
+
+    def _text_ids(self, text: str, field: str) -> list[int]:
+        """A text's ids, the text checked against the prompt limit before it is tokenized."""
+        self._check_chars(len(text), field)
+        self._check_text(text, field)
+        return self.tok.encode(text)
 
     def _completion_ids(self, prompt: str | list[int], field: str) -> list[int]:
         """One completion prompt: text, tokenized, or token ids, checked against the
         vocabulary and run as they are."""
-        if isinstance(prompt, list):
-            ids, vocab = list(prompt), self.details["vocab_size"]
-            self._check_length(ids, field)
-            outside = next((i for i, t in enumerate(ids) if t >= vocab), None)
-            if outside is not None:
-                raise RequestError(400, f"{field}.{outside}: token {ids[outside]} is not in "
-                                   f"this model's vocabulary (ids 0 to {vocab - 1})", field)
-            return ids
-        limit = self.cfg.limits.max_prompt_tokens
-        if len(prompt) > CHARS_PER_TOKEN * limit:
-            raise RequestError(400, f"{field}: {len(prompt)} characters; this server accepts "
-                               f"at most {limit} tokens (and at most {CHARS_PER_TOKEN} "
-                               "characters a token before tokenizing)", field)
-        self._check_text(prompt, field)
-        ids = self.tok.encode(prompt)
+        ids = list(prompt) if isinstance(prompt, list) else self._text_ids(prompt, field)
         self._check_length(ids, field)
+        if isinstance(prompt, list):
+            self._check_vocabulary(ids, field)
         return ids
+
+    def _check_vocabulary(self, ids: list[int], field: str) -> None:
+        vocab = self.details["vocab_size"]
+        outside = next((i for i, t in enumerate(ids) if t >= vocab), None)
+        if outside is not None:
+            raise RequestError(400, f"{field}.{outside}: token {ids[outside]} is not in this "
+                               f"model's vocabulary (ids 0 to {vocab - 1})", field)
+
+    def _check_chars(self, chars: int, field: str) -> None:
+        """Refused before rendering or tokenizing: more characters than the prompt limit can
+        hold (see CHARS_PER_TOKEN)."""
+        limit = self.cfg.limits.max_prompt_tokens
+        if chars > CHARS_PER_TOKEN * limit:
+            raise RequestError(400, f"{field}: {chars} characters; this server accepts at "
+                               f"most {limit} tokens (and at most {CHARS_PER_TOKEN} "
+                               "characters a token before tokenizing)", field)
 
     def _check_text(self, text: str, field: str) -> None:
         over = self._over_limit(text, self.cfg.limits.max_prompt_tokens)
@@ -329,8 +334,7 @@ class ServeReplica:
         try:
             check_tokens(params, self.details["vocab_size"])
         except ValueError as e:
-            field = str(e).split(":")[0]
-            raise RequestError(400, str(e), field) from None
+            raise RequestError(400, str(e), named_field(str(e))) from None
         for i, ids in enumerate(prompts):
             if len(ids) + params.max_tokens > context:
                 field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -386,28 +390,15 @@ class ServeReplica:
     def _tokenize(self, body: bytes) -> dict[str, Any]:
         req = parse(TokenizeRequest, body)
         self._served(req.model)
-        if req.prompt is not None:
-            self._check_text(req.prompt, "prompt")
-            ids = self.tok.encode(req.prompt)
-        else:
-            for i, m in enumerate(req.messages):
-                self._check_text(m.content or "", f"messages.{i}.content")
-            chat = ChatRequest(model=req.model, messages=req.messages, tools=req.tools)
-            try:
-                ids = self.tok.chat(chat.conversation(), chat.tool_specs(),
-                                    add_generation_prompt=req.add_generation_prompt)
-            except Exception as e:  # the model's chat template refused the conversation
-                raise RequestError(400, f"messages: {e}", "messages") from None
+        ids = self._text_ids(req.prompt, "prompt") if req.prompt is not None else \
+            self._chat_ids(ChatRequest(model=req.model, messages=req.messages, tools=req.tools),
+                           req.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.seq_len, "tokens": ids}
 
     def _detokenize(self, body: bytes) -> dict[str, Any]:
         req = parse(DetokenizeRequest, body)
         self._served(req.model)
-        vocab = self.details["vocab_size"]
-        outside = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
-        if outside is not None:
-            raise RequestError(400, f"tokens.{outside}: token {req.tokens[outside]} is not in "
-                               f"this model's vocabulary (ids 0 to {vocab - 1})", "tokens")
+        self._check_vocabulary(req.tokens, "tokens")
         return {"prompt": self.tok.decode(req.tokens)}
 
     # ---- completions ------------------------------------------------------------------------
