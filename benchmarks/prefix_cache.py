@@ -2,14 +2,20 @@
 the server's engine with the prefix cache and without, in one run.
 
     python benchmarks/prefix_cache.py [--model DIR] [--requests 32] [--system-tokens 512]
-                                      [--max-tokens 32] [--batch 8] [--quantize w8a8]
+                                      [--max-tokens 32] [--batch 8] [--arrive-every 0]
+                                      [--quantize w8a8]
 
 Each request is the chat template over one shared system prompt (``--system-tokens`` tokens of
-the standard library's docstrings) and a question of its own; they arrive as the server's
-continuous batcher takes them (``--batch`` at a time, a new one as soon as one finishes), greedy,
-``--max-tokens`` each. Prints one JSON line per setting (requests per second, generated tokens
-per second, prompt tokens the model ran, the cache's hit ratio, the tokens each request got) and
-one with the ratio; the tokens must be the same with the cache as without.
+the standard library's docstrings) and a question of its own, greedy, ``--max-tokens`` each.
+They are all queued at once and the server's continuous batcher takes them (``--batch`` at a
+time, a new one as soon as one finishes), or one arrives every ``--arrive-every`` engine steps
+(few arrive together, as on a server under steady traffic). Three settings: ``no_reuse`` (every
+prompt run whole: no cache, and the engine's in-batch sharing of a common opening turned off),
+``shared_opening`` (no cache; what the engine does by itself: prompts admitted together run
+their common opening once) and ``prefix_cache``. Prints one JSON line per setting (requests per
+second, generated tokens per second, prompt tokens the model ran, the cache's hit ratio) and
+one with the speed-ups of the cache over the other two; the tokens must be the same in all
+three.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from machine import machine  # noqa: E402  benchmarks/machine.py, beside this sc
 from troupe.compression import quantize_model  # noqa: E402
 from troupe.data import load_tokenizer  # noqa: E402
 from troupe.data.corpus import stdlib_documents  # noqa: E402
-from troupe.generation import ContinuousBatcher, SamplingParams  # noqa: E402
+from troupe.generation import ContinuousBatcher, SamplingParams, engine  # noqa: E402
 from troupe.generation.prefix_cache import PrefixCache  # noqa: E402
 from troupe.models import from_pretrained  # noqa: E402
 
@@ -45,16 +51,21 @@ def requests(tok, n: int, system_tokens: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def serve(model, tok, prompts, batch: int, max_tokens: int, cache: PrefixCache | None):
+def serve(model, tok, prompts, batch: int, max_tokens: int, cache: PrefixCache | None,
+          every: int = 0):
+    """Request i arrives before the engine's step i x ``every`` (0: all at once)."""
     engine = ContinuousBatcher(model, tok.eos_id, max_batch=batch, tokenizer=tok.hf,
                                prefix_cache=cache)
     out: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add(str(i), p, SamplingParams(max_tokens=max_tokens))
-    while engine.has_work():
+    waiting, step = list(enumerate(prompts)), 0
+    while waiting or engine.has_work():
+        while waiting and waiting[0][0] * every <= step:
+            i, p = waiting.pop(0)
+            engine.add(str(i), p, SamplingParams(max_tokens=max_tokens))
         for ev in engine.step():
             out.setdefault(ev.seq_id, []).append(ev.token)
+        step += 1
     seconds = time.perf_counter() - t0
     return seconds, out, engine.prefill_tokens
 
@@ -67,6 +78,8 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--arrive-every", type=int, default=0,
+                   help="a request arrives every this many engine steps (0: all at once)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantize", default="none", choices=["none", "w8a8"])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results-prefix_cache.jsonl"))
@@ -80,11 +93,15 @@ def main() -> None:
     head = {"bench": "prefix_cache", "machine": machine(), "requests": a.requests,
             "prompt_tokens": sum(map(len, prompts)), "system_tokens": a.system_tokens,
             "max_tokens": a.max_tokens, "batch": a.batch, "threads": a.threads,
-            "quantize": a.quantize}
+            "quantize": a.quantize, "arrive_every_steps": a.arrive_every}
     serve(model, tok, prompts[:2], a.batch, 4, None)  # warm-up: kernels, allocator
     results = {}
-    for name, cache in (("no_cache", None), ("prefix_cache", PrefixCache(1 << 30))):
-        seconds, out, ran = serve(model, tok, prompts, a.batch, a.max_tokens, cache)
+    shared = engine.SHARED_OPENING
+    for name, cache in (("no_reuse", None), ("shared_opening", None),
+                        ("prefix_cache", PrefixCache(1 << 30))):
+        engine.SHARED_OPENING = 1 << 30 if name == "no_reuse" else shared
+        seconds, out, ran = serve(model, tok, prompts, a.batch, a.max_tokens, cache,
+                                  a.arrive_every)
         generated = sum(map(len, out.values()))
         results[name] = (seconds, out)
         line = {**head, "setting": name, "seconds": seconds,
@@ -94,8 +111,10 @@ def main() -> None:
         print(json.dumps(line), flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(line) + "\n")
-    (t0, plain), (t1, cached) = results["no_cache"], results["prefix_cache"]
-    line = {**head, "setting": "ratio", "speedup": t0 / t1, "same_tokens": plain == cached}
+    engine.SHARED_OPENING = shared
+    (t0, plain), (t1, opening), (t2, cached) = results.values()
+    line = {**head, "setting": "ratio", "speedup": t0 / t2, "speedup_over_shared_opening":
+            t1 / t2, "same_tokens": plain == opening == cached}
     print(json.dumps(line), flush=True)
     with open(a.out, "a") as f:
         f.write(json.dumps(line) + "\n")

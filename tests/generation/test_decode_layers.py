@@ -159,3 +159,45 @@ def test_engine_tokens_with_and_without_the_fused_step():
             engine.add(str(i), p, SamplingParams(max_tokens=24))
         out.append(engine.run())
     assert out[0] == out[1]
+
+
+def test_adapters_apply_per_row_and_a_rows_step_does_not_depend_on_its_neighbours():
+    """LoRA adapters (troupe.models.adapters) over W8A8 layers in the native step: the hidden
+    states of GPT.hidden with each row's adapter, and a row's step bit for bit the same alone
+    as beside others (the INT8 product is per row; the adapters' products pad one row to two,
+    whose sums the kernel orders as any other count's)."""
+    from troupe.kernels.quant import vnni_available
+    from troupe.models.adapters import Adapter, Adapters
+
+    if not vnni_available():
+        pytest.skip("the native W8A8 product needs AVX-512 VNNI")
+    model = _model(n_kv_head=2)
+    quantize_model(model, {"*": "w8a8"})
+    adapters, g = Adapters(model), torch.Generator().manual_seed(1)
+    for i, r in enumerate((4, 8)):
+        pairs = {name: (torch.randn(r, m.in_features, generator=g) * 0.2,
+                        torch.randn(m.out_features, r, generator=g) * 0.2)
+                 for name, m in model.named_modules() if name.endswith(("qkv", "ffn.proj"))}
+        adapters.add(Adapter(f"a{i}", pairs))
+    fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))
+    assert fused is not None and not fused.routed
+    names = ["a1", None, "a0"]
+    idx = torch.randint(0, 97, (3, 6), generator=g)
+    valid = torch.ones(3, 7, dtype=torch.bool)
+    tok = torch.randint(0, 97, (3, 1), generator=g)
+    with torch.no_grad():
+        cache = KVCache.empty(model.cfg, 3, 8)
+        with adapters.routed(names):
+            model.hidden(idx, valid_BS=valid[:, :6], cache=cache)
+        copies = [KVCache([t.clone() for t in cache.k], [t.clone() for t in cache.v], 6)
+                  for _ in range(2)]
+        with adapters.routed(names):
+            want, _ = model.hidden(tok, valid_BS=valid, cache=cache)
+        got = fused.hidden(tok, valid, copies[0], adapters.slot_ids(names))
+        torch.testing.assert_close(got, want[:, 0], rtol=1e-4, atol=1e-4)
+        first = KVCache([t[:1].clone() for t in copies[1].k], [t[:1].clone() for t in copies[1].v],
+                        6)
+        alone = fused.hidden(tok[:1], valid[:1], first, adapters.slot_ids(names[:1]))
+    assert torch.equal(alone[0], got[0])
+    assert not torch.allclose(got[0], fused.hidden(tok[:1], valid[:1], KVCache(
+        [t[:1].clone() for t in copies[1].k], [t[:1].clone() for t in copies[1].v], 6))[0])

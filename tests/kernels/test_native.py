@@ -31,3 +31,22 @@ def test_a_killed_builds_lock_does_not_hang_the_next_load_and_a_build_is_reused(
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, timeout=240)
     assert out.returncode == 0 and "loaded" in out.stdout, out.stderr[-3000:]
+
+
+def test_every_kernel_builds_where_a_compiler_is():
+    """The kernels' tests skip where nothing can be compiled; where a compiler is, a source
+    that does not compile must fail here instead of skipping them all."""
+    import shutil
+
+    import pytest
+
+    from troupe.kernels import _native
+
+    if os.environ.get("TROUPE_NATIVE", "1") == "0" or not (shutil.which("c++")
+                                                            and shutil.which("cc")):
+        pytest.skip("no C and C++ compilers here")
+    sources = sorted(_native._CSRC.iterdir())
+    broken = [f.name for f in sources if f.suffix == ".cpp" and _native.load_extension(f.stem)
+              is None] + [f.name for f in sources if f.suffix == ".c" and _native.load(f.stem)
+                          is None]
+    assert sources and not broken, f"these kernels do not build here: {broken}"

@@ -122,3 +122,37 @@ def test_what_does_not_fit_is_named(base, tmp_path):
         load_peft(adapter_dir, model)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         load_peft(tmp_path, model)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "w8a8"])
+def test_the_native_step_runs_adapters_added_after_the_engine_was_built(base, tmp_path,
+                                                                       weights):
+    """A decode step in one native call (troupe.generation.decode_layers) applies each row's
+    adapter there: adapters loaded after the engine was built (as the server's admin endpoint
+    loads them) are seen, and every sequence gets the tokens of the step run from Python."""
+    from troupe.compression import quantize_model
+    from troupe.kernels.quant import vnni_available
+
+    if weights == "w8a8" and not vnni_available():
+        pytest.skip("the native W8A8 product needs AVX-512 VNNI")
+    dirs = [write_adapter(base, tmp_path / f"a{i}", 10 + i, r=4 + 4 * i)[0] for i in range(2)]
+    g = torch.Generator().manual_seed(8)
+    requests = [(f"r{i}", torch.randint(0, 300, (5 + i,), generator=g).tolist(),
+                 [None, "a0", "a1"][i % 3]) for i in range(6)]
+    tokens = {}
+    for native in (True, False):
+        model = from_pretrained(base).eval()
+        if weights == "w8a8":
+            quantize_model(model, {"*": "w8a8"})
+        adapters = Adapters(model)
+        engine = ContinuousBatcher(model, None, max_batch=6, adapters=adapters,
+                                   packed_decode=native)
+        if native and engine.fused is None:
+            pytest.skip("no native decode step here (no compiler)")
+        for i, d in enumerate(dirs):
+            adapters.add(load_peft(d, model, name=f"a{i}"))
+        tokens[native] = greedy(engine, requests)
+        if native:  # rebuilt with the adapters: no layer of this model is called back
+            assert engine.fused is not None and not engine.fused.routed
+    assert tokens[True] == tokens[False]
+    assert len({tuple(t) for t in tokens[True].values()}) == len(requests)

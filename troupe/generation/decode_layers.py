@@ -15,8 +15,10 @@ than RMSNorm, positions other than rotary, an MLP other than SwiGLU, MoE layers,
 attention kernel lacks, no compiler); ``hidden`` then gives what ``GPT.hidden`` gives for one
 new token per sequence (the same numbers to float rounding: sums run in another order). The
 step holds the layers' tensors by reference: weights changed in place (an optimizer step,
-``DecodeWeights.refresh``) are seen; weights replaced by new tensors (``requantize``) need a
-new ``DecodeLayers``, as a new engine builds.
+``DecodeWeights.refresh``) are seen; weights replaced by new tensors (``requantize``, an
+adapter added) need a new ``DecodeLayers``, as a new engine builds. Layers with LoRA adapters
+(troupe.models.adapters) run natively too: the base layer's kernel, then each row's adapter
+(its slot given to the step); one whose base has no native kernel is called back.
 """
 
 from __future__ import annotations
@@ -35,13 +37,16 @@ def _extension():
 class DecodeLayers:
     """A model's decode step as one native call (``hidden``); ``of`` builds it."""
 
-    def __init__(self, model: nn.Module, step, own_embedding: bool, logits: bool):
+    def __init__(self, model: nn.Module, step, own_embedding: bool, logits: bool,
+                 routed: bool = False):
         self.model, self.step = model, step
         self.own_embedding, self.has_logits = own_embedding, logits
+        self.routed = routed  # a layer with adapters is called back: it reads the rows' masks
 
     @classmethod
     def of(cls, model: nn.Module, packed: "small_gemm.DecodeWeights | None") -> "DecodeLayers | None":
         from troupe.compression.quantize import QuantizedLinear
+        from troupe.models.adapters import AdaptedLinear
         from troupe.models.gpt import Block
         from troupe.models.layers import MLP, RMSNorm
         cfg = getattr(model, "cfg", None)
@@ -54,8 +59,8 @@ class DecodeLayers:
                 or model.ln_f.weight.dtype != torch.float32 or model.device.type != "cpu":
             return None
 
-        def product(module: nn.Module):
-            """The packed kernel, a W8A8 layer's kernel, MKL's, or the module called back."""
+        def kernel(module: nn.Module):
+            """The packed kernel, a W8A8 layer's kernel or MKL's; None: no native one."""
             if packed and module in packed.layers:
                 few, more = packed.uses[module]
                 return native.packed(packed.layers[module], module.weight.detach(),
@@ -63,9 +68,19 @@ class DecodeLayers:
             if type(module) is nn.Linear and module.weight.dtype == torch.float32:
                 return native.torch(module.weight.detach(), _detached(module.bias))
             int8 = module.int8_operands() if isinstance(module, QuantizedLinear) else None
-            if int8 is not None:
-                return native.int8(*int8)
-            return native.python(module.forward, module.out_features)
+            return None if int8 is None else native.int8(*int8)
+
+        def product(module: nn.Module):
+            """A native kernel, with the adapters' pairs on a layer that has them (the rows'
+            slots given to each step), or else the module called back."""
+            if isinstance(module, AdaptedLinear):
+                base = kernel(module.base)
+                if base is not None and module.packed is not None:
+                    return native.lora(base, *module.packed, module.R)
+                routed.append(module)
+            return kernel(module) or native.python(module.forward, module.out_features)
+
+        routed: list[nn.Module] = []
 
         layers = []
         for block in blocks:
@@ -92,21 +107,23 @@ class DecodeLayers:
         step = native.Step(layers, model.ln_f.weight.detach(), cfg.n_head, cfg.kv_heads, D,
                            float(model.ln_f.eps), embedding,
                            blocks[0].attn.inv_freq.float(), logits)
-        return cls(model, step, embedding is not None, logits is not None)
+        return cls(model, step, embedding is not None, logits is not None, bool(routed))
 
-    def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache) -> torch.Tensor:
+    def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,
+               slots: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states (B, C) (after the last norm) of one new token per sequence,
         its keys and values written to column ``cache.length`` (then counted); ``valid_BS``
-        (B, cache.length + 1) says which columns hold real tokens, the last one this token."""
-        h = self.step.run(*self._inputs(idx_B1, valid_BS, cache))
+        (B, cache.length + 1) says which columns hold real tokens, the last one this token;
+        ``slots``: each row's adapter (troupe.models.adapters.Adapters.slot_ids), if any."""
+        h = self.step.run(*self._inputs(idx_B1, valid_BS, cache), slots)
         cache.length += 1
         return h
 
-    def logits(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache
-               ) -> tuple[torch.Tensor, list[int], list[bool]]:
+    def logits(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,
+               slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], list[bool]]:
         """``hidden``'s step, then the logits (B, V), each row's greedy token and whether the
         row is finite (``has_logits``: the step was given the model's output projection)."""
-        logits, greedy, finite = self.step.logits(*self._inputs(idx_B1, valid_BS, cache))
+        logits, greedy, finite = self.step.logits(*self._inputs(idx_B1, valid_BS, cache), slots)
         cache.length += 1
         return logits, greedy.tolist(), finite.tolist()
 

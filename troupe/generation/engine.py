@@ -126,9 +126,10 @@ class ContinuousBatcher:
         self.packed = (packed_decode if isinstance(packed_decode, DecodeWeights)
                        else DecodeWeights(model) if packed_decode else None)
         # and the whole decode step in one native call (troupe.generation.decode_layers; None
-        # for a model it does not cover; not used once adapters wrap the layers)
+        # for a model it does not cover), rebuilt when adapters are added (they wrap layers)
         self.fused = (DecodeLayers.of(model, self.packed) if packed_decode and not lockstep
-                      and not self._adapted() else None)
+                      else None)
+        self._fused_adapters = self._adapters_version()
         self.cfg = model.cfg
         self.device = model.device
         self.eos_id = eos_id
@@ -311,32 +312,40 @@ class ContinuousBatcher:
     def _prefill(self, seqs: list[_Sequence]) -> list[Event]:
         """Run the newcomers' prompts and choose their first tokens. A prompt that several of
         them share (GRPO's samples, a request's n choices) runs once; with a prefix cache, a
-        prompt whose start is cached runs from there (``_prefill_hit``), the others together,
-        left-padded (``_prefill_cold``), except those that begin as one of them does (requests
-        over one system prompt arriving together): they wait until it is cached, then hit."""
+        prompt whose start is cached runs from there (``_prefill_hit``); the others run
+        together, left-padded (``_prefill_cold``), those that begin alike (requests over one
+        system prompt arriving together) in a prefill of their own that runs their common
+        opening once. The cache's hits count the tokens of either kind that were not run again."""
         cache = self.prefix_cache
         if cache is None:
             return self._prefill_cold(seqs)
         groups: dict[tuple, list[_Sequence]] = {}
         for s in seqs:
             groups.setdefault((tuple(s.prompt), s.params.adapter), []).append(s)
-        cold, later, starts, events = [], [], set(), []
+        events, starts = [], {}
         for (prompt, adapter), group in groups.items():
             n, blocks = cache.lookup(list(prompt), self._namespace(adapter))
-            start = (prompt[:cache.block], adapter) if len(prompt) > cache.block else None
             if n:
                 cache.record(len(prompt), n)
                 events += self._prefill_hit(list(prompt), n, blocks, group)
-            elif start is not None and start in starts:
-                later += group  # its first block is a newcomer's too: after that one is cached
+            else:  # by their first block and adapter (a short prompt: by itself)
+                start = (prompt[:cache.block], adapter) if len(prompt) > cache.block else prompt
+                starts.setdefault(start, []).append(((prompt, adapter), group))
+        alone = []
+        for members in starts.values():
+            prompts = [list(prompt) for (prompt, _), _ in members]
+            L = shared_opening(prompts) if len(prompts) > 1 else 0
+            if L < SHARED_OPENING:
+                L = 0
+            for i, prompt in enumerate(prompts):
+                cache.record(len(prompt), L if i else 0)
+            together = [s for _, group in members for s in group]
+            if L:
+                events += self._prefill_cold(together)
             else:
-                cache.record(len(prompt), 0)
-                starts.add(start)
-                cold += group
-        if cold:
-            events += self._prefill_cold(cold)
-        if later:
-            events += self._prefill(later)
+                alone += together
+        if alone:
+            events += self._prefill_cold(alone)
         return events
 
     def _prefill_cold(self, seqs: list[_Sequence]) -> list[Event]:
@@ -427,13 +436,16 @@ class ContinuousBatcher:
         self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
-        if self.fused is not None and len(seqs) <= MAX_ROWS and not self._adapted() \
-                and self.cache.k[0].dtype == torch.float32:
-            if self.fused.has_logits:
-                return self._choose(seqs, *self.fused.logits(idx, self.valid, self.cache))
-            h = self.fused.hidden(idx, self.valid, self.cache)
+        names = [s.params.adapter for s in seqs]
+        fused = self._fused()
+        if fused is not None and len(seqs) <= MAX_ROWS and self.cache.k[0].dtype == torch.float32:
+            slots = self.adapters.slot_ids(names) if self._adapted() else None
+            with self._routed(names) if fused.routed else contextlib.nullcontext():
+                if fused.has_logits:
+                    return self._choose(seqs, *fused.logits(idx, self.valid, self.cache, slots))
+                h = fused.hidden(idx, self.valid, self.cache, slots)
             return self._choose(seqs, self._logits(h))
-        with self._routed([s.params.adapter for s in seqs]), self._products():
+        with self._routed(names), self._products():
             h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
         return self._choose(seqs, self._logits(h[:, -1]))
 
@@ -445,6 +457,16 @@ class ContinuousBatcher:
         """Next-token logits of hidden states, through the packed output projection when the
         engine holds one (it falls back to the model's for more rows than it takes)."""
         return self.packed.logits(h) if self.packed else self.model.logits(h)
+
+    def _fused(self) -> DecodeLayers | None:
+        """The native step (if any), rebuilt if adapters were added since it was built."""
+        if self.fused is not None and self._fused_adapters != self._adapters_version():
+            self.fused = DecodeLayers.of(self.model, self.packed)
+            self._fused_adapters = self._adapters_version()
+        return self.fused
+
+    def _adapters_version(self) -> int:
+        return self.adapters.version if self.adapters is not None else 0
 
     def _adapted(self) -> bool:
         """Whether adapters wrap any of the model's layers (loaded at start or since)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from troupe.kernels import small_gemm
@@ -123,10 +124,19 @@ class AdaptedLinear(nn.Module):
         self.B: torch.Tensor | None = None   # (slots x R, out)
         self.R = 0
         self.mask: torch.Tensor | None = None   # (B, slots x R) set per forward
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # A, B for small_gemm
 
     @property
     def weight(self):  # what code that reads a linear layer's weight expects
         return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
 
     def stack(self, slots: int) -> None:
         """Lay the pairs out for ``slots`` adapters."""
@@ -154,8 +164,13 @@ class AdaptedLinear(nn.Module):
         T = rows.shape[0] // self.mask.shape[0]
         mask = self.mask if T == 1 else self.mask.repeat_interleave(T, 0)
         if self.packed is not None and rows.shape[0] <= small_gemm.MAX_ROWS:
+            # at least two rows: the kernel sums one row in another order, and a row's delta
+            # must not depend on how many rows share the step (the native step pads alike)
+            M = rows.shape[0]
+            if M == 1:
+                rows, mask = F.pad(rows, (0, 0, 0, 1)), F.pad(mask, (0, 0, 0, 1))
             low = small_gemm.linear(rows, self.packed[0], self.A.shape[1]).mul_(mask)
-            delta = small_gemm.linear(low, self.packed[1], self.B.shape[1])
+            delta = small_gemm.linear(low, self.packed[1], self.B.shape[1])[:M]
         else:
             delta = torch.mm(torch.mm(rows, self.A).mul_(mask), self.B)
         if delta.dtype == y.dtype:
@@ -167,12 +182,14 @@ class Adapters:
     """The adapters served over ``model``: ``add`` loads one into a slot of its own (every
     adapted layer wrapped once, the base weights untouched), ``routed(names)`` sets each row's
     adapter for the forward passes it encloses. Call ``add`` between forward passes (the
-    server runs it on the decode thread)."""
+    server runs it on the decode thread); ``version`` counts the adds, so that what holds the
+    layers' tensors (a native decode step) knows to rebuild."""
 
     def __init__(self, model: GPT):
         self.model = model
         self.slots: dict[str, int] = {}
         self.layers: dict[str, AdaptedLinear] = {}
+        self.version = 0
 
     def add(self, adapter: Adapter) -> None:
         if adapter.name in self.slots:
@@ -183,6 +200,12 @@ class Adapters:
         self.slots[adapter.name] = slot
         for layer in self.layers.values():  # every layer knows every slot (zeros if absent)
             layer.stack(len(self.slots))
+        self.version += 1
+
+    def slot_ids(self, names: list[str | None]) -> torch.Tensor:
+        """Each row's slot (-1: the base alone), as a native decode step takes them."""
+        return torch.tensor([-1 if n is None else self.slots[n] for n in names],
+                            dtype=torch.long)
 
     def _wrapped(self, name: str) -> AdaptedLinear:
         if name not in self.layers:

@@ -15,13 +15,15 @@
 //
 // A product is one of: the packed fp32 kernel (small_gemm.h), the W8A8 kernel (int8_gemm.h, on
 // CPUs with AVX-512 VNNI), torch's linear (MKL, for the rows where it measured faster on this
-// machine) or a Python callable (any other layer). Products and attention split their work over
+// machine) or a Python callable (any other layer); any of the first three may carry LoRA
+// adapters applied per row (troupe.models.adapters). Products and attention split their work over
 // torch's intra-op threads; the small operations between them run on the calling thread (a
 // fork/join of the pool costs more than their work). fp32 only; decode_layers.py checks the
 // model before it builds a Step.
 // the headers this file uses, not <torch/extension.h>: half the compile time
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/linear.h>
 #include <torch/csrc/utils/pybind.h>
 #include <cmath>
@@ -74,6 +76,9 @@ void add_norm(float *x, const float *r, int64_t r_row, const float *w, float eps
 
 // One linear layer of the step: y (M, out) = x (M, K) W^T + b, x contiguous. ``run`` returns
 // y with rows ``row`` apart (the packed kernel writes whole blocks of 16: row >= n_out).
+// With adapters (``lora_rank`` > 0), row m also gets B (A x) over the R columns of its
+// adapter's slot ``slots[m]`` (none for -1): A (slots x R, K) and B (out, slots x R) packed as
+// troupe.models.adapters.AdaptedLinear lays them out, the same sums in the same order.
 struct Product {
   enum Kind { PACKED, INT8, TORCH, PYTHON } kind;
   int64_t n_out = 0;
@@ -83,8 +88,10 @@ struct Product {
   at::Tensor colsum, scales;         // INT8 (the weight in ``packed``): small_gemm.py's docs
   c10::optional<at::Tensor> channels, channel_rows;  // INT8 outlier channels
   py::object fn;                     // PYTHON: rows -> rows
+  at::Tensor lora_a, lora_b;         // the adapters' pairs, packed (see above)
+  int64_t lora_rank = 0;
 
-  at::Tensor run(const at::Tensor &x, int64_t *row) const {
+  at::Tensor run(const at::Tensor &x, int64_t *row, const int64_t *slots = nullptr) const {
     const int64_t M = x.size(0), K = x.size(1);
     at::Tensor y;
     switch (kind) {
@@ -130,7 +137,41 @@ struct Product {
                 y.scalar_type() == at::kFloat, "decode_layer: a product gave ", y.sizes(),
                 " for ", M, " rows of ", n_out, " outputs");
     *row = y.stride(0);
+    if (lora_rank > 0 && slots != nullptr) add_adapters(x, slots, y, *row);
     return y;
+  }
+
+  // The adapters' products run with at least two rows: the kernel sums a single row in
+  // another order (small_gemm.h's blocks1), and a row's delta must not depend on how many rows
+  // share the step (troupe.models.adapters.AdaptedLinear pads the same way).
+  void add_adapters(const at::Tensor &x, const int64_t *slots, at::Tensor &y, int64_t row) const {
+    const int64_t M = x.size(0), K = x.size(1), R = lora_rank, P = std::max<int64_t>(M, 2);
+    const int64_t NA = lora_a.size(0), L = lora_b.size(1), NB = lora_b.size(0);
+    auto low = at::empty({P, NA * 16}, x.options());
+    auto rows = at::zeros({P, K}, x.options());
+    std::memcpy(rows.data_ptr<float>(), x.data_ptr<float>(), M * K * sizeof(float));
+    troupe_small_gemm::linear(rows.data_ptr<float>(), P, K, lora_a.data_ptr<float>(), NA,
+                              nullptr, low.data_ptr<float>(), 1);
+    auto kept = at::zeros({P, L}, x.options());  // each row keeps its adapter's R columns
+    const float *lp = low.data_ptr<float>();
+    float *kp = kept.data_ptr<float>();
+    bool any = false;
+    for (int64_t m = 0; m < M; m++) {
+      if (slots[m] < 0) continue;
+      TORCH_CHECK((slots[m] + 1) * R <= L, "decode_layer: adapter slot ", slots[m], " of row ",
+                  m, " is not loaded on this layer");
+      std::memcpy(kp + m * L + slots[m] * R, lp + m * NA * 16 + slots[m] * R, R * sizeof(float));
+      any = true;
+    }
+    if (!any) return;
+    auto delta = at::empty({P, NB * 16}, x.options());
+    troupe_small_gemm::linear(kp, P, L, lora_b.data_ptr<float>(), NB, nullptr,
+                              delta.data_ptr<float>(), 1);
+    const float *dp = delta.data_ptr<float>();
+    float *yp = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; m++)
+      if (slots[m] >= 0)
+        for (int64_t n = 0; n < n_out; n++) yp[m * row + n] += dp[m * NB * 16 + n];
   }
 };
 
@@ -161,11 +202,17 @@ class Step {
   // tokens (B) int64: one new token per sequence; x (B, C): their embeddings when the step has
   // no embedding of its own (else absent); valid (B, col + 1): which cache columns hold real
   // tokens (the last one this token's; a token's position is its row's count of them, less
-  // one); ks, vs: every layer's (B, Hkv, S, D) caches, written at column ``col``. Returns the
-  // final hidden states (B, C), after the last norm.
+  // one); ks, vs: every layer's (B, Hkv, S, D) caches, written at column ``col``; slots (B)
+  // int64: each row's adapter slot (-1: none; absent: no row has one). Returns the final hidden
+  // states (B, C), after the last norm.
   at::Tensor run(at::Tensor tokens, c10::optional<at::Tensor> given, at::Tensor valid,
-                 std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col) {
+                 std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col,
+                 c10::optional<at::Tensor> slots) {
     const int64_t B = valid.size(0), C = H_ * D_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
+    TORCH_CHECK(!slots.has_value() || (slots->is_contiguous() && slots->numel() == B &&
+                                       slots->scalar_type() == at::kLong),
+                "decode_layer: slots must be ", B, " contiguous int64 values");
+    const int64_t *sl = slots.has_value() ? slots->data_ptr<int64_t>() : nullptr;
     const int64_t L = static_cast<int64_t>(layers_.size());
     at::Tensor x = embed(tokens, given, B, C);
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == L && static_cast<int64_t>(vs.size()) == L,
@@ -207,7 +254,7 @@ class Step {
       const Layer &layer = layers_[i];
       int64_t row;
       // q, k, v: rotary positions on q and k, k and v into the cache's column ``col``
-      const at::Tensor qkv = layer.qkv->run(h, &row);
+      const at::Tensor qkv = layer.qkv->run(h, &row, sl);
       const float *src = qkv.data_ptr<float>();
       float *kp = ks[i].data_ptr<float>(), *vp = vs[i].data_ptr<float>();
       auto rotate = [&](const float *in, const float *c, const float *s, float *out) {
@@ -235,10 +282,10 @@ class Step {
           valid.data_ptr<bool>(), y.data_ptr<float>()};
       troupe_attention::decode(a, scale);
       // the output product, the residual, the MLP's norm
-      const at::Tensor o = layer.proj->run(y, &row);
+      const at::Tensor o = layer.proj->run(y, &row, sl);
       add_norm(xp, o.data_ptr<float>(), row, layer.ln2.data_ptr<float>(), eps, B, C, hp);
       // SwiGLU: [gate | up] = h W_fc^T, silu(gate) * up, the down product
-      const at::Tensor g = layer.fc->run(h, &row);
+      const at::Tensor g = layer.fc->run(h, &row, sl);
       const int64_t F = layer.fc->n_out / 2;
       auto act = at::empty({B, F}, x.options());
       const float *gp = g.data_ptr<float>();
@@ -250,7 +297,7 @@ class Step {
         for (; f + 16 <= F; f += 16) st(out + f, silu_times(ld(gate + f), ld(up + f)));
         for (; f < F; f++) out[f] = silu_times(gate[f], up[f]);
       }
-      const at::Tensor d = layer.down->run(act, &row);
+      const at::Tensor d = layer.down->run(act, &row, sl);
       const at::Tensor &norm = i + 1 < L ? layers_[i + 1].ln1 : final_norm_;
       add_norm(xp, d.data_ptr<float>(), row, norm.data_ptr<float>(), eps, B, C, hp);
     }
@@ -263,9 +310,10 @@ class Step {
                                                         c10::optional<at::Tensor> given,
                                                         at::Tensor valid,
                                                         std::vector<at::Tensor> ks,
-                                                        std::vector<at::Tensor> vs, int64_t col) {
+                                                        std::vector<at::Tensor> vs, int64_t col,
+                                                        c10::optional<at::Tensor> slots) {
     TORCH_CHECK(head_, "decode_layer: this step was built without the logits' product");
-    const at::Tensor h = run(tokens, given, valid, ks, vs, col);
+    const at::Tensor h = run(tokens, given, valid, ks, vs, col, slots);
     int64_t row;
     at::Tensor out = head_->run(h, &row);
     const int64_t B = h.size(0), V = head_->n_out;
@@ -363,9 +411,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     p->fn = fn, p->n_out = n_out;
     return p;
   });
+  // ``base`` with adapters: A (slots x R, K) and B (out, slots x R) packed (small_gemm.pack)
+  m.def("lora", [](ProductPtr base, at::Tensor a, at::Tensor b, int64_t rank) {
+    TORCH_CHECK(base->kind != Product::PYTHON, "decode_layer: adapters over a Python product");
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(2) == 16 && b.size(2) == 16 &&
+                b.size(0) * 16 >= base->n_out && rank > 0 && b.size(1) % rank == 0 &&
+                a.size(0) * 16 >= b.size(1) && a.scalar_type() == at::kFloat &&
+                b.scalar_type() == at::kFloat && a.is_contiguous() && b.is_contiguous(),
+                "decode_layer: adapters' packed pairs do not fit the layer");
+    auto p = std::make_shared<Product>(*base);
+    p->lora_a = a, p->lora_b = b, p->lora_rank = rank;
+    return p;
+  });
   py::class_<Step>(m, "Step")
       .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, double,
                     c10::optional<at::Tensor>, at::Tensor, c10::optional<ProductPtr>>())
-      .def("run", &Step::run)
-      .def("logits", &Step::logits);
+      .def("run", &Step::run, py::arg("tokens"), py::arg("given"), py::arg("valid"),
+           py::arg("ks"), py::arg("vs"), py::arg("col"), py::arg("slots") = py::none())
+      .def("logits", &Step::logits, py::arg("tokens"), py::arg("given"), py::arg("valid"),
+           py::arg("ks"), py::arg("vs"), py::arg("col"), py::arg("slots") = py::none());
 }
