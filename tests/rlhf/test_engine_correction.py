@@ -46,3 +46,17 @@ def test_truncated_importance_weights_by_hand():
 def test_a_cap_below_one_is_refused():
     with pytest.raises(ValueError, match="tis_cap"):
         RLHFConfig(step3=dict(tis_cap=0.5))
+
+
+def test_top_k_narrows_what_rollouts_sample():
+    """step3.top_k reaches the rollout engine: with top_k 1 a rollout at temperature 1 draws
+    the greedy tokens, whatever the seeds; without it the seeds draw others."""
+    responses = {}
+    for top_k, temperature in ((1, 1.0), (0, 1.0), (0, 0.0)):
+        cfg = RLHFConfig(model=dict(gpt=dict(seq_len=48, n_layer=2, n_head=2, d_model=32)),
+                         step3=dict(max_new_tokens=8, temperature=temperature, top_k=top_k))
+        policy = Policy(cfg, None, 0)
+        prompts = SortTask().prompts(6, 3)
+        responses[top_k, temperature] = policy.generate(
+            RolloutRequest(prompts, [11 * i for i in range(len(prompts))])).responses
+    assert responses[1, 1.0] == responses[0, 0.0] != responses[0, 1.0]

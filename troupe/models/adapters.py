@@ -204,8 +204,8 @@ class Adapters:
 
     def slot_ids(self, names: list[str | None]) -> torch.Tensor:
         """Each row's slot (-1: the base alone), as a native decode step takes them."""
-        return torch.tensor([-1 if n is None else self.slots[n] for n in names],
-                            dtype=torch.long)
+        return torch.tensor([-1 if n is None else self.slots[n] for n in names],  # host: the
+                            dtype=torch.long)  # native CPU step reads it
 
     def _wrapped(self, name: str) -> AdaptedLinear:
         if name not in self.layers:

@@ -80,7 +80,7 @@ class AgentLoop:
         self.max_turns, self.max_tokens, self.turn_tokens = max_turns, max_tokens, turn_tokens
 
     def run(self, engine: ContinuousBatcher, rows: list[dict], seeds: list[int],
-            temperature: float, top_p: float = 1.0) -> list[Trajectory]:
+            temperature: float, top_p: float = 1.0, top_k: int = 0) -> list[Trajectory]:
         """One trajectory per row (``seeds[i]`` its sampling stream's seed), concurrently, on
         ``engine`` (its prefix cache with ``keep_outputs`` makes later turns cheap)."""
         trajs = {}
@@ -88,7 +88,7 @@ class AgentLoop:
             key = f"{time.monotonic_ns()}-{i}"  # unique in the pool across calls
             trajs[key] = Trajectory(key, seed, [], [])
             self.pool.reset(key, row)
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         open_ = set(trajs)
         while open_:
             for reply in self.pool.poll(0.0 if engine.has_work() else 0.05):
@@ -117,7 +117,8 @@ class AgentLoop:
             self._finish(t, "max_tokens", open_)
             return
         params = SamplingParams(max_tokens=room, temperature=self.temperature, top_p=self.top_p,
-                                seed=(t.seed + 7919 * t.turns) % (1 << 62), logprobs=0)
+                                top_k=self.top_k, seed=(t.seed + 7919 * t.turns) % (1 << 62),
+                                logprobs=0)
         engine.add(f"{t.key}/{t.turns}", t.prompt_ids + t.tokens, params)
         t.turn_tokens, t.turn_logprobs = [], []
 

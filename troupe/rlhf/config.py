@@ -260,6 +260,9 @@ class Step3Config(Config):
     prefix_cache; 0: off), so that the samples of a prompt admitted at different steps of the
     engine run it once (samples admitted together share it anyway); each record says how many
     prompt tokens the engine ran (prefill_tokens, of prompt_tokens).
+    temperature, top_p, top_k: how rollouts and the held-out evaluation sample (top_k 0: from
+    every token); the engine's log-probabilities, like the trainer's, are of the model's whole
+    distribution, whatever narrower one sampled (as OpenRLHF and verl take them).
     tis_cap: truncated importance sampling between the trainer and the rollout engine (which
     may differ in precision, kernels or weights: int8_generation, bf16): each response token's
     advantage is weighted by min(p_trainer / p_engine, tis_cap), the trainer's probability
@@ -289,6 +292,7 @@ class Step3Config(Config):
     max_new_tokens: int = Field(default=8, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
     tis_cap: float | None = Field(default=None, ge=1)
     ppo_epochs: int = Field(default=1, ge=1)
     kl_coef: float | None = Field(default=None, ge=0)

@@ -61,7 +61,7 @@ class RolloutEngine:
                 rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
                 return rollout
             params = [SamplingParams(max_tokens=p.max_new_tokens, temperature=temp,
-                                     top_p=p.top_p, seed=seed, logprobs=0)
+                                     top_p=p.top_p, top_k=p.top_k, seed=seed, logprobs=0)
                       for seed in request.seeds]
             prompt_ids = [self.tok.prompt(t) for t in request.prompts]
             tokens, logprobs = engine.generate(
@@ -114,7 +114,7 @@ class RolloutEngine:
                                    keep_outputs=True)
         rows = [{"prompt": q, **f} for q, f in
                 zip(request.prompts, request.fields or [{}] * len(request.prompts))]
-        trajs = self._agent.run(engine, rows, request.seeds, temperature, p.top_p)
+        trajs = self._agent.run(engine, rows, request.seeds, temperature, p.top_p, p.top_k)
         rollout = rollout_of(trajs, self.tok, e.failure_score)
         opening = sum(len(t.prompt_ids) + len(t.tokens) - sum(t.generated) for t in trajs)
         rollout.prompt_tokens = (opening, engine.prefill_tokens)
