@@ -151,7 +151,7 @@ struct Product {
     auto rows = at::zeros({P, K}, x.options());
     std::memcpy(rows.data_ptr<float>(), x.data_ptr<float>(), M * K * sizeof(float));
     troupe_small_gemm::linear(rows.data_ptr<float>(), P, K, lora_a.data_ptr<float>(), NA,
-                              nullptr, low.data_ptr<float>(), 1);
+                              nullptr, low.data_ptr<float>());
     auto kept = at::zeros({P, L}, x.options());  // each row keeps its adapter's R columns
     const float *lp = low.data_ptr<float>();
     float *kp = kept.data_ptr<float>();
@@ -166,7 +166,7 @@ struct Product {
     if (!any) return;
     auto delta = at::empty({P, NB * 16}, x.options());
     troupe_small_gemm::linear(kp, P, L, lora_b.data_ptr<float>(), NB, nullptr,
-                              delta.data_ptr<float>(), 1);
+                              delta.data_ptr<float>());
     const float *dp = delta.data_ptr<float>();
     float *yp = y.data_ptr<float>();
     for (int64_t m = 0; m < M; m++)

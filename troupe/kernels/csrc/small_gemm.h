@@ -69,12 +69,11 @@ inline void blocks1(const float *x, int64_t K, const float *wp, float *y, const 
 }
 
 // y (M, 16 NB) = x (M, K) W^T (+ bias, 16 NB values, or null), W packed (NB, K, 16); M any
-// (passes of 8 rows), the blocks split over torch's intra-op threads, ``grain`` pairs of
-// blocks at least to a thread
+// (passes of 8 rows), the blocks split over torch's intra-op threads
 inline void linear(const float *x, int64_t M, int64_t K, const float *w, int64_t NB,
-                   const float *bias, float *y, int64_t grain = 8) {
+                   const float *bias, float *y) {
   const int64_t N = NB * 16;
-  at::parallel_for(0, (NB + 1) / 2, grain, [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, (NB + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += 8) {
       const int64_t rows = std::min<int64_t>(8, M - m0);
       const float *xm = x + m0 * K;
