@@ -20,7 +20,7 @@ a GPU, or with TROUPE_NATIVE=0 the model is left as it is.
 Which product is faster depends on the machine: on the 2-core EPYC the packed one is 2.5x
 MKL's at every decode shape; on a 16-core AMX Xeon MKL's was the faster one at every point
 measured (the packed one 0.60-0.86x of it, at 1 and 8 rows on 2 and 8 threads). So each weight
-shape is measured once per machine (``choices``: both products at 1 and at 8 rows over copies
+shape is measured once per machine (``choices``: both products at 4 and at 8 rows over copies
 of the weight larger than the caches, as a decode step streams them), and a layer keeps MKL for
 the rows where MKL won. The answers are cached beside the compiled kernels, keyed by the CPU
 model and flags, the threads, torch's version and the kernel's source;
@@ -49,7 +49,7 @@ from troupe.kernels.memory import huge_page_empty
 from troupe.kernels.quant import QuantizedWeight
 
 MAX_ROWS = 16
-SMALL_ROWS = 4  # rows 1..4 follow the measurement at 1 row, 5..MAX_ROWS the one at 8
+SMALL_ROWS = 4  # rows 1..4 follow the measurement at 4 rows, 5..MAX_ROWS the one at 8
 
 
 def _extension():
@@ -193,7 +193,7 @@ def _forward(module: nn.Linear, packed: torch.Tensor, uses: tuple[bool, bool],
 
 # ---- which product, per machine ----------------------------------------------------------
 def choices(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[bool, bool]]:
-    """For each weight shape (N, K): whether the packed product beats MKL's at few rows (1) and
+    """For each weight shape (N, K): whether the packed product beats MKL's at few rows (4) and
     at more (8) on this machine with the threads set; measured once and cached (see the
     module's docstring)."""
     forced = os.environ.get("TROUPE_DECODE_PRODUCT")
@@ -206,7 +206,7 @@ def choices(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[bool, b
         known = {}
     missing = [s for s in shapes if f"{s[0]}x{s[1]}" not in known]
     for N, K in missing:
-        known[f"{N}x{K}"] = [_packed_wins(N, K, rows) for rows in (1, 8)]
+        known[f"{N}x{K}"] = [_packed_wins(N, K, rows) for rows in (SMALL_ROWS, 8)]
     if missing:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -218,8 +218,9 @@ def choices(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[bool, b
 def _choices_file():
     model, flags = cpu_info()
     source = (_native._CSRC / "small_gemm.h").read_bytes()  # the kernel
+    # the rows measured are in the key: choices once measured at 1 row are not reused
     key = hashlib.sha256(repr((model, sorted(flags or ()), torch.get_num_threads(),
-                               torch.__version__)).encode() + source).hexdigest()[:16]
+                               torch.__version__, SMALL_ROWS)).encode() + source).hexdigest()[:16]
     return cache_dir("kernels") / f"decode-product-{key}.json"
 
 
