@@ -147,6 +147,13 @@ struct Product {
   void add_adapters(const at::Tensor &x, const int64_t *slots, at::Tensor &y, int64_t row) const {
     const int64_t M = x.size(0), K = x.size(1), R = lora_rank, P = std::max<int64_t>(M, 2);
     const int64_t NA = lora_a.size(0), L = lora_b.size(1), NB = lora_b.size(0);
+    bool any = false;  // a step whose rows all run the base alone computes nothing here
+    for (int64_t m = 0; m < M; m++) {
+      TORCH_CHECK((slots[m] + 1) * R <= L, "decode_layer: adapter slot ", slots[m], " of row ",
+                  m, " is not loaded on this layer");
+      any = any || slots[m] >= 0;
+    }
+    if (!any) return;
     auto low = at::empty({P, NA * 16}, x.options());
     auto rows = at::zeros({P, K}, x.options());
     std::memcpy(rows.data_ptr<float>(), x.data_ptr<float>(), M * K * sizeof(float));
@@ -155,15 +162,10 @@ struct Product {
     auto kept = at::zeros({P, L}, x.options());  // each row keeps its adapter's R columns
     const float *lp = low.data_ptr<float>();
     float *kp = kept.data_ptr<float>();
-    bool any = false;
-    for (int64_t m = 0; m < M; m++) {
-      if (slots[m] < 0) continue;
-      TORCH_CHECK((slots[m] + 1) * R <= L, "decode_layer: adapter slot ", slots[m], " of row ",
-                  m, " is not loaded on this layer");
-      std::memcpy(kp + m * L + slots[m] * R, lp + m * NA * 16 + slots[m] * R, R * sizeof(float));
-      any = true;
-    }
-    if (!any) return;
+    for (int64_t m = 0; m < M; m++)
+      if (slots[m] >= 0)
+        std::memcpy(kp + m * L + slots[m] * R, lp + m * NA * 16 + slots[m] * R,
+                    R * sizeof(float));
     auto delta = at::empty({P, NB * 16}, x.options());
     troupe_small_gemm::linear(kp, P, L, lora_b.data_ptr<float>(), NB, nullptr,
                               delta.data_ptr<float>());
