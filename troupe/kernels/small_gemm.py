@@ -241,8 +241,7 @@ def _packed_wins(N: int, K: int, rows: int, stream_bytes: int = 64 << 20) -> boo
 
     # the two in turn, five rounds, each its fastest: a neighbour's load (a test suite, a
     # build) slows the rounds it falls on for both alike, not one whole side (the choice is
-    # cached for good: measured one side after the other under load, MKL won shapes where
-    # it decodes 1.5x slower)
+    # cached for good)
     ours(), mkl()
     times = {ours: [], mkl: []}
     for _ in range(5):
