@@ -18,6 +18,10 @@ How a line of a bash block runs:
 - Any other ``pip install`` runs as ``pip install --dry-run``: the suite's environment must
   already hold what it names, and nothing is installed over it.
 
+Sections run two at a time (``Runner``), since a section's commands leave a core idle for a
+third of their time (Ray starting and stopping, pip unpacking, a server waiting). Sections that
+would get in each other's way never overlap: what each holds alone is in ``holds``.
+
 A block preceded by ``<!-- readme-test: not here: REASON -->`` cannot run on this machine
 (a cloud account, GPUs); its app commands are checked with ``--print-config`` instead (the
 recipe and every key valid), and the files a ``ray up/down/dashboard`` line names must exist.
@@ -34,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -300,3 +305,114 @@ def test_command(block: Block) -> str:
     assert len(lines) == 1, block.where
     return lines[0]
 
+
+def holds(blocks: list[Block]) -> set[str]:
+    """What a section holds while it runs, so that sections running at once never share it:
+
+    - "machine": ``ray start``/``ray stop`` act on every Ray cluster of the machine, and a job
+      submitted to 127.0.0.1:8265 needs that dashboard to be its own cluster's: nothing else
+      runs beside it;
+    - "port": a server binds the recipes' port;
+    - "smollm2": the 135M model's runs, 3-7 GB each at their peak (the Hugging Face section's
+      RLHF run 7.0 GB, the RLHF section's GRPO run 4.4); held alone only on a machine with
+      less than ``ROOMY`` available (``Runner``).
+    """
+    text = "\n".join(b.text for b in blocks if b.not_here is None)
+    held = set()
+    if re.search(r"\bray (?:start|stop)\b", text):
+        held.add("machine")
+    lines = [line for b in blocks if b.language == "bash" and b.not_here is None
+             for line in shell_lines(b.text)]
+    if any(app_of(line) == "serve" and not re.search(r"--check|--print-config|--help", line)
+           for line in lines):
+        held.add("port")
+    if "smollm2" in text.lower():
+        held.add("smollm2")
+    return held
+
+
+def may_start(mine: set[str], running: list[set[str]], lanes: int) -> bool:
+    """Whether a section holding ``mine`` may start beside sections holding ``running``."""
+    if "machine" in mine:
+        return not running
+    held = set().union(*running)
+    return len(running) < lanes and "machine" not in held and not mine & held
+
+
+ROOMY = 16 << 30  # bytes available at the start for two SmolLM2 sections at once
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where there is none)."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return 0
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) << 10 if m else 0
+
+
+class Runner:
+    """Runs sections in background threads, ``lanes`` at a time, each alone with what it
+    holds (``holds``); ``result(name)`` waits for a section and re-raises its failure.
+    Sections that hold something start first (they form chains that cannot overlap), sections
+    holding "machine" last and alone."""
+
+    def __init__(self, names: list[str], blocks: dict[str, list[Block]], workdir: Path,
+                 lanes: int = 2):
+        self.blocks, self.workdir = blocks, workdir
+        self.holds = {n: holds(blocks[n]) for n in names}
+        if available_memory() >= ROOMY:
+            self.holds = {n: h - {"smollm2"} for n, h in self.holds.items()}
+        self.pending = sorted(names, key=lambda n: ("machine" in self.holds[n],
+                                                    not self.holds[n]))
+        self.running: set[str] = set()
+        self.done: dict[str, tuple[list[dict], BaseException | None, str]] = {}
+        self.lanes = max(1, lanes)
+        self.cond = threading.Condition()
+        threading.Thread(target=self._schedule, name="readme-sections", daemon=True).start()
+
+    def _schedule(self) -> None:
+        with self.cond:
+            while self.pending:
+                held = [self.holds[r] for r in self.running]
+                ready = next((n for n in self.pending
+                              if may_start(self.holds[n], held, self.lanes)), None)
+                if ready is None:
+                    self.cond.wait()
+                    continue
+                self.pending.remove(ready)
+                self.running.add(ready)
+                threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+
+    def _run(self, name: str) -> None:
+        workdir = self.workdir / re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+        workdir.mkdir(parents=True)
+        error, trace, timings = None, "", []
+        try:
+            section = Section.make(workdir)
+            timings = section.timings
+            try:
+                for block in self.blocks[name]:
+                    run_block(section, block)
+            finally:
+                section.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the section's test
+            error, trace = e, traceback.format_exc()
+        with self.cond:
+            self.running.discard(name)
+            self.done[name] = (timings, error, trace)
+            self.cond.notify_all()
+
+    def result(self, name: str, timeout: float) -> list[dict]:
+        """The section's timings once it has run; its failure raised here, with its trace."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: name in self.done, timeout):
+                raise TimeoutError(f"{name}: not finished within {timeout:.0f} s "
+                                   f"(running: {sorted(self.running)})")
+            timings, error, trace = self.done[name]
+        if isinstance(error, AssertionError):
+            raise AssertionError(f"{error}\n(in the section's thread)\n{trace}")
+        if error is not None:
+            raise RuntimeError(f"{name} failed:\n{trace}") from error
+        return timings

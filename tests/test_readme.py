@@ -49,17 +49,34 @@ def test_the_size_overrides_keep_what_a_line_sets():
     assert "step3.checkpoint_every=0" in rlhf and "step3.checkpoint_every=1" not in rlhf
 
 
+@pytest.fixture(scope="session")
+def sections_run(request, tmp_path_factory, smollm2):
+    """The sections this session selected, started together in the background, two at a time
+    (tests/readme.py: Runner); each section's test waits for its own."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.originalname == "test_section_runs_as_written"]
+    return readme.Runner(names, SECTIONS, tmp_path_factory.mktemp("readme"))
+
+
 @pytest.mark.slow
 @pytest.mark.own_cluster
-@pytest.mark.timeout(1800)  # a section is several runs (each line has its own 900 s limit)
+@pytest.mark.timeout(3600)  # waits for the sections ahead of it too (each line has its own limit)
 @pytest.mark.parametrize("name", list(SECTIONS),
                          ids=[re.sub(r"[^A-Za-z0-9]+", "-", n).strip("-") for n in SECTIONS])
-def test_section_runs_as_written(name, tmp_path, smollm2):
+def test_section_runs_as_written(name, sections_run):
     """Each section's blocks in order (the recipes that name SmolLM2 find it built)."""
-    section = readme.Section.make(tmp_path)
-    try:
-        for block in SECTIONS[name]:
-            readme.run_block(section, block)
-    finally:
-        section.close()
-        TIMINGS.extend(section.timings)
+    TIMINGS.extend(sections_run.result(name, timeout=3500))
+
+
+def test_sections_that_would_clash_never_run_together():
+    """What each section holds alone: the cluster section the whole machine, servers their
+    port, SmolLM2's runs the model's memory and directory."""
+    held = {name: readme.holds(blocks) for name, blocks in SECTIONS.items()}
+    assert any("machine" in h for h in held.values()), held
+    assert sum("port" in h for h in held.values()) >= 2, held
+    assert sum("smollm2" in h for h in held.values()) >= 2, held
+    for a in held.values():
+        assert readme.may_start(a, [], lanes=2) and not readme.may_start(a, [set(), set()], 2)
+        for b in held.values():
+            clash = "machine" in a | b or a & b
+            assert readme.may_start(b, [a], lanes=2) == (not clash), (a, b)
