@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import ray
 from pydantic import ConfigDict, Field, field_validator, model_validator
-from ray.autoscaler.sdk import request_resources
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from troupe.actors.worker import RemoteRoleWorker
@@ -227,6 +226,10 @@ class ActorGraph:
             waiting.pop(ref)
         if not waiting:
             return
+        # imported here, not with the module: every worker process imports this module
+        # (through troupe), and the autoscaler's SDK costs each of them 40 ms of CPU
+        from ray.autoscaler.sdk import request_resources
+
         bundles = [b for root in waiting.values() for b in pgs[root].bundle_specs]
         request_resources(bundles=bundles)
         try:
