@@ -1,6 +1,7 @@
 """Optional native CPU loops, compiled on first use and cached by content hash: C sources in
-csrc/ built with the system C compiler and loaded with ctypes (``load``), and C++ torch
-extensions built with torch.utils.cpp_extension (``load_extension``). Without a compiler (or
+csrc/ built with the system C compiler and loaded with ctypes (``load``), and the C++
+kernels, one torch extension built with torch.utils.cpp_extension from csrc/native.cpp
+(``extension``; a kernel's bindings: ``load_extension``). Without a compiler (or
 with TROUPE_NATIVE=0) both return None and callers use their torch path."""
 
 from __future__ import annotations
@@ -53,23 +54,31 @@ def load(name: str) -> ctypes.CDLL | None:
 
 @functools.lru_cache(maxsize=None)
 def load_extension(name: str):
-    """The torch extension built from csrc/<name>.cpp and the headers beside it (-O3
-    -march=native, OpenMP for at::parallel_for's threads), or None when it cannot be built
-    here. A build is keyed by the sources, the flags, torch's version and Python's ABI, so
-    every environment with the same torch on this machine (a second virtual environment, the
-    workers' processes) imports the same build without compiling or even checking it."""
+    """The bindings of csrc/<name>.cpp: a submodule of the one extension every C++ kernel is
+    built into (``extension``), or None when it cannot be built here."""
+    built = extension()
+    return None if built is None else getattr(built, name)
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The torch extension built from csrc/native.cpp, which includes every C++ kernel
+    (-O3 -march=native, OpenMP for at::parallel_for's threads), or None when it cannot be
+    built here. A build is keyed by the sources, the flags, torch's version and Python's ABI,
+    so every environment with the same torch on this machine (a second virtual environment,
+    the workers' processes) imports the same build without compiling or even checking it."""
     if os.environ.get("TROUPE_NATIVE", "1") == "0":
         return None
     try:
         import torch
         from torch.utils import cpp_extension
         flags = ["-O3", "-march=native", "-fopenmp"]
-        files = {f"{name}.cpp": (_CSRC / f"{name}.cpp").read_bytes(),
-                 **{h.name: h.read_bytes() for h in sorted(_CSRC.glob("*.h"))}}
+        files = {f.name: f.read_bytes() for f in sorted(_CSRC.iterdir())
+                 if f.suffix in (".cpp", ".h")}
         abi = f"{torch.__version__}|{sysconfig.get_config_var('EXT_SUFFIX')}"
         digest = hashlib.sha256(b"".join(files.values()) + " ".join(flags).encode()
                                 + abi.encode()).hexdigest()[:12]
-        build, module = _cache_dir() / f"{name}-{digest}", f"troupe_{name}_{digest}"
+        build, module = _cache_dir() / f"native-{digest}", f"troupe_native_{digest}"
         if (build / "built").is_file():
             return _import(module, build / f"{module}.so")
         build.mkdir(parents=True, exist_ok=True)
@@ -86,16 +95,17 @@ def load_extension(name: str):
             if (build / "built").is_file():  # another process built it while this one waited
                 return _import(module, build / f"{module}.so")
             if (build / "lock").exists():
-                log.warning("native kernel %s: removing the lock of a build that was "
-                            "interrupted (%s)", name, build / "lock")
+                log.warning("native kernels: removing the lock of a build that was "
+                            "interrupted (%s)", build / "lock")
                 (build / "lock").unlink()
-            loaded = cpp_extension.load(name=module, sources=[str(build / f"{name}.cpp")],
+            log.info("building the native kernels (once per machine and torch version)")
+            loaded = cpp_extension.load(name=module, sources=[str(build / "native.cpp")],
                                         extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                         build_directory=str(build), verbose=False)
             (build / "built").touch()  # the library is whole: it has just been imported
             return loaded
     except Exception as e:  # no compiler, no headers: callers keep their torch path
-        log.warning("native kernel %s unavailable (%s): using the torch path", name, e)
+        log.warning("native kernels unavailable (%s): using the torch paths", e)
         return None
 
 

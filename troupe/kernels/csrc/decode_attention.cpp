@@ -1,6 +1,6 @@
 // Binds the decode-step attention of decode_attention.h for torch
 // (troupe.kernels.decode_attention).
-// the headers this file uses, not <torch/extension.h>: half the compile time
+// A part of native.cpp (included there in a namespace of its own), its bindings in bind().
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
@@ -37,7 +37,7 @@ at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v,
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind(pybind11::module_ m) {
   m.def("decode", &decode);
   m.def("supports", &supports);
 }

@@ -20,7 +20,7 @@
 // torch's intra-op threads; the small operations between them run on the calling thread (a
 // fork/join of the pool costs more than their work). fp32 only; decode_layers.py checks the
 // model before it builds a Step.
-// the headers this file uses, not <torch/extension.h>: half the compile time
+// A part of native.cpp (included there in a namespace of its own), its bindings in bind().
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -381,7 +381,7 @@ class Step {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind(pybind11::module_ m) {
   py::class_<Product, ProductPtr>(m, "Product");
   m.def("packed", [](at::Tensor packed, at::Tensor weight, c10::optional<at::Tensor> bias,
                      int64_t n_out, bool few, bool more) {

@@ -20,6 +20,7 @@
 // of a decoded plane against a token's four values (a 32-bit broadcast) adds into the 16 rows'
 // sums at once, with no horizontal reduction. Blocks are split over torch's intra-op threads
 // (at::parallel_for); each load of weights serves up to 8 tokens.
+// A part of native.cpp (included there in a namespace of its own), its bindings in bind().
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -200,7 +201,7 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, at::Tensor scales,
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind(pybind11::module_ m) {
   m.def("available", &available);
   m.def("linear", &linear);
 }

@@ -20,7 +20,7 @@
 //         and a shift. The +8 (values 1..15) is taken back out per group with the token's
 //         sums: sum_k a_k (u_k - 8) = sum_k a_k u_k - 8 sum_k a_k.
 // Scales are packed (NB, K/gs, 16): the 16 outputs of a block for one group in one vector.
-// the headers this file uses, not <torch/extension.h>: half the compile time
+// A part of native.cpp (included there in a namespace of its own), its bindings in bind().
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
@@ -222,7 +222,7 @@ at::Tensor linear(at::Tensor x, at::Tensor wp, int64_t bits, at::Tensor ws,
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind(pybind11::module_ m) {
   m.def("available", &available);
   m.def("linear", &linear);
 }
