@@ -4,6 +4,7 @@ before the suite's shared Ray cluster starts. A block the harness cannot classif
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -55,7 +56,8 @@ def sections_run(request, tmp_path_factory, smollm2):
     (tests/readme.py: Runner); each section's test waits for its own."""
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_section_runs_as_written"]
-    return readme.Runner(names, SECTIONS, tmp_path_factory.mktemp("readme"))
+    return readme.Runner(names, SECTIONS, tmp_path_factory.mktemp("readme"),
+                         lanes=min(2, os.cpu_count() or 1))
 
 
 @pytest.mark.slow
@@ -80,3 +82,14 @@ def test_sections_that_would_clash_never_run_together():
         for b in held.values():
             clash = "machine" in a | b or a & b
             assert readme.may_start(b, [a], lanes=2) == (not clash), (a, b)
+
+
+def test_a_failing_section_fails_its_own_test_and_no_other(tmp_path):
+    """A section runs in the runner's thread; its failure is raised in its own test, with the
+    line at fault, while the section beside it passes."""
+    blocks = {"doc: bad": [readme.Block("doc", 1, "bad", "bash", "true\nexit 3")],
+              "doc: good": [readme.Block("doc", 5, "good", "bash", "echo fine")]}
+    runner = readme.Runner(list(blocks), blocks, tmp_path, lanes=2)
+    assert [t["command"] for t in runner.result("doc: good", 120)] == ["echo fine"]
+    with pytest.raises(AssertionError, match="`exit 3` exited 3"):
+        runner.result("doc: bad", 120)
