@@ -172,6 +172,16 @@ def app_of(line: str) -> str | None:
     return next(g for g in m.groups() if g) if m else None
 
 
+def is_server(line: str) -> bool:
+    """Whether ``line`` starts a server (the serve app, not only checking its config)."""
+    return app_of(line) == "serve" and not re.search(r"--check|--print-config|--help", line)
+
+
+def slug(name: str) -> str:
+    """A section's name as a test id and a directory name."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
 @dataclass
 class Section:
     """One section's working directory, its environment and what it left running."""
@@ -278,7 +288,7 @@ def run_block(section: Section, block: Block) -> None:
             text = section.run(re.sub(r"\bpip install\b", "pip install --dry-run", line), what)
             assert "Would install" not in text, f"{what}: the suite's environment lacks " \
                                                 f"what `{line}` installs:\n{text[-2000:]}"
-        elif app_of(line) == "serve" and not re.search(r"--check|--print-config|--help", line):
+        elif is_server(line):
             section.serve(with_sizes(line), what)
         else:
             if re.search(r"\bray start\b", line):
@@ -323,8 +333,7 @@ def holds(blocks: list[Block]) -> set[str]:
         held.add("machine")
     lines = [line for b in blocks if b.language == "bash" and b.not_here is None
              for line in shell_lines(b.text)]
-    if any(app_of(line) == "serve" and not re.search(r"--check|--print-config|--help", line)
-           for line in lines):
+    if any(is_server(line) for line in lines):
         held.add("port")
     if "smollm2" in text.lower():
         held.add("smollm2")
@@ -367,7 +376,8 @@ class Runner:
         self.pending = sorted(names, key=lambda n: ("machine" in self.holds[n],
                                                     not self.holds[n]))
         self.running: set[str] = set()
-        self.done: dict[str, tuple[list[dict], BaseException | None, str]] = {}
+        self.done: dict[str, tuple[BaseException | None, str]] = {}
+        self.timings: dict[str, list[dict]] = {}  # each section's commands, as they finish
         self.lanes = max(1, lanes)
         self.cond = threading.Condition()
         threading.Thread(target=self._schedule, name="readme-sections", daemon=True).start()
@@ -386,12 +396,12 @@ class Runner:
                 threading.Thread(target=self._run, args=(ready,), daemon=True).start()
 
     def _run(self, name: str) -> None:
-        workdir = self.workdir / re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+        workdir = self.workdir / slug(name)
         workdir.mkdir(parents=True)
-        error, trace, timings = None, "", []
+        error, trace = None, ""
         try:
             section = Section.make(workdir)
-            timings = section.timings
+            self.timings[name] = section.timings
             try:
                 for block in self.blocks[name]:
                     run_block(section, block)
@@ -401,18 +411,18 @@ class Runner:
             error, trace = e, traceback.format_exc()
         with self.cond:
             self.running.discard(name)
-            self.done[name] = (timings, error, trace)
+            self.done[name] = (error, trace)
             self.cond.notify_all()
 
-    def result(self, name: str, timeout: float) -> list[dict]:
-        """The section's timings once it has run; its failure raised here, with its trace."""
+    def result(self, name: str, timeout: float) -> None:
+        """Wait for the section to have run; its failure is raised here, with its trace (its
+        commands' seconds are in ``timings`` either way)."""
         with self.cond:
             if not self.cond.wait_for(lambda: name in self.done, timeout):
                 raise TimeoutError(f"{name}: not finished within {timeout:.0f} s "
                                    f"(running: {sorted(self.running)})")
-            timings, error, trace = self.done[name]
+            error, trace = self.done[name]
         if isinstance(error, AssertionError):
             raise AssertionError(f"{error}\n(in the section's thread)\n{trace}")
         if error is not None:
             raise RuntimeError(f"{name} failed:\n{trace}") from error
-        return timings

@@ -5,7 +5,6 @@ before the suite's shared Ray cluster starts. A block the harness cannot classif
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 
@@ -64,10 +63,13 @@ def sections_run(request, tmp_path_factory, smollm2):
 @pytest.mark.own_cluster
 @pytest.mark.timeout(3600)  # waits for the sections ahead of it too (each line has its own limit)
 @pytest.mark.parametrize("name", list(SECTIONS),
-                         ids=[re.sub(r"[^A-Za-z0-9]+", "-", n).strip("-") for n in SECTIONS])
+                         ids=[readme.slug(n) for n in SECTIONS])
 def test_section_runs_as_written(name, sections_run):
     """Each section's blocks in order (the recipes that name SmolLM2 find it built)."""
-    TIMINGS.extend(sections_run.result(name, timeout=3500))
+    try:
+        sections_run.result(name, timeout=3500)
+    finally:
+        TIMINGS.extend(sections_run.timings.get(name, []))
 
 
 def test_sections_that_would_clash_never_run_together():
@@ -90,6 +92,8 @@ def test_a_failing_section_fails_its_own_test_and_no_other(tmp_path):
     blocks = {"doc: bad": [readme.Block("doc", 1, "bad", "bash", "true\nexit 3")],
               "doc: good": [readme.Block("doc", 5, "good", "bash", "echo fine")]}
     runner = readme.Runner(list(blocks), blocks, tmp_path, lanes=2)
-    assert [t["command"] for t in runner.result("doc: good", 120)] == ["echo fine"]
+    runner.result("doc: good", 120)
+    assert [t["command"] for t in runner.timings["doc: good"]] == ["echo fine"]
     with pytest.raises(AssertionError, match="`exit 3` exited 3"):
         runner.result("doc: bad", 120)
+    assert [t["command"] for t in runner.timings["doc: bad"]] == ["true", "exit 3"]
