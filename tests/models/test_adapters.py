@@ -92,6 +92,26 @@ def test_four_adapters_in_one_batch_equal_each_merged_alone(base, tmp_path):
     assert adapters.slots == {"a0": 0, "a1": 1, "a2": 2, "a3": 3}
 
 
+def test_an_adapter_on_heads_wider_than_the_width_over_the_heads(tmp_path):
+    """q, k and v's rows follow head_dim (Mistral-Nemo's layout), not hidden_size: an adapter
+    on every projection gives the merged model's tokens."""
+    cfg = transformers.MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4, head_dim=32,
+                                     num_key_value_heads=2, max_position_embeddings=128,
+                                     sliding_window=None)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    adapter_dir, merged_dir = write_adapter(tmp_path / "base", tmp_path / "a", seed=3)
+    model = from_pretrained(tmp_path / "base").eval()
+    adapters = Adapters(model)
+    adapters.add(load_peft(adapter_dir, model, name="a"))
+    prompt = torch.randint(0, 300, (7,), generator=torch.Generator().manual_seed(2)).tolist()
+    mixed = greedy(ContinuousBatcher(model, None, adapters=adapters), [("x", prompt, "a")])
+    alone = greedy(ContinuousBatcher(from_pretrained(merged_dir).eval(), None),
+                   [("x", prompt, None)])
+    assert mixed == alone
+
+
 def test_prompts_sharing_an_opening_under_one_adapter(base, tmp_path):
     """An opening (20 tokens) that every prompt shares, prefilled once under their adapter:
     each sequence's tokens equal the merged model's alone."""

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints through troupe's decoder: the same logits as transformers (fp32)
-on tiny random Llama, Qwen2, Mistral, GPT-2, Mixtral and Qwen2-MoE models built offline, and an export that
-transformers loads back to the same logits."""
+on tiny random Llama, Qwen2, Mistral, GPT-2, Mixtral and Qwen2-MoE models built offline
+(among them rotary scaling linear, llama3 and yarn, and heads wider than hidden_size /
+num_attention_heads), and an export that transformers loads back to the same logits."""
 
 import json
 
@@ -27,10 +28,23 @@ CONFIGS = {
         tie_word_embeddings=False, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama-linear-rope": lambda: (transformers.LlamaForCausalLM, _llama(
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # YaRN as DeepSeek's configs give it: an attention factor from mscale and mscale_all_dim
+    "llama-yarn-mscale": lambda: (transformers.LlamaForCausalLM, _llama(
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                      "beta_fast": 16, "mscale": 0.707, "mscale_all_dim": 1.0})),
     "qwen2": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         **TINY, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Qwen2.5's long-context recipe, as its model cards give it
+    "qwen2-yarn": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **TINY, num_key_value_heads=2, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
     "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
         **TINY, num_key_value_heads=1, sliding_window=None)),
+    # heads wider than hidden_size / num_attention_heads, as Mistral-Nemo's 32 x 128 over 5120
+    "mistral-head-dim": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **TINY, num_key_value_heads=2, head_dim=16, sliding_window=None)),
     "gpt2": lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=97, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "mixtral": lambda: (transformers.MixtralForCausalLM, MIXTRAL()),
@@ -228,7 +242,12 @@ def llama_dir(tmp_path):
     ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
     ({"num_attention_heads": "4"}, "num_attention_heads='4' must be a positive integer"),
     ({"num_attention_heads": 5, "head_dim": None}, "n_head=5 must divide d_model=32"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     "rope_type 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "4"}}, "yarn scaling needs positive"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}},
+     "yarn scaling: beta_fast=-1 must be a positive number"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "linear scaling needs positive numbers factor"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 scaling needs positive"),
     ({"hidden_size": 1 << 30, "head_dim": None}, "hidden_size: Input should be less than or"),
 ])
@@ -240,6 +259,17 @@ def test_a_hostile_config_json_is_one_line_naming_the_key(llama_dir, config, mat
     assert "config.json" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=match):  # what the apps check before Ray starts
         check_pretrained(str(llama_dir))
+
+
+@pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True),
+                                        ("scale_attn_weights", False)])
+def test_gpt2_attention_scaled_otherwise_is_refused_not_loaded(tmp_path, key, value):
+    """Either flag changes GPT-2's logits; troupe's attention has neither, so it refuses."""
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_positions=32, n_embd=32, n_layer=1, n_head=4, **{key: value})
+    ).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=f"{key}={value!r} is not supported"):
+        from_pretrained(tmp_path / "gpt2")
 
 
 def test_config_json_that_is_not_an_object_or_not_json(llama_dir):

@@ -53,7 +53,11 @@ class DecodeLayers:
         blocks = getattr(model, "blocks", None)
         if cfg is None or blocks is None or cfg.positions != "rope" or cfg.norm != "rmsnorm":
             return None
-        D = cfg.d_model // cfg.n_head
+        D = cfg.head_size
+        # the native step's heads span the residual width, and its rotation is unscaled
+        scale = getattr(getattr(blocks[0], "attn", None), "rope_scale", 1.0)
+        if cfg.n_head * D != cfg.d_model or scale != 1.0:
+            return None
         native, attention = _extension(), _attention_extension()
         if native is None or attention is None or not attention.supports(D) \
                 or model.ln_f.weight.dtype != torch.float32 or model.device.type != "cpu":

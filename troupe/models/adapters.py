@@ -42,7 +42,7 @@ class Adapter:
 
 def _parts(cfg: GPTConfig, proj: str) -> tuple[str, int, int]:
     """The troupe layer a Hugging Face projection is part of, and its rows there."""
-    D = cfg.d_model // cfg.n_head
+    D = cfg.head_size
     q, kv = cfg.n_head * D, cfg.kv_heads * D
     ff = cfg.d_ff or 4 * cfg.d_model
     return {"q_proj": ("attn.qkv", 0, q), "k_proj": ("attn.qkv", q, q + kv),

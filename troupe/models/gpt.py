@@ -17,15 +17,17 @@ from torch import nn
 from troupe.config import Config
 from troupe.devices import precision_dtype
 from troupe.kernels.decode_attention import decode_attention
-from troupe.models.layers import MLP, apply_rope, norm, rope_angles, rope_frequencies
+from troupe.models.layers import (ROPE_TYPES, MLP, apply_rope, norm, rope_angles,
+                                  rope_attention_factor, rope_frequencies)
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 from troupe.models.packing import segment_mask, segment_positions
 
 
 class GPTConfig(Config):
     """One decoder for the GPT-2 and Llama families. d_ff defaults to 4 * d_model; moe=None
-    gives a dense model. n_head must divide d_model; sizes are bounded so that a typo fails
-    here, not as a 50 GB allocation. The defaults are troupe's own GPT; the family knobs:
+    gives a dense model. Each head is d_model / n_head wide (n_head must divide d_model) unless
+    head_dim says otherwise (Mistral-Nemo's 32 heads of 128 over a width of 5120); sizes are
+    bounded so that a typo fails here, not as a 50 GB allocation. The defaults are troupe's own GPT; the family knobs:
     norm (layernorm | rmsnorm, with norm_eps), positions (learned | rope, with rope_theta and
     rope_scaling), mlp (gelu | gelu_tanh | swiglu; MoE experts follow it, as in Mixtral),
     n_kv_head (grouped-query attention), the biases of the attention's qkv and output and of
@@ -47,6 +49,7 @@ class GPTConfig(Config):
     rope_scaling: dict[str, Any] | None = None
     mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
     n_kv_head: int | None = Field(default=None, ge=1, le=1024)
+    head_dim: int | None = Field(default=None, ge=1, le=1 << 12)
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
@@ -55,34 +58,41 @@ class GPTConfig(Config):
     @field_validator("rope_scaling")
     @classmethod
     def _known_rope_scaling(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Llama 3's scaling (rope_type llama3) is the one troupe computes; its four numbers
-        must be there and make sense. "default" is no scaling."""
+        """The kinds troupe computes (troupe.models.layers.rope_frequencies): linear, llama3
+        and yarn, each with the numbers it needs positive. "default" is no scaling."""
         if not v:
             return None
         kind = v.get("rope_type", v.get("type"))
         if kind == "default":
             return None
-        if kind != "llama3":
-            raise ValueError(f"rope_type {kind!r} is not supported (llama3 is)")
-        need = ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
-        bad = [k for k in need if isinstance(v.get(k), bool)
-               or not isinstance(v.get(k), (int, float)) or v[k] <= 0]
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)} "
+                             "are)")
+        need = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}[kind]
+        optional = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+        bad = [k for k in need if not _positive(v.get(k))]
         if bad:
-            raise ValueError(f"llama3 scaling needs positive numbers {', '.join(need)}; "
+            raise ValueError(f"{kind} scaling needs positive numbers {', '.join(need)}; "
                              f"{bad[0]}={v.get(bad[0])!r}")
-        if v["high_freq_factor"] <= v["low_freq_factor"]:
+        bad = [k for k in optional if kind == "yarn" and v.get(k) is not None
+               and not _positive(v[k])]
+        if bad:
+            raise ValueError(f"{kind} scaling: {bad[0]}={v[bad[0]]!r} must be a positive number")
+        if kind == "llama3" and v["high_freq_factor"] <= v["low_freq_factor"]:
             raise ValueError("llama3 scaling needs high_freq_factor > low_freq_factor")
         return v
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "GPTConfig":
-        if self.d_model % self.n_head:
+        if self.head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"n_head={self.n_head} must divide d_model={self.d_model}")
         if self.n_head % self.kv_heads:
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
-        if self.positions == "rope" and (self.d_model // self.n_head) % 2:
-            raise ValueError("positions=rope needs an even head size (d_model / n_head)")
+        if self.positions == "rope" and self.head_size % 2:
+            raise ValueError(f"positions=rope needs an even head size, not {self.head_size}")
         if self.moe is not None and self.mlp == "gelu_tanh":
             raise ValueError("MoE experts are exact-GELU or SwiGLU MLPs: mlp=gelu_tanh has none")
         if self.moe is not None and self.moe.residual and self.mlp != "gelu":
@@ -93,6 +103,11 @@ class GPTConfig(Config):
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: head_dim, else d_model / n_head."""
+        return self.head_dim or self.d_model // self.n_head
+
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose feed-forward is MoE."""
         if self.moe is None:
@@ -102,9 +117,14 @@ class GPTConfig(Config):
                 if (i + 1) % k == 0 and i not in self.moe.dense_layers]
 
 
+def _positive(x: Any) -> bool:
+    """A number above zero (not a bool, which Python counts as an int)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
 @dataclass
 class KVCache:
-    """Keys and values of every layer for a batch, (B, H, max_len, C/H) each; ``length``
+    """Keys and values of every layer for a batch, (B, Hkv, max_len, head size) each; ``length``
     positions are filled."""
 
     k: list[torch.Tensor]
@@ -114,7 +134,7 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: GPTConfig, batch: int, max_len: int, device=None,
               dtype: torch.dtype = torch.float32) -> "KVCache":
-        shape = (batch, cfg.kv_heads, max_len, cfg.d_model // cfg.n_head)
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
         return cls([torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)],
                    [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)])
 
@@ -201,30 +221,31 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv, self.dropout = cfg.n_head, cfg.kv_heads, cfg.dropout
-        self.head_dim = cfg.d_model // cfg.n_head
+        self.head_dim = cfg.head_size
         # troupe's own GPT has no qkv bias: a key bias gets exactly zero gradient (softmax
         # ignores a shift shared by all keys), so its frozen variance would be zero and 1-bit
         # momentum noise would blow it up. Qwen2 has one.
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * self.n_kv) * self.head_dim,
                              bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.out_bias)
+        self.proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=cfg.out_bias)
         self.rope = cfg.positions == "rope"
         if self.rope:
             self.register_buffer("inv_freq", rope_frequencies(
                 self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+            self.rope_scale = rope_attention_factor(cfg.rope_scaling)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | PrefixTree | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> torch.Tensor:
         """``angles``: the rotary cos and sin of ``pos`` when the caller computed them once
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
-        B, T, C = x_BTC.shape
+        B, T, _ = x_BTC.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_dim
         qkv = self.qkv(x_BTC).view(B, T, H + 2 * Hkv, D)
         if self.rope:  # q and k rotated together (their heads side by side in qkv)
             if angles is None:
                 pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
-                angles = rope_angles(pos, self.inv_freq)
+                angles = rope_angles(pos, self.inv_freq, self.rope_scale)
             q, k = apply_rope(qkv[:, :, :H + Hkv], angles).split([H, Hkv], dim=2)
             v = qkv[:, :, H + Hkv:]
         else:
@@ -235,21 +256,21 @@ class Attention(nn.Module):
         # read in place by the attention kernel (no copy of the cache per step)
         if isinstance(cache, PrefixTree):
             return self.proj(cache.attend(q, k, v, dropout, gqa).transpose(1, 2)
-                             .reshape(B, T, C))
+                             .reshape(B, T, H * D))
         if cache is not None:  # append this step's keys and values, attend over all so far
             k, v = cache.extend(layer, k, v)
         # a decode step on the CPU: the native kernel (None where it does not apply)
         y = decode_attention(q, k, v, mask) if cache is not None and T == 1 and not dropout \
             else None
         if y is not None:
-            return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout,
                                                enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                enable_gqa=gqa)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
 
 class Block(nn.Module):
@@ -420,7 +441,8 @@ class GPT(nn.Module):
         x = self.embed(idx_BT, pos)  # (B, T, C)
         angles = None
         if self.cfg.positions == "rope":  # shared by every layer (the same frequencies)
-            angles = rope_angles(pos, self.blocks[0].attn.inv_freq)
+            attn = self.blocks[0].attn
+            angles = rope_angles(pos, attn.inv_freq, attn.rope_scale)
         aux = x.new_zeros(())
         for i, block in enumerate(self.blocks):
             if ltd is not None and i in ltd[1] and ltd[0] < T:

@@ -341,7 +341,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def _rows(cfg: GPTConfig, hf_name: str) -> int:
     """Rows of one part of a concatenated tensor (q / k / v, gate / up)."""
-    D = cfg.d_model // cfg.n_head
+    D = cfg.head_size
     if ".q_proj" in hf_name:
         return cfg.n_head * D
     if ".k_proj" in hf_name or ".v_proj" in hf_name:

@@ -26,7 +26,8 @@ _HF_NAMES = {"gpt2": {"vocab_size": "vocab_size", "seq_len": "n_positions", "n_l
              "llama": {"vocab_size": "vocab_size", "seq_len": "max_position_embeddings",
                        "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                        "d_model": "hidden_size", "d_ff": "intermediate_size",
-                       "n_kv_head": "num_key_value_heads", "rope_scaling": "rope_scaling",
+                       "n_kv_head": "num_key_value_heads", "head_dim": "head_dim",
+                       "rope_scaling": "rope_scaling",
                        "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps"}}
 
 
@@ -60,6 +61,13 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"{where}: activation_function {act!r} is not supported")
+        # attention scaled otherwise than by 1 / sqrt(head size) would load without a word
+        # and give other logits
+        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+            key = ("scale_attn_by_inverse_layer_idx" if hf.get("scale_attn_by_inverse_layer_idx")
+                   else "scale_attn_weights")
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (troupe scales "
+                             "attention by 1 / sqrt(head size) in every layer)")
         return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                          n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
                          d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -68,15 +76,24 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; troupe loads "
                          f"{', '.join(SUPPORTED)}")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d // heads):
-        raise ValueError(f"{where}: head_dim={hf['head_dim']} differs from hidden_size / "
-                         "num_attention_heads, which troupe's attention assumes")
+    # a head_dim that says what hidden_size / num_attention_heads says is no news; another
+    # one (Mistral-Nemo, Mistral-Small) sets the heads' width apart from the model's
+    head_dim = hf.get("head_dim")
+    head_dim = None if head_dim is not None and head_dim * heads == d else head_dim
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (silu is)")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
                                          else None)
     seq_len = hf.get("max_position_embeddings", 2048)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        # as transformers reads YaRN: the original context defaults to this one, and the
+        # factor to their ratio
+        scaling = dict(scaling)
+        scaling.setdefault("original_max_position_embeddings", seq_len)
+        old = scaling["original_max_position_embeddings"]
+        if scaling.get("factor") is None and type(old) is int and old > 0:
+            scaling["factor"] = seq_len / old
     if hf.get("sliding_window") and hf.get("use_sliding_window", True):
         seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
     bias = hf.get("attention_bias", False)
@@ -98,7 +115,7 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
         n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
-        n_kv_head=hf.get("num_key_value_heads") or heads, norm="rmsnorm",
+        n_kv_head=hf.get("num_key_value_heads") or heads, head_dim=head_dim, norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope",
         rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling=scaling, mlp="swiglu",
@@ -173,6 +190,8 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
            "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
            "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
            "torch_dtype": "float32"}
+    if cfg.head_dim is not None:
+        out["head_dim"] = cfg.head_dim
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     moe = cfg.moe

@@ -33,19 +33,42 @@ def norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
     return nn.LayerNorm(dim, eps=eps, bias=bias)
 
 
+ROPE_TYPES = ("linear", "llama3", "yarn")  # the rope_scaling kinds troupe computes
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies (head_dim / 2,) of rotary embeddings; ``scaling`` with
-    rope_type "llama3" (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings) stretches the long wavelengths as Llama 3.1 does."""
+    """Inverse frequencies (head_dim / 2,) of rotary embeddings, stretched by ``scaling``
+    (a Hugging Face rope_scaling dict) for a context longer than pretraining's:
+    "linear" divides every frequency by ``factor`` (position interpolation);
+    "llama3" (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    divides the long wavelengths only, blending in between, as Llama 3.1 does;
+    "yarn" (factor, original_max_position_embeddings, beta_fast 32, beta_slow 1, truncate)
+    interpolates the dimensions that turn fewer than beta_slow times over the original
+    context, keeps those that turn more than beta_fast times, and ramps linearly in between
+    (YaRN, Peng et al. 2023); its attention factor is ``rope_attention_factor``."""
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64)  # host: a buffer, moves with its module
     inv = 1.0 / theta ** (steps.float() / head_dim)
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported (llama3 is)")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported "
+                         f"({', '.join(ROPE_TYPES)} are)")
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv / factor
     old = scaling["original_max_position_embeddings"]
+    if kind == "yarn":
+        def dim_of(turns: float) -> float:  # the dimension that turns ``turns`` times in ``old``
+            return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low)
+                / (high - low if high != low else 0.001)).clamp(0, 1)
+        return inv / factor * ramp + inv * (1 - ramp)
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     wavelen = 2 * math.pi / inv
     low_wavelen, high_wavelen = old / low, old / high
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -55,12 +78,32 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     return torch.where(between, mid, scaled)
 
 
-def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What the rotary cos and sin are multiplied by (so q.k by its square): YaRN's
+    attention_factor, by default 0.1 ln(factor) + 1 (or the ratio of two such with mscale and
+    mscale_all_dim, as DeepSeek's configs give); 1 for every other kind."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def m(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+    factor, mscale, all_dim = (scaling["factor"], scaling.get("mscale"),
+                               scaling.get("mscale_all_dim"))
+    return m(factor, mscale) / m(factor, all_dim) if mscale and all_dim else m(factor)
+
+
+def rope_angles(pos: torch.Tensor, inv_freq: torch.Tensor,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation of positions ``pos`` ((T,) or (B, T)) as ``apply_rope`` takes it:
     (cos, cos) and (-sin, sin) of the positions times the frequencies, each (..., T, 1, D),
-    broadcasting over (B, T, heads, D); computed once per forward and shared by every layer."""
+    broadcasting over (B, T, heads, D), times ``scale`` (``rope_attention_factor``);
+    computed once per forward and shared by every layer."""
     angles = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # (..., T, D/2)
     cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return torch.cat([cos, cos], -1).unsqueeze(-2), torch.cat([-sin, sin], -1).unsqueeze(-2)
 
 
