@@ -261,6 +261,30 @@ def test_a_hostile_config_json_is_one_line_naming_the_key(llama_dir, config, mat
         check_pretrained(str(llama_dir))
 
 
+def test_the_context_is_cut_to_a_sliding_window_only_where_a_layer_slides(tmp_path):
+    """troupe computes no sliding window, so a model with one is exact up to the window and
+    refuses longer sequences; Qwen2's window from layer max_window_layers on, past the last
+    layer, slides nowhere: the whole context, with transformers' logits."""
+    for name, cls, cfg, seq_len in [
+            ("nowhere", transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+                **TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                max_window_layers=2), 128),
+            ("qwen2", transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+                **TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                max_window_layers=1), 8),
+            ("mistral", transformers.MistralForCausalLM, transformers.MistralConfig(
+                **TINY, num_key_value_heads=2, sliding_window=8), 8)]:
+        torch.manual_seed(0)
+        reference = cls(cfg).eval()
+        reference.save_pretrained(tmp_path / name)
+        ours = from_pretrained(tmp_path / name)
+        assert ours.cfg.seq_len == seq_len, name
+        ids = _ids()[:, :seq_len]
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids)[0], reference(input_ids=ids).logits,
+                                       atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True),
                                         ("scale_attn_weights", False)])
 def test_gpt2_attention_scaled_otherwise_is_refused_not_loaded(tmp_path, key, value):

@@ -94,7 +94,7 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         old = scaling["original_max_position_embeddings"]
         if scaling.get("factor") is None and type(old) is int and old > 0:
             scaling["factor"] = seq_len / old
-    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+    if _slides(hf, kind):
         seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
     bias = hf.get("attention_bias", False)
     moe = None
@@ -122,6 +122,21 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
+
+
+def _slides(hf: dict[str, Any], kind: str) -> bool:
+    """Whether some layer attends through a sliding window (which troupe does not compute, so
+    the context is cut to the window): Mistral's and Mixtral's every layer when sliding_window
+    is set; Qwen2's from layer max_window_layers on, with use_sliding_window; or as
+    layer_types says, where config.json lists them."""
+    if not hf.get("sliding_window"):
+        return False
+    if isinstance(hf.get("layer_types"), list):
+        return "sliding_attention" in hf["layer_types"]
+    if kind in ("qwen2", "qwen2_moe"):
+        return bool(hf.get("use_sliding_window")) and \
+            hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+    return True
 
 
 def read_config(directory: str | Path) -> GPTConfig:
