@@ -1,7 +1,8 @@
 """Hugging Face checkpoints through troupe's decoder: the same logits as transformers (fp32)
 on tiny random Llama, Qwen2, Mistral, GPT-2, Mixtral and Qwen2-MoE models built offline
-(among them rotary scaling linear, llama3 and yarn, and heads wider than hidden_size /
-num_attention_heads), and an export that transformers loads back to the same logits."""
+(among them rotary scaling linear, llama3 and yarn, sliding windows, and heads wider than
+hidden_size / num_attention_heads), and an export that transformers loads back to the same
+logits."""
 
 import json
 
@@ -42,6 +43,12 @@ CONFIGS = {
             "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
     "mistral": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
         **TINY, num_key_value_heads=1, sliding_window=None)),
+    # Mistral 7B v0.1's sliding window (4096 there), shorter than the tests' sequences
+    "mistral-sliding-window": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **TINY, num_key_value_heads=2, sliding_window=6)),
+    "qwen2-sliding-window": lambda: (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        **TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1)),
     # heads wider than hidden_size / num_attention_heads, as Mistral-Nemo's 32 x 128 over 5120
     "mistral-head-dim": lambda: (transformers.MistralForCausalLM, transformers.MistralConfig(
         **TINY, num_key_value_heads=2, head_dim=16, sliding_window=None)),
@@ -261,28 +268,34 @@ def test_a_hostile_config_json_is_one_line_naming_the_key(llama_dir, config, mat
         check_pretrained(str(llama_dir))
 
 
-def test_the_context_is_cut_to_a_sliding_window_only_where_a_layer_slides(tmp_path):
-    """troupe computes no sliding window, so a model with one is exact up to the window and
-    refuses longer sequences; Qwen2's window from layer max_window_layers on, past the last
-    layer, slides nowhere: the whole context, with transformers' logits."""
-    for name, cls, cfg, seq_len in [
+def test_a_sliding_window_slides_where_config_json_says(tmp_path):
+    """Which layers slide, read as transformers reads them; and the window changes the logits
+    (so the sliding configurations above would fail without it)."""
+    from troupe.models.hf_config import read_config
+    for name, cls, cfg, layers in [
             ("nowhere", transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
                 **TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-                max_window_layers=2), 128),
+                max_window_layers=2), None),
+            ("off", transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+                **TINY, num_key_value_heads=2, use_sliding_window=False, sliding_window=8), None),
             ("qwen2", transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
                 **TINY, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-                max_window_layers=1), 8),
+                max_window_layers=1), [1]),
             ("mistral", transformers.MistralForCausalLM, transformers.MistralConfig(
-                **TINY, num_key_value_heads=2, sliding_window=8), 8)]:
-        torch.manual_seed(0)
-        reference = cls(cfg).eval()
-        reference.save_pretrained(tmp_path / name)
-        ours = from_pretrained(tmp_path / name)
-        assert ours.cfg.seq_len == seq_len, name
-        ids = _ids()[:, :seq_len]
-        with torch.no_grad():
-            torch.testing.assert_close(ours(ids)[0], reference(input_ids=ids).logits,
-                                       atol=2e-5, rtol=1e-4)
+                **TINY, num_key_value_heads=2, sliding_window=8), "all")]:
+        cls(cfg).save_pretrained(tmp_path / name)
+        ours = read_config(tmp_path / name)
+        assert (ours.sliding_layers or "all" if ours.sliding_window else None) == layers, name
+    windowed = from_pretrained(tmp_path / "mistral")
+    unbounded = GPT(windowed.cfg.model_copy(update=dict(sliding_window=None)))
+    unbounded.load_state_dict(windowed.state_dict())
+    with torch.no_grad():
+        assert (windowed(_ids())[0] - unbounded(_ids())[0]).abs().max() > 1e-3
+        torch.testing.assert_close(windowed(_ids()[:, :8])[0], unbounded(_ids()[:, :8])[0])
+    cfg = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**cfg, "sliding_window": "8"}))
+    with pytest.raises(ValueError, match="config.json: sliding_window='8' must be a positive"):
+        read_config(tmp_path / "mistral")
 
 
 @pytest.mark.parametrize("key, value", [("scale_attn_by_inverse_layer_idx", True),

@@ -57,6 +57,9 @@ ARCHS = {
     "llama": dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False,
                   mlp_bias=False),
     "gpt2": dict(),  # learned positions
+    # Mistral's sliding window, shorter than the rows, in one layer of two
+    "sliding": dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False,
+                    mlp_bias=False, sliding_window=4, sliding_layers=[1]),
 }
 
 

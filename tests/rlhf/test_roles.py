@@ -339,6 +339,8 @@ ARCHS = [
     dict(),  # troupe's GPT: learned positions, LayerNorm, GELU
     dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False),  # Llama
     dict(moe=dict(num_experts=4, top_k=2, capacity_factor=100.0)),  # MoE (no token dropped)
+    dict(positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=2, out_bias=False,
+         sliding_window=5),  # Mistral: a sliding window shorter than the rows
 ]
 
 

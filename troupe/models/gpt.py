@@ -25,13 +25,18 @@ from troupe.models.packing import segment_mask, segment_positions
 
 class GPTConfig(Config):
     """One decoder for the GPT-2 and Llama families. d_ff defaults to 4 * d_model; moe=None
-    gives a dense model. Each head is d_model / n_head wide (n_head must divide d_model) unless
-    head_dim says otherwise (Mistral-Nemo's 32 heads of 128 over a width of 5120); sizes are
-    bounded so that a typo fails here, not as a 50 GB allocation. The defaults are troupe's own GPT; the family knobs:
-    norm (layernorm | rmsnorm, with norm_eps), positions (learned | rope, with rope_theta and
-    rope_scaling), mlp (gelu | gelu_tanh | swiglu; MoE experts follow it, as in Mixtral),
-    n_kv_head (grouped-query attention), the biases of the attention's qkv and output and of
-    the MLP (and experts), and tied embeddings.
+    gives a dense model. Sizes are bounded so that a typo fails here, not as a 50 GB
+    allocation. The defaults are troupe's own GPT; the family knobs:
+    - norm (layernorm | rmsnorm, with norm_eps);
+    - positions (learned | rope, with rope_theta and rope_scaling: linear, llama3 or yarn);
+    - mlp (gelu | gelu_tanh | swiglu; MoE experts follow it, as in Mixtral);
+    - n_kv_head (grouped-query attention); head_dim, each head's width when it is not
+      d_model / n_head (Mistral-Nemo's 32 heads of 128 over a width of 5120; without it
+      n_head must divide d_model);
+    - sliding_window: each token attends to itself and the sliding_window - 1 before it, as
+      in Mistral, in the layers sliding_layers lists (all when None);
+    - the biases of the attention's qkv and output and of the MLP (and experts), and tied
+      embeddings.
     troupe.models.from_pretrained builds it from a Hugging Face config.json."""
 
     vocab_size: int = Field(default=257, ge=2, le=1 << 22)
@@ -50,6 +55,8 @@ class GPTConfig(Config):
     mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
     n_kv_head: int | None = Field(default=None, ge=1, le=1024)
     head_dim: int | None = Field(default=None, ge=1, le=1 << 12)
+    sliding_window: int | None = Field(default=None, ge=1)
+    sliding_layers: list[int] | None = None
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
@@ -93,6 +100,13 @@ class GPTConfig(Config):
             raise ValueError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head}")
         if self.positions == "rope" and self.head_size % 2:
             raise ValueError(f"positions=rope needs an even head size, not {self.head_size}")
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("sliding_layers needs a sliding_window")
+            bad = [i for i in self.sliding_layers if not 0 <= i < self.n_layer]
+            if bad:
+                raise ValueError(f"sliding_layers: {bad[0]} is not a layer of "
+                                 f"0..{self.n_layer - 1}")
         if self.moe is not None and self.mlp == "gelu_tanh":
             raise ValueError("MoE experts are exact-GELU or SwiGLU MLPs: mlp=gelu_tanh has none")
         if self.moe is not None and self.moe.residual and self.mlp != "gelu":
@@ -107,6 +121,12 @@ class GPTConfig(Config):
     def head_size(self) -> int:
         """Each attention head's width: head_dim, else d_model / n_head."""
         return self.head_dim or self.d_model // self.n_head
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier token)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     def moe_layers(self) -> list[int]:
         """Indices of the blocks whose feed-forward is MoE."""
@@ -176,13 +196,15 @@ class PrefixTree:
             up = [i.index_select(0, parents) for i in self.index[-1]] if self.index else []
             self.index.append(up + [own])
         # each level's keys: its ancestors' columns, then its own; masks and positions
-        self.masks, pos = [], []
+        self.masks, self.key_positions, pos = [], [], []
         for l, valid in enumerate(self.valid):
             path = torch.cat([self.valid[j].index_select(0, self.index[l][j])
                               for j in range(l)] + [valid], 1)
             self.masks.append(attention_mask(path, valid.shape[1]))
-            pos.append((path.long().cumsum(1) - 1).clamp_min(0)[:, -valid.shape[1]:])
+            self.key_positions.append((path.long().cumsum(1) - 1).clamp_min(0))
+            pos.append(self.key_positions[-1][:, -valid.shape[1]:])
         self.positions = torch.cat([p.reshape(1, -1) for p in pos], 1)  # (1, tokens)
+        self.windowed: dict[int, list[torch.Tensor]] = {}  # window -> each level's mask
         self.sizes = [v.numel() for v in self.valid]
         self.span = sum(v.shape[1] for v in self.valid)  # a row's whole path, padding included
 
@@ -196,19 +218,26 @@ class PrefixTree:
                 for x, v in zip(h_1TC[0].split(self.sizes), self.valid)]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
-               gqa: bool) -> torch.Tensor:
+               gqa: bool, window: int | None = None) -> torch.Tensor:
         """Attention over the tree: q (1, H, tokens, D), k and v (1, Hkv, tokens, D) of the
-        packed sequence -> (1, H, tokens, D)."""
+        packed sequence -> (1, H, tokens, D); within ``window`` positions when given."""
         def levels(x):  # (1, h, tokens, D) -> per level (rows, h, width, D)
             return [part.view(x.shape[1], *val.shape, x.shape[3]).transpose(0, 1)
                     for part, val in zip(x[0].split(self.sizes, 1), self.valid)]
         qs, ks, vs = levels(q), levels(k), levels(v)
+        masks = self.masks
+        if window is not None and window < self.span:
+            if window not in self.windowed:
+                self.windowed[window] = [
+                    within_window(m, kp[:, -v.shape[1]:], kp, window)
+                    for m, kp, v in zip(self.masks, self.key_positions, self.valid)]
+            masks = self.windowed[window]
         out = []
         for l in range(len(qs)):
             keys = torch.cat([ks[j].index_select(0, self.index[l][j]) for j in range(l + 1)], 2)
             values = torch.cat([vs[j].index_select(0, self.index[l][j])
                                 for j in range(l + 1)], 2)
-            y = F.scaled_dot_product_attention(qs[l], keys, values, attn_mask=self.masks[l],
+            y = F.scaled_dot_product_attention(qs[l], keys, values, attn_mask=masks[l],
                                                dropout_p=dropout, enable_gqa=gqa)
             out.append(y.transpose(0, 1).reshape(y.shape[1], -1, y.shape[3]))
         return torch.cat(out, 1).unsqueeze(0)
@@ -218,10 +247,11 @@ class Attention(nn.Module):
     """Causal self-attention; q, k and v come from one projection (q heads, then k and v with
     ``n_kv_head`` heads each); rotary positions when the config says so."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, window: int | None = None):
         super().__init__()
         self.n_head, self.n_kv, self.dropout = cfg.n_head, cfg.kv_heads, cfg.dropout
         self.head_dim = cfg.head_size
+        self.window = window  # sliding: keys fewer than ``window`` positions back (GPT.hidden)
         # troupe's own GPT has no qkv bias: a key bias gets exactly zero gradient (softmax
         # ignores a shift shared by all keys), so its frozen variance would be zero and 1-bit
         # momentum noise would blow it up. Qwen2 has one.
@@ -255,7 +285,7 @@ class Attention(nn.Module):
         gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
         # read in place by the attention kernel (no copy of the cache per step)
         if isinstance(cache, PrefixTree):
-            return self.proj(cache.attend(q, k, v, dropout, gqa).transpose(1, 2)
+            return self.proj(cache.attend(q, k, v, dropout, gqa, self.window).transpose(1, 2)
                              .reshape(B, T, H * D))
         if cache is not None:  # append this step's keys and values, attend over all so far
             k, v = cache.extend(layer, k, v)
@@ -274,11 +304,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, ffn: nn.Module):
+    def __init__(self, cfg: GPTConfig, ffn: nn.Module, window: int | None = None):
         super().__init__()
         self.ln1 = norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ln2 = norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.attn, self.ffn = Attention(cfg), ffn
+        self.attn, self.ffn = Attention(cfg, window), ffn
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
@@ -312,9 +342,10 @@ class GPT(nn.Module):
                 else:
                     ffn = MoE(cfg.d_model, cfg.moe.expert_d_ff or d_ff, E, cfg.moe, cfg.mlp,
                               cfg.mlp_bias)
-                blocks.append(Block(cfg, ffn))
+                blocks.append(Block(cfg, ffn, cfg.window(i)))
             else:
-                blocks.append(Block(cfg, MLP(cfg.d_model, d_ff, cfg.mlp, cfg.mlp_bias)))
+                blocks.append(Block(cfg, MLP(cfg.d_model, d_ff, cfg.mlp, cfg.mlp_bias),
+                                    cfg.window(i)))
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if cfg.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -438,6 +469,18 @@ class GPT(nn.Module):
         else:
             pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
             mask = attention_mask(valid_BS, T)
+        # The layers that slide see only the keys less than their window behind; None where
+        # no row is longer than the window (it changes nothing) or a tree attends (it has its
+        # own masks). The keys' positions count real tokens, as the queries' do.
+        slid = None
+        window = self.cfg.sliding_window
+        if window is not None and window < span and not isinstance(cache, PrefixTree):
+            keys = (pos if segments_BT is not None
+                    else torch.arange(L + T, device=idx_BT.device)[None] if valid_BS is None
+                    else (valid_BS.long().cumsum(1) - 1).clamp_min(0))
+            slid = within_window(mask, pos if pos.dim() == 2 else pos[None], keys, window)
+            if T == 1 and slid.shape[0] != B:  # the decode kernel takes one row per sequence
+                slid = slid.expand(B, -1, -1, -1)
         x = self.embed(idx_BT, pos)  # (B, T, C)
         angles = None
         if self.cfg.positions == "rope":  # shared by every layer (the same frequencies)
@@ -445,13 +488,14 @@ class GPT(nn.Module):
             angles = rope_angles(pos, attn.inv_freq, attn.rope_scale)
         aux = x.new_zeros(())
         for i, block in enumerate(self.blocks):
+            m = slid if slid is not None and block.attn.window is not None else mask
             if ltd is not None and i in ltd[1] and ltd[0] < T:
                 x, a = _through_subset(block, x, ltd[0], ltd[2])
             elif self.checkpoint_activations and self.training and torch.is_grad_enabled():
-                x, a = torch.utils.checkpoint.checkpoint(block, x, mask, cache, i, pos, angles,
+                x, a = torch.utils.checkpoint.checkpoint(block, x, m, cache, i, pos, angles,
                                                          use_reentrant=False)
             else:
-                x, a = block(x, mask, cache, i, pos, angles)
+                x, a = block(x, m, cache, i, pos, angles)
             aux = aux + a
         if cache is not None:
             cache.length += T
@@ -468,15 +512,28 @@ def attention_mask(valid_BS: torch.Tensor, T: int) -> torch.Tensor:
     return (mask | (k == q)).unsqueeze(1)
 
 
+def within_window(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  window: int) -> torch.Tensor:
+    """``mask`` (B, 1, T, S) narrowed to a sliding window: a query at position p sees only
+    keys at positions above p - window (itself and the window - 1 before it). Positions
+    count real tokens: q_pos (B or 1, T), k_pos (B or 1, S). A mask of None is causal over
+    the positions (as ``is_causal``)."""
+    gap = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, S)
+    near = ((gap < window) & (gap >= 0) if mask is None else gap < window).unsqueeze(1)
+    return near if mask is None else mask & near
+
+
 def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,
                     gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random-LTD: ``keep`` random positions of each sequence, in order, go through the block."""
     B, T, C = x_BTC.shape
     idx_BK = torch.rand(B, T, generator=gen, device=gen.device).argsort(dim=1)[:, :keep]
-    idx_BK = idx_BK.sort(dim=1).values
-    idx_BKC = idx_BK.to(x_BTC.device)[:, :, None].expand(B, keep, C)
-    # causal among the kept, in order, each at its own position
-    y, aux = block(torch.gather(x_BTC, 1, idx_BKC), pos=idx_BK.to(x_BTC.device))
+    idx_BK = idx_BK.sort(dim=1).values.to(x_BTC.device)
+    idx_BKC = idx_BK[:, :, None].expand(B, keep, C)
+    # causal among the kept, in order, each at its own position (and within a sliding window)
+    window = block.attn.window
+    mask = within_window(None, idx_BK, idx_BK, window) if window is not None else None
+    y, aux = block(torch.gather(x_BTC, 1, idx_BKC), mask, pos=idx_BK)
     return x_BTC.scatter(1, idx_BKC, y), aux
 
 

@@ -94,8 +94,7 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         old = scaling["original_max_position_embeddings"]
         if scaling.get("factor") is None and type(old) is int and old > 0:
             scaling["factor"] = seq_len / old
-    if _slides(hf, kind):
-        seq_len = min(seq_len, hf["sliding_window"])  # exact up to the window
+    window, sliding = _sliding(hf, kind, where) if kind != "llama" else (None, None)
     bias = hf.get("attention_bias", False)
     moe = None
     if kind == "mixtral":
@@ -115,7 +114,8 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
         n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
-        n_kv_head=hf.get("num_key_value_heads") or heads, head_dim=head_dim, norm="rmsnorm",
+        n_kv_head=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        sliding_window=window, sliding_layers=sliding, norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope",
         rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
         rope_scaling=scaling, mlp="swiglu",
@@ -124,19 +124,27 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
 
 
-def _slides(hf: dict[str, Any], kind: str) -> bool:
-    """Whether some layer attends through a sliding window (which troupe does not compute, so
-    the context is cut to the window): Mistral's and Mixtral's every layer when sliding_window
-    is set; Qwen2's from layer max_window_layers on, with use_sliding_window; or as
-    layer_types says, where config.json lists them."""
-    if not hf.get("sliding_window"):
-        return False
-    if isinstance(hf.get("layer_types"), list):
-        return "sliding_attention" in hf["layer_types"]
-    if kind in ("qwen2", "qwen2_moe"):
-        return bool(hf.get("use_sliding_window")) and \
-            hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
-    return True
+def _sliding(hf: dict[str, Any], kind: str, where: str) -> tuple[int | None, list[int] | None]:
+    """(sliding_window, sliding_layers) of GPTConfig: Mistral's and Mixtral's window in every
+    layer; Qwen2's from layer max_window_layers on, with use_sliding_window; or the layers
+    layer_types marks "sliding_attention", where config.json lists them. (None, None): no
+    layer slides (a window of null or 0, as transformers writes for none)."""
+    window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if window is None or window is False or window == 0:
+        return None, None
+    if type(window) is not int or window < 0:
+        raise ValueError(f"{where}: sliding_window={window!r} must be a positive integer")
+    types = hf.get("layer_types")
+    if isinstance(types, list):
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    elif kind in ("qwen2", "qwen2_moe"):
+        first = hf.get("max_window_layers", 0)
+        layers = list(range(first, n)) if hf.get("use_sliding_window") else []
+    else:
+        layers = list(range(n))
+    if not layers:
+        return None, None
+    return window, None if layers == list(range(n)) else layers
 
 
 def read_config(directory: str | Path) -> GPTConfig:
@@ -178,9 +186,11 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
                          "positions, RMSNorm and SwiGLU experts (troupe's PR-MoE GPT has none)")
     if cfg.positions == "learned":
         if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
-                cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias):
+                cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias) or \
+                cfg.sliding_window is not None or cfg.head_size * cfg.n_head != cfg.d_model:
             raise ValueError("save_pretrained: learned positions export as GPT-2, which needs "
-                             "LayerNorm, a GELU MLP with biases, tied embeddings, and no GQA")
+                             "LayerNorm, a GELU MLP with biases, tied embeddings, no GQA, no "
+                             "sliding window, and heads that span the width")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.d_model,
                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
@@ -197,6 +207,9 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     kind = "qwen2" if qwen else "llama"
     if cfg.moe is not None:
         kind = _moe_family(cfg)
+    window = _window_to_hf(cfg, kind)
+    if window.get("model_type"):
+        kind = window.pop("model_type")
     out = {"architectures": [LLAMA_FAMILY[kind]], "model_type": kind,
            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
            "intermediate_size": cfg.d_ff or 4 * cfg.d_model, "num_hidden_layers": cfg.n_layer,
@@ -207,12 +220,13 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
            "torch_dtype": "float32"}
     if cfg.head_dim is not None:
         out["head_dim"] = cfg.head_dim
+    out.update(window)
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     moe = cfg.moe
     if kind == "mixtral":
         out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None,
+                   router_aux_loss_coef=moe.aux_loss_coef,
                    router_jitter_noise=moe.jitter_eps if moe.noisy_gate == "jitter" else 0.0)
     if kind == "qwen2_moe":
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
@@ -220,8 +234,34 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
                    mlp_only_layers=moe.dense_layers, norm_topk_prob=moe.normalize_top_k,
                    moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"],
                    shared_expert_intermediate_size=moe.shared_expert_d_ff,
-                   qkv_bias=cfg.qkv_bias, use_sliding_window=False)
+                   qkv_bias=cfg.qkv_bias)
     return out
+
+
+def _window_to_hf(cfg: GPTConfig, kind: str) -> dict[str, Any]:
+    """config.json's keys for cfg's sliding window in family ``kind`` (with "model_type"
+    when the window moves a Llama to Mistral, the Llama layout that has one); a ValueError
+    where no family describes it."""
+    if kind == "mixtral":
+        base = {"sliding_window": None}
+    elif kind in ("qwen2", "qwen2_moe"):
+        base = {"use_sliding_window": False, "sliding_window": None}
+    else:
+        base = {}
+    if cfg.sliding_window is None:
+        return base
+    n = cfg.n_layer
+    layers = list(range(n)) if cfg.sliding_layers is None else sorted(cfg.sliding_layers)
+    if kind in ("qwen2", "qwen2_moe") and layers == list(range(layers[0], n)):
+        return {"use_sliding_window": True, "sliding_window": cfg.sliding_window,
+                "max_window_layers": layers[0]}
+    if layers == list(range(n)) and kind == "mixtral":
+        return {"sliding_window": cfg.sliding_window}
+    if layers == list(range(n)) and kind == "llama" and not (cfg.qkv_bias or cfg.mlp_bias):
+        return {"sliding_window": cfg.sliding_window, "model_type": "mistral"}
+    raise ValueError(f"save_pretrained: a sliding window in layers {layers} of {n} has no "
+                     "Hugging Face family: Mistral and Mixtral slide in every layer (Mistral "
+                     "without biases), Qwen2 from one layer to the last")
 
 
 def _moe_family(cfg: GPTConfig) -> str:

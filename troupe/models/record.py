@@ -25,9 +25,19 @@ from troupe.config import Config, ConfigError, validate
 from troupe.models.gpt import GPTConfig
 
 
+# GPTConfig's fields added after checkpoints began to carry records: in the hash only when
+# set, so that a checkpoint written before them keeps its hash (and is still read)
+LATER_FIELDS = ("head_dim", "sliding_window", "sliding_layers")
+
+
 def architecture_hash(arch: GPTConfig) -> str:
-    """SHA-256 of the architecture's canonical JSON (sorted keys, defaults filled in)."""
-    text = json.dumps(arch.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """SHA-256 of the architecture's canonical JSON (sorted keys, defaults filled in, apart
+    from LATER_FIELDS left unset)."""
+    fields = arch.model_dump(mode="json")
+    for key in LATER_FIELDS:
+        if fields[key] is None:
+            del fields[key]
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
