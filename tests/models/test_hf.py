@@ -1,8 +1,8 @@
 """Hugging Face checkpoints through troupe's decoder: the same logits as transformers (fp32)
-on tiny random Llama, Qwen2, Mistral, GPT-2, Mixtral and Qwen2-MoE models built offline
-(among them rotary scaling linear, llama3 and yarn, sliding windows, and heads wider than
-hidden_size / num_attention_heads), and an export that transformers loads back to the same
-logits."""
+on tiny random Llama, Qwen2, Qwen3, Mistral, GPT-2, Mixtral, Qwen2-MoE and Qwen3-MoE models
+built offline (among them rotary scaling linear, llama3 and yarn, sliding windows, and heads
+wider than hidden_size / num_attention_heads), and an export that transformers loads back to
+the same logits."""
 
 import json
 
@@ -55,6 +55,14 @@ CONFIGS = {
     "gpt2": lambda: (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=97, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "mixtral": lambda: (transformers.MixtralForCausalLM, MIXTRAL()),
+    # q and k RMS-normalised per head, heads of 16 over a width of 32, as Qwen3's 128 over 1024
+    "qwen3": lambda: (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        **TINY, num_key_value_heads=2, head_dim=16)),
+    # no shared expert; top-k weights renormalised; block 1 dense
+    "qwen3-moe": lambda: (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+        **{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+        mlp_only_layers=[1], norm_topk_prob=True)),
     # a shared expert, top-k weights not renormalised, block 1 dense, narrower experts
     "qwen2-moe": lambda: (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
         **{**TINY, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=4,

@@ -54,9 +54,10 @@ class DecodeLayers:
         if cfg is None or blocks is None or cfg.positions != "rope" or cfg.norm != "rmsnorm":
             return None
         D = cfg.head_size
-        # the native step's heads span the residual width, and its rotation is unscaled
+        # the native step's heads span the residual width, its rotation is unscaled and its
+        # q and k are not normalised
         scale = getattr(getattr(blocks[0], "attn", None), "rope_scale", 1.0)
-        if cfg.n_head * D != cfg.d_model or scale != 1.0:
+        if cfg.n_head * D != cfg.d_model or scale != 1.0 or cfg.qk_norm:
             return None
         native, attention = _extension(), _attention_extension()
         if native is None or attention is None or not attention.supports(D) \

@@ -17,7 +17,7 @@ from torch import nn
 from troupe.config import Config
 from troupe.devices import precision_dtype
 from troupe.kernels.decode_attention import decode_attention
-from troupe.models.layers import (ROPE_TYPES, MLP, apply_rope, norm, rope_angles,
+from troupe.models.layers import (ROPE_TYPES, MLP, RMSNorm, apply_rope, norm, rope_angles,
                                   rope_attention_factor, rope_frequencies)
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 from troupe.models.packing import segment_mask, segment_positions
@@ -30,7 +30,8 @@ class GPTConfig(Config):
     - norm (layernorm | rmsnorm, with norm_eps);
     - positions (learned | rope, with rope_theta and rope_scaling: linear, llama3 or yarn);
     - mlp (gelu | gelu_tanh | swiglu; MoE experts follow it, as in Mixtral);
-    - n_kv_head (grouped-query attention); head_dim, each head's width when it is not
+    - n_kv_head (grouped-query attention); qk_norm (each head's q and k RMS-normalised before
+      rotation, as in Qwen3); head_dim, each head's width when it is not
       d_model / n_head (Mistral-Nemo's 32 heads of 128 over a width of 5120; without it
       n_head must divide d_model);
     - sliding_window: each token attends to itself and the sliding_window - 1 before it, as
@@ -57,6 +58,7 @@ class GPTConfig(Config):
     head_dim: int | None = Field(default=None, ge=1, le=1 << 12)
     sliding_window: int | None = Field(default=None, ge=1)
     sliding_layers: list[int] | None = None
+    qk_norm: bool = False
     qkv_bias: bool = False
     out_bias: bool = True
     mlp_bias: bool = True
@@ -263,6 +265,10 @@ class Attention(nn.Module):
             self.register_buffer("inv_freq", rope_frequencies(
                 self.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
             self.rope_scale = rope_attention_factor(cfg.rope_scaling)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | PrefixTree | None = None, layer: int = 0,
@@ -272,6 +278,9 @@ class Attention(nn.Module):
         B, T, _ = x_BTC.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_dim
         qkv = self.qkv(x_BTC).view(B, T, H + 2 * Hkv, D)
+        if self.qk_norm:
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], 2)
         if self.rope:  # q and k rotated together (their heads side by side in qkv)
             if angles is None:
                 pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
@@ -375,7 +384,7 @@ class GPT(nn.Module):
                     continue
                 if name.endswith("bias"):
                     p.zero_()
-                elif ".ln" in name or name.startswith("ln_"):  # norm weights
+                elif ".ln" in name or name.startswith("ln_") or name.endswith("_norm.weight"):
                     p.fill_(1.0)
                 else:
                     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))

@@ -4,10 +4,11 @@ GPT becomes a directory that transformers loads. No hub access. (config.json's m
 troupe.models.hf_config.)
 
 Supported: GPT-2 (GPT2LMHeadModel) and the Llama family (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, and MixtralForCausalLM and Qwen2MoeForCausalLM, whose sparse blocks become
-troupe MoE layers: the router is the gate, dropless softmax top-k (renormalised or not), the
-experts troupe's stacked SwiGLU experts, Qwen2-MoE's gated shared expert a dense MLP beside
-them; expert parallelism and quantization apply to them). Weights are read tensor
+Qwen2ForCausalLM, Qwen3ForCausalLM with its per-head q and k norms, and MixtralForCausalLM,
+Qwen2MoeForCausalLM and Qwen3MoeForCausalLM, whose sparse blocks become troupe MoE layers:
+the router is the gate, dropless softmax top-k (renormalised or not), the experts troupe's
+stacked SwiGLU experts, Qwen2-MoE's gated shared expert a dense MLP beside them; expert
+parallelism and quantization apply to them). Weights are read tensor
 by tensor (plain reads, no memory map) into a model built on the meta device, so loading holds
 one copy of the model and one tensor. A name
 map per family says which Hugging Face tensors make each troupe parameter: q, k and v
@@ -66,6 +67,9 @@ def _weight_map(cfg: GPTConfig, kind: str) -> dict[str, tuple[list[str], str]]:
         out[f"{b}attn.qkv.weight"] = ([f"{n}.weight" for n in qkv], "concat")
         if cfg.qkv_bias:
             out[f"{b}attn.qkv.bias"] = ([f"{n}.bias" for n in qkv], "concat")
+        if cfg.qk_norm:
+            out[f"{b}attn.q_norm.weight"] = ([f"{h}self_attn.q_norm.weight"], "one")
+            out[f"{b}attn.k_norm.weight"] = ([f"{h}self_attn.k_norm.weight"], "one")
         out[f"{b}attn.proj.weight"] = ([f"{h}self_attn.o_proj.weight"], "one")
         if cfg.out_bias:
             out[f"{b}attn.proj.bias"] = ([f"{h}self_attn.o_proj.bias"], "one")

@@ -16,7 +16,9 @@ from troupe.models.moe import MoEConfig
 
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM"}
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM"}
+QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # sliding from layer max_window_layers on
 SUPPORTED = ("gpt2", *LLAMA_FAMILY)
 
 
@@ -103,13 +105,15 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
                         top_k=hf["num_experts_per_tok"], dropless=True,
                         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                         noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
-    elif kind == "qwen2_moe":
-        moe = MoEConfig(num_experts=hf["num_experts"], expert_interval=hf["decoder_sparse_step"],
+    elif kind in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: Qwen2-MoE without a shared expert
+        experts = hf["num_experts"] if "num_experts" in hf or kind == "qwen2_moe" \
+            else hf["num_local_experts"]
+        moe = MoEConfig(num_experts=experts, expert_interval=hf.get("decoder_sparse_step", 1),
                         top_k=hf["num_experts_per_tok"], dropless=True,
                         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
                         dense_layers=hf.get("mlp_only_layers") or [],
                         expert_d_ff=hf["moe_intermediate_size"],
-                        normalize_top_k=hf.get("norm_topk_prob", False),
+                        normalize_top_k=hf.get("norm_topk_prob", kind == "qwen3_moe"),
                         shared_expert_d_ff=hf.get("shared_expert_intermediate_size") or None)
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
@@ -121,6 +125,7 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         rope_scaling=scaling, mlp="swiglu",
         qkv_bias=bias or kind == "qwen2" or (kind == "qwen2_moe" and hf.get("qkv_bias", True)),
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
 
 
@@ -137,7 +142,7 @@ def _sliding(hf: dict[str, Any], kind: str, where: str) -> tuple[int | None, lis
     types = hf.get("layer_types")
     if isinstance(types, list):
         layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    elif kind in ("qwen2", "qwen2_moe"):
+    elif kind in QWEN:
         first = hf.get("max_window_layers", 0)
         layers = list(range(first, n)) if hf.get("use_sliding_window") else []
     else:
@@ -205,7 +210,9 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     if cfg.qkv_bias != cfg.out_bias and not qwen:
         raise ValueError("save_pretrained: an output bias without a qkv bias has no HF family")
     kind = "qwen2" if qwen else "llama"
-    if cfg.moe is not None:
+    if cfg.qk_norm:
+        kind = _qwen3_family(cfg)
+    elif cfg.moe is not None:
         kind = _moe_family(cfg)
     window = _window_to_hf(cfg, kind)
     if window.get("model_type"):
@@ -223,19 +230,41 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     out.update(window)
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    if kind in ("qwen3", "qwen3_moe"):
+        out["attention_bias"] = cfg.qkv_bias
     moe = cfg.moe
     if kind == "mixtral":
         out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                    router_aux_loss_coef=moe.aux_loss_coef,
                    router_jitter_noise=moe.jitter_eps if moe.noisy_gate == "jitter" else 0.0)
-    if kind == "qwen2_moe":
+    if kind in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                    router_aux_loss_coef=moe.aux_loss_coef, decoder_sparse_step=moe.expert_interval,
                    mlp_only_layers=moe.dense_layers, norm_topk_prob=moe.normalize_top_k,
-                   moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"],
-                   shared_expert_intermediate_size=moe.shared_expert_d_ff,
-                   qkv_bias=cfg.qkv_bias)
+                   moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"])
+    if kind == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=moe.shared_expert_d_ff, qkv_bias=cfg.qkv_bias)
     return out
+
+
+def _qwen3_family(cfg: GPTConfig) -> str:
+    """Qwen3, or Qwen3-MoE for an MoE config: the families whose heads normalise q and k
+    (qk_norm); a ValueError saying what they cannot describe."""
+    moe = cfg.moe
+    why = [reason for bad, reason in (
+        (cfg.qkv_bias != cfg.out_bias, "a bias on all of q, k, v and the output or on none"),
+        (cfg.mlp_bias, "no MLP biases"),
+        (moe is not None and not isinstance(moe.num_experts, int),
+         "one expert count for all layers"),
+        (moe is not None and not moe.dropless, "dropless routing"),
+        (moe is not None and moe.residual, "no Residual MoE"),
+        (moe is not None and moe.noisy_gate == "rsample", "no rsample gate noise"),
+        (moe is not None and moe.shared_expert_d_ff is not None, "no shared expert"))
+        if bad]
+    if why:
+        raise ValueError("save_pretrained: q and k normalised per head (qk_norm) export as "
+                         "Qwen3 or Qwen3-MoE, which need " + ", ".join(why))
+    return "qwen3" if moe is None else "qwen3_moe"
 
 
 def _window_to_hf(cfg: GPTConfig, kind: str) -> dict[str, Any]:
@@ -244,7 +273,7 @@ def _window_to_hf(cfg: GPTConfig, kind: str) -> dict[str, Any]:
     where no family describes it."""
     if kind == "mixtral":
         base = {"sliding_window": None}
-    elif kind in ("qwen2", "qwen2_moe"):
+    elif kind in QWEN:
         base = {"use_sliding_window": False, "sliding_window": None}
     else:
         base = {}
@@ -252,7 +281,7 @@ def _window_to_hf(cfg: GPTConfig, kind: str) -> dict[str, Any]:
         return base
     n = cfg.n_layer
     layers = list(range(n)) if cfg.sliding_layers is None else sorted(cfg.sliding_layers)
-    if kind in ("qwen2", "qwen2_moe") and layers == list(range(layers[0], n)):
+    if kind in QWEN and layers == list(range(layers[0], n)):
         return {"use_sliding_window": True, "sliding_window": cfg.sliding_window,
                 "max_window_layers": layers[0]}
     if layers == list(range(n)) and kind == "mixtral":
@@ -261,7 +290,7 @@ def _window_to_hf(cfg: GPTConfig, kind: str) -> dict[str, Any]:
         return {"sliding_window": cfg.sliding_window, "model_type": "mistral"}
     raise ValueError(f"save_pretrained: a sliding window in layers {layers} of {n} has no "
                      "Hugging Face family: Mistral and Mixtral slide in every layer (Mistral "
-                     "without biases), Qwen2 from one layer to the last")
+                     "without biases), Qwen2 and Qwen3 from one layer to the last")
 
 
 def _moe_family(cfg: GPTConfig) -> str:

@@ -25,17 +25,19 @@ from troupe.config import Config, ConfigError, validate
 from troupe.models.gpt import GPTConfig
 
 
-# GPTConfig's fields added after checkpoints began to carry records: in the hash only when
-# set, so that a checkpoint written before them keeps its hash (and is still read)
-LATER_FIELDS = ("head_dim", "sliding_window", "sliding_layers")
+# GPTConfig's fields added after checkpoints began to carry records, with their defaults: in
+# the hash only when set otherwise, so that a checkpoint written before them keeps its hash
+# (and is still read)
+LATER_FIELDS = {"head_dim": None, "sliding_window": None, "sliding_layers": None,
+                "qk_norm": False}
 
 
 def architecture_hash(arch: GPTConfig) -> str:
     """SHA-256 of the architecture's canonical JSON (sorted keys, defaults filled in, apart
-    from LATER_FIELDS left unset)."""
+    from LATER_FIELDS at their defaults)."""
     fields = arch.model_dump(mode="json")
-    for key in LATER_FIELDS:
-        if fields[key] is None:
+    for key, default in LATER_FIELDS.items():
+        if fields[key] == default:
             del fields[key]
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
