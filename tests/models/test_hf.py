@@ -103,6 +103,26 @@ def test_same_logits_as_transformers(hf_dir):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral-sliding-window", "qwen2-sliding-window",
+                                  "llama-yarn-mscale", "qwen3", "mistral-head-dim"])
+def test_same_logits_on_cuda(name, tmp_path):
+    """The attention variants on the GPU (masks, scaled rotations and q/k norms built on the
+    device): transformers' CPU logits, left-padded rows too."""
+    cls, cfg = CONFIGS[name]()
+    torch.manual_seed(0)
+    reference = cls(cfg).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf").cuda()
+    ids = _ids()
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[0, :4] = False
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=valid.long()).logits
+        got = ours.logits(ours.hidden(ids.cuda(), valid_BS=valid.cuda())[0]).cpu()
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+
+
 def test_left_padded_batches_and_the_cache_agree_with_a_plain_forward(hf_dir):
     """Positions count real tokens only (rotary too), and decoding with the KV cache gives
     the logits of recomputing the whole sequence."""
