@@ -65,8 +65,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
         if scaling.get("truncate", True):
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low)
-                / (high - low if high != low else 0.001)).clamp(0, 1)
+        dims = torch.arange(head_dim // 2, dtype=torch.float32)  # host: beside ``inv``
+        ramp = ((dims - low) / (high - low if high != low else 0.001)).clamp(0, 1)
         return inv / factor * ramp + inv * (1 - ramp)
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     wavelen = 2 * math.pi / inv
