@@ -1,6 +1,7 @@
 """The decode step in a few native calls per layer (troupe.kernels.decode_layers) gives the
 hidden states of GPT.hidden for one new token per sequence, for fp32 packed and W8A8 layers,
-with grouped-query heads, a qkv bias and widths that are not multiples of 16, over left-padded
+with grouped-query heads, a qkv bias, widths that are not multiples of 16, heads that do not
+span the width, q and k norms, YaRN's scaled rotations and a sliding window, over left-padded
 rows; the engine's tokens are the same with it and without it."""
 
 import pytest
@@ -58,8 +59,13 @@ def _steps(model, fused, steps=5):
     return out
 
 
-@pytest.mark.parametrize("kw", [dict(n_kv_head=2), dict(n_kv_head=1, qkv_bias=True),
-                                dict(n_kv_head=4, d_ff=40)])
+@pytest.mark.parametrize("kw", [
+    dict(n_kv_head=2), dict(n_kv_head=1, qkv_bias=True), dict(n_kv_head=4, d_ff=40),
+    dict(n_kv_head=2, head_dim=32),  # 4 heads of 32 over a width of 64 (Mistral-Nemo's layout)
+    dict(n_kv_head=2, qk_norm=True),  # Qwen3
+    dict(n_kv_head=2, rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                        original_max_position_embeddings=16)),
+    dict(n_kv_head=2, sliding_window=4, sliding_layers=[1, 2])])  # rows of up to 12 tokens
 def test_fp32_packed_layers_give_the_hidden_states_of_the_model(kw):
     model = _model(**kw)
     fused = DecodeLayers.of(model, small_gemm.DecodeWeights(model))

@@ -54,11 +54,6 @@ class DecodeLayers:
         if cfg is None or blocks is None or cfg.positions != "rope" or cfg.norm != "rmsnorm":
             return None
         D = cfg.head_size
-        # the native step's heads span the residual width, its rotation is unscaled and its
-        # q and k are not normalised
-        scale = getattr(getattr(blocks[0], "attn", None), "rope_scale", 1.0)
-        if cfg.n_head * D != cfg.d_model or scale != 1.0 or cfg.qk_norm:
-            return None
         native, attention = _extension(), _attention_extension()
         if native is None or attention is None or not attention.supports(D) \
                 or model.ln_f.weight.dtype != torch.float32 or model.device.type != "cpu":
@@ -93,9 +88,11 @@ class DecodeLayers:
                     and type(block.ln1) is RMSNorm and type(block.ln2) is RMSNorm):
                 return None
             attn, mlp = block.attn, block.ffn
+            norms = ((attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+                     if attn.qk_norm else (None, None))
             layers.append((block.ln1.weight.detach(), block.ln2.weight.detach(),
                            product(attn.qkv), product(attn.proj), product(mlp.fc),
-                           product(mlp.proj)))
+                           product(mlp.proj), *norms, attn.window is not None))
         emb = model.tok_emb
         embedding = (emb.weight.detach() if type(emb) is nn.Embedding
                      and emb.weight.dtype == torch.float32 else None)
@@ -109,9 +106,11 @@ class DecodeLayers:
             logits = native.torch(embedding, None)
         else:
             logits = None
-        step = native.Step(layers, model.ln_f.weight.detach(), cfg.n_head, cfg.kv_heads, D,
-                           float(model.ln_f.eps), embedding,
-                           blocks[0].attn.inv_freq.float(), logits)
+        attn = blocks[0].attn
+        step = native.Step(layers, model.ln_f.weight.detach(), cfg.d_model, cfg.n_head,
+                           cfg.kv_heads, D, float(model.ln_f.eps), embedding,
+                           attn.inv_freq.float(), attn.rope_scale, cfg.sliding_window or 0,
+                           logits)
         return cls(model, step, embedding is not None, logits is not None, bool(routed))
 
     def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,

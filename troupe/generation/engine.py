@@ -459,12 +459,7 @@ class ContinuousBatcher:
         return self.packed.logits(h) if self.packed else self.model.logits(h)
 
     def _fused(self) -> DecodeLayers | None:
-        """The native step (if any), rebuilt if adapters were added since it was built; None
-        once the batch is longer than the model's sliding window, which the step does not
-        compute."""
-        window = getattr(getattr(self.model, "cfg", None), "sliding_window", None)
-        if window is not None and self.valid.shape[1] > window:
-            return None
+        """The native step (if any), rebuilt if adapters were added since it was built."""
         if self.fused is not None and self._fused_adapters != self._adapters_version():
             self.fused = DecodeLayers.of(self.model, self.packed)
             self._fused_adapters = self._adapters_version()

@@ -1,7 +1,8 @@
 // A whole decode step of a Llama-style decoder (one new token per sequence, a few sequences)
 // in one call: the token embeddings and rotary angles; per layer RMSNorm, the qkv product,
-// rotary positions on q and k (the half-split layout of Hugging Face's Llama) with k and v
-// written to the cache, attention over the cache, the output product, residual add + RMSNorm,
+// q's and k's per-head norms (Qwen3), rotary positions on q and k (the half-split layout of
+// Hugging Face's Llama) with k and v written to the cache, attention over the cache (within a
+// sliding window in the layers that slide), the output product, residual add + RMSNorm,
 // the gate/up product, SwiGLU, the down product, residual add + the next norm; then the logits,
 // each row's greedy choice and whether the row is finite (the sampler's first questions).
 //
@@ -182,23 +183,37 @@ using ProductPtr = std::shared_ptr<Product>;
 struct Layer {
   at::Tensor ln1, ln2;
   ProductPtr qkv, proj, fc, down;
+  c10::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm weights (D) of q and k (Qwen3)
+  bool slides;                               // attends within the step's sliding window
 };
 
 // The model's layers, their products and norms: ``run`` is one decode step through them.
 class Step {
  public:
-  // layers: (ln1, ln2, qkv, proj, fc, down) each; embedding: the (V, C) fp32 token embedding,
-  // or absent (then ``run`` is given the embeddings); inv_freq: the rotary frequencies (D/2);
-  // head: the logits' product, or absent (then ``logits`` cannot be asked for)
-  Step(std::vector<py::tuple> layers, at::Tensor final_norm, int64_t H, int64_t Hkv, int64_t D,
-       double eps, c10::optional<at::Tensor> embedding, at::Tensor inv_freq,
-       c10::optional<ProductPtr> head)
-      : final_norm_(final_norm), H_(H), Hkv_(Hkv), D_(D), eps_(eps), embedding_(embedding),
+  // layers: (ln1, ln2, qkv, proj, fc, down, q_norm, k_norm, slides) each, the norms of q and k
+  // None where the model has none; C: the model's width (H heads of D need not span it);
+  // embedding: the (V, C) fp32 token embedding, or absent (then ``run`` is given the
+  // embeddings); inv_freq: the rotary frequencies (D/2), and rope_scale what the cosines and
+  // sines are multiplied by (YaRN's attention factor, else 1); window: the sliding window of
+  // the layers that slide (0: none); head: the logits' product, or absent (then ``logits``
+  // cannot be asked for)
+  Step(std::vector<py::tuple> layers, at::Tensor final_norm, int64_t C, int64_t H, int64_t Hkv,
+       int64_t D, double eps, c10::optional<at::Tensor> embedding, at::Tensor inv_freq,
+       double rope_scale, int64_t window, c10::optional<ProductPtr> head)
+      : final_norm_(final_norm), C_(C), H_(H), Hkv_(Hkv), D_(D), eps_(eps),
+        rope_scale_(rope_scale), window_(window), embedding_(embedding),
         inv_freq_(inv_freq.contiguous()), head_(head.value_or(nullptr)) {
-    for (const auto &t : layers)
+    for (const auto &t : layers) {
+      auto norm = [&](int i) {
+        return t[i].is_none() ? c10::optional<at::Tensor>() : t[i].cast<at::Tensor>();
+      };
       layers_.push_back({t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(),
                          t[2].cast<ProductPtr>(), t[3].cast<ProductPtr>(),
-                         t[4].cast<ProductPtr>(), t[5].cast<ProductPtr>()});
+                         t[4].cast<ProductPtr>(), t[5].cast<ProductPtr>(), norm(6), norm(7),
+                         t[8].cast<bool>()});
+      TORCH_CHECK(!layers_.back().slides || window > 0,
+                  "decode_layer: a layer slides but the step has no window");
+    }
   }
 
   // tokens (B) int64: one new token per sequence; x (B, C): their embeddings when the step has
@@ -210,7 +225,7 @@ class Step {
   at::Tensor run(at::Tensor tokens, c10::optional<at::Tensor> given, at::Tensor valid,
                  std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col,
                  c10::optional<at::Tensor> slots) {
-    const int64_t B = valid.size(0), C = H_ * D_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
+    const int64_t B = valid.size(0), C = C_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
     TORCH_CHECK(!slots.has_value() || (slots->is_contiguous() && slots->numel() == B &&
                                        slots->scalar_type() == at::kLong),
                 "decode_layer: slots must be ", B, " contiguous int64 values");
@@ -232,23 +247,33 @@ class Step {
     const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
     float *xp = x.data_ptr<float>();
     // rotary angles: position p of a row times each frequency, in fp32 as the model's are
+    // (times rope_scale); the keys a sliding layer sees: real, and less than the window behind
     std::vector<float> cosines(B * half), sines(B * half);
     const bool *vp_all = valid.data_ptr<bool>();
+    std::vector<char> near(window_ > 0 ? B * (col + 1) : 0);
     const float *freq = inv_freq_.data_ptr<float>();
+    const float rs = static_cast<float>(rope_scale_);
     for (int64_t m = 0; m < B; m++) {
+      const bool *vm = vp_all + m * (col + 1);
       int64_t count = 0;
-      for (int64_t c = 0; c <= col; c++) count += vp_all[m * (col + 1) + c];
+      for (int64_t c = 0; c <= col; c++) count += vm[c];
       const float p = static_cast<float>(count - 1);
       for (int64_t j = 0; j < half; j++) {
         const float angle = p * freq[j];
-        cosines[m * half + j] = std::cos(angle);
-        sines[m * half + j] = std::sin(angle);
+        cosines[m * half + j] = rs == 1.0f ? std::cos(angle) : std::cos(angle) * rs;
+        sines[m * half + j] = rs == 1.0f ? std::sin(angle) : std::sin(angle) * rs;
+      }
+      for (int64_t c = 0, before = 0; window_ > 0 && c <= col; c++) {
+        near[m * (col + 1) + c] = vm[c] && count - 1 - before < window_;  // key at ``before``
+        before += vm[c];
       }
     }
+    const bool *near_p = reinterpret_cast<const bool *>(near.data());
     const float *cp = cosines.data(), *sp = sines.data();
     auto h = at::empty({B, C}, x.options());
     auto q = at::empty({B, H, D}, x.options());
-    auto y = at::empty({B, C}, x.options());
+    auto y = at::empty({B, H * D}, x.options());
+    std::vector<float> normed(D);  // one head of q or k after its norm
     float *hp = h.data_ptr<float>(), *qp = q.data_ptr<float>();
     for (int64_t m = 0; m < B; m++)
       norm_row(xp + m * C, layers_[0].ln1.data_ptr<float>(), eps, C, hp + m * C);
@@ -266,13 +291,20 @@ class Step {
           out[half + j] = x2 * c[j] + x1 * s[j];
         }
       };
+      // a head of q or k, through its norm when the layer has one (Qwen3), before rotation
+      auto head = [&](const float *in, const c10::optional<at::Tensor> &w) -> const float * {
+        if (!w.has_value()) return in;
+        norm_row(in, w->data_ptr<float>(), eps, D, normed.data());
+        return normed.data();
+      };
       for (int64_t m = 0; m < B; m++) {
         const float *r = src + m * row, *c = cp + m * half, *s = sp + m * half;
-        for (int64_t hh = 0; hh < H; hh++) rotate(r + hh * D, c, s, qp + (m * H + hh) * D);
+        for (int64_t hh = 0; hh < H; hh++)
+          rotate(head(r + hh * D, layer.q_norm), c, s, qp + (m * H + hh) * D);
         for (int64_t hh = 0; hh < Hkv; hh++) {
           float *kd = kp + m * ks[i].stride(0) + hh * ks[i].stride(1) + col * ks[i].stride(2);
           float *vd = vp + m * vs[i].stride(0) + hh * vs[i].stride(1) + col * vs[i].stride(2);
-          rotate(r + (H + hh) * D, c, s, kd);
+          rotate(head(r + (H + hh) * D, layer.k_norm), c, s, kd);
           std::memcpy(vd, r + (H + Hkv + hh) * D, D * sizeof(float));
         }
       }
@@ -281,7 +313,7 @@ class Step {
           qp, H * D, D,
           kp, ks[i].stride(0), ks[i].stride(1), ks[i].stride(2),
           vp, vs[i].stride(0), vs[i].stride(1), vs[i].stride(2),
-          valid.data_ptr<bool>(), y.data_ptr<float>()};
+          layer.slides ? near_p : valid.data_ptr<bool>(), y.data_ptr<float>()};
       troupe_attention::decode(a, scale);
       // the output product, the residual, the MLP's norm
       const at::Tensor o = layer.proj->run(y, &row, sl);
@@ -372,8 +404,9 @@ class Step {
 
   std::vector<Layer> layers_;
   at::Tensor final_norm_;
-  int64_t H_, Hkv_, D_;
-  double eps_;
+  int64_t C_, H_, Hkv_, D_;
+  double eps_, rope_scale_;
+  int64_t window_;
   c10::optional<at::Tensor> embedding_;
   at::Tensor inv_freq_;
   ProductPtr head_;
@@ -426,8 +459,9 @@ void bind(pybind11::module_ m) {
     return p;
   });
   py::class_<Step>(m, "Step")
-      .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, double,
-                    c10::optional<at::Tensor>, at::Tensor, c10::optional<ProductPtr>>())
+      .def(py::init<std::vector<py::tuple>, at::Tensor, int64_t, int64_t, int64_t, int64_t,
+                    double, c10::optional<at::Tensor>, at::Tensor, double, int64_t,
+                    c10::optional<ProductPtr>>())
       .def("run", &Step::run, py::arg("tokens"), py::arg("given"), py::arg("valid"),
            py::arg("ks"), py::arg("vs"), py::arg("col"), py::arg("slots") = py::none())
       .def("logits", &Step::logits, py::arg("tokens"), py::arg("given"), py::arg("valid"),
