@@ -3,6 +3,7 @@ step and with the model's own (Python) step, against transformers' generate on t
 weights, in one run.
 
     python benchmarks/attention_variants.py [--threads 2] [--new-tokens 64] [--repeats 3]
+                                            [--batch 1 8] [--variants NAME ...]
 
 Each variant is a random model of one shape (6 layers, width 512, 8 query heads of 64 and 2
 key/value heads, SwiGLU of 1536, vocabulary 8192, fp32) in one Hugging Face family: Llama (the
@@ -81,10 +82,12 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
-    for name, (cls, config, extra) in VARIANTS.items():
+    for name in a.variants:
+        cls, config, extra = VARIANTS[name]
         torch.manual_seed(0)
         reference = cls(config(**SHAPE, **extra)).eval()
         reference.generation_config.eos_token_id = None
