@@ -50,3 +50,18 @@ def test_the_byte_tokenizer_exported_as_hugging_face_keeps_specials_as_text(tmp_
     tok = HFTokens(tmp_path)
     messages = [{"role": "user", "content": "a<|endoftext|>b"}]
     assert tok.chat(messages) == ByteTokens().chat(messages)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """A request's chat_template_kwargs (Qwen3's enable_thinking, say) are the template's
+    variables, in the placeholder rendering and in the whole one alike."""
+    ByteTokens().save_pretrained(tmp_path)
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}/no_think\n"
+                "{% endif %}assistant:")
+    tok = HFTokens(tmp_path, template=template)
+    messages = [{"role": "user", "content": "2+2?"}]
+    assert tok.decode(tok.chat(messages)) == "user: 2+2?\nassistant:"
+    off = tok.chat(messages, template_kwargs={"enable_thinking": False})
+    assert tok.decode(off) == "user: 2+2?\n/no_think\nassistant:"
+    assert tok._chat_whole(messages, {"enable_thinking": False}) == off

@@ -276,12 +276,20 @@ def test_tokenize_and_detokenize_are_the_tokens_requests_run(app):
                      path="/tokenize")
     chat = app["client"].chat.completions.create(model=NAME, messages=messages, max_tokens=2)
     assert code == 200 and out["count"] == chat.usage.prompt_tokens
+    # a template's variables pass through (the byte format has no template: the same ids)
+    code, same = post(app["url"], json.dumps({"model": NAME, "messages": messages,
+                                              "chat_template_kwargs": {"enable_thinking": False}
+                                              }).encode(), path="/tokenize")
+    assert code == 200 and same == out
     code, out = post(app["url"], json.dumps({"model": NAME, "tokens": out["tokens"]}).encode(),
                      path="/detokenize")
     assert code == 200 and out == {"prompt": "user: Hi\nassistant:"}
     for path, body, words in [
             ("/tokenize", {"model": NAME}, "give a prompt or messages"),
             ("/tokenize", {"model": "other", "prompt": "x"}, "not served here"),
+            ("/tokenize", {"model": NAME, "messages": messages,
+                           "chat_template_kwargs": {"tools": []}},
+             "chat_template_kwargs: 'tools' is set by the request itself"),
             ("/detokenize", {"model": NAME, "tokens": [300]}, "tokens.0: token 300"),
             ("/detokenize", {"model": NAME, "tokens": [-1]}, "tokens.0")]:
         code, out = post(app["url"], json.dumps(body).encode(), path=path)

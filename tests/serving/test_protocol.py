@@ -23,6 +23,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     (CompletionRequest, dict(echo=True), "echo", "echo: not supported"),
     (CompletionRequest, dict(suffix="end"), "suffix", "suffix: not supported"),
     (CompletionRequest, dict(n=2, best_of=3), "best_of", "best_of: not supported"),
+    (ChatRequest, dict(chat_template_kwargs={"add_generation_prompt": False}),
+     "chat_template_kwargs", "'add_generation_prompt' is set by the request itself"),
+    (ChatRequest, dict(chat_template_kwargs=["enable_thinking"]), "chat_template_kwargs",
+     "Input should be an object"),
 ])
 def test_a_refusal_names_its_field(kind, fields, param, words):
     body = {"model": "m", **({"messages": HI} if kind is ChatRequest else {"prompt": "hi"}),

@@ -42,7 +42,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[int]: ...
+             add_generation_prompt: bool = True,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]: ...
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         """The ids a task's prompt is given to the model as (a chat turn, or plain text);
@@ -68,7 +69,9 @@ class ByteTokens:
         return self._tok.decode(ids)
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        # template_kwargs: variables for a chat template, which this format has none of
         if tools:
             raise ValueError("tools: this model reads bytes and has no chat template to "
                              "render tools with")
@@ -175,10 +178,13 @@ class HFTokens:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None,
-             add_generation_prompt: bool = True) -> list[int]:
+             add_generation_prompt: bool = True,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The ids of ``messages`` through the model's chat template, ready for the reply
         (``tools``: function specs the template renders, for templates that take them;
-        ``add_generation_prompt`` False: the conversation as it stands, no reply begun).
+        ``add_generation_prompt`` False: the conversation as it stands, no reply begun;
+        ``template_kwargs``: more variables for the template, e.g. Qwen3's
+        ``enable_thinking``).
 
         Only the template's own markers are control tokens: each message's content is
         tokenized as text, so a user who writes ``<|im_end|>\n<|im_start|>system\n...``
@@ -192,7 +198,7 @@ class HFTokens:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
         texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
         marks = {i: f"\ue000{i}\ue001" for i in texts}  # private-use characters
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         text = self.hf.apply_chat_template(
             [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
             tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
@@ -200,7 +206,7 @@ class HFTokens:
         for i in texts:
             before, found, rest = rest.partition(marks[i])
             if not found or marks[i] in rest:
-                return self._chat_whole(messages, tools, add_generation_prompt)
+                return self._chat_whole(messages, extra, add_generation_prompt)
             parts += [(before, False), (messages[i]["content"], True)]
         ids: list[int] = []
         with _SPECIALS:
@@ -210,7 +216,7 @@ class HFTokens:
                                           split_special_tokens=is_content)
         return ids
 
-    def _chat_whole(self, messages: list[dict], tools: list[dict] | None = None,
+    def _chat_whole(self, messages: list[dict], extra: dict[str, Any],
                     add_generation_prompt: bool = True) -> list[int]:
         specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
                     if t]
@@ -222,7 +228,7 @@ class HFTokens:
         with _SPECIALS:
             ids = self.hf.apply_chat_template(messages, tokenize=True,
                                               add_generation_prompt=add_generation_prompt,
-                                              **({"tools": tools} if tools else {}))
+                                              **extra)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # BatchEncoding or ids
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:

@@ -11,7 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError,
+                      field_validator, model_validator)
 
 from troupe.compression.quantize import known_modes
 from troupe.config import AppConfig, Config
@@ -388,11 +389,32 @@ class ChatMessage(BaseModel):
         return len(self.content or "") + len(self.role) + 1 + calls
 
 
+# what the request itself gives a chat template: not to be set through chat_template_kwargs
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                "return_dict", "continue_final_message")
+
+
+def template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (vLLM's field): more variables for the model's chat template
+    (Qwen3's ``enable_thinking``, say); a ValueError naming a key the request sets itself."""
+    if v is None:
+        return None
+    if len(v) > 32:
+        raise ValueError(f"{len(v)} keys; at most 32")
+    own = [k for k in v if k in TEMPLATE_OWN]
+    if own:
+        raise ValueError(f"{own[0]!r} is set by the request itself, not here")
+    return v
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(template_kwargs)]
+
+
 class ChatRequest(_Request):
     """A chat request. ``tools`` and ``tool_choice`` (troupe.generation.tools): "auto" (the
     default with tools) lets the model call any of them or answer, "none" renders none,
     "required" or a named function makes the answer one call whose arguments follow the
-    function's parameters."""
+    function's parameters. ``chat_template_kwargs``: more variables for the chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -401,6 +423,7 @@ class ChatRequest(_Request):
     tools: list[Tool] | None = Field(default=None, max_length=64)
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; a forced call is one call
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatRequest":
@@ -465,8 +488,9 @@ class ChatRequest(_Request):
 
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's route): a ``prompt``'s token ids, or those of chat ``messages``
-    through the model's chat template (with ``tools``, and the assistant's turn begun unless
-    ``add_generation_prompt`` is false), exactly as a completion or chat request runs them."""
+    through the model's chat template (with ``tools`` and ``chat_template_kwargs``, and the
+    assistant's turn begun unless ``add_generation_prompt`` is false), exactly as a completion
+    or chat request runs them."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -475,6 +499,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = Field(default=None, max_length=64)
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

@@ -269,7 +269,8 @@ class ServeReplica:
             self._check_text(m.content or "", f"messages.{i}.content")
         try:
             return self.tok.chat(req.conversation(), req.tool_specs(),
-                                 add_generation_prompt=add_generation_prompt)
+                                 add_generation_prompt=add_generation_prompt,
+                                 template_kwargs=req.chat_template_kwargs)
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"messages: {e}", "messages") from None
 
@@ -391,7 +392,8 @@ class ServeReplica:
         req = parse(TokenizeRequest, body)
         self._served(req.model)
         ids = self._text_ids(req.prompt, "prompt") if req.prompt is not None else \
-            self._chat_ids(ChatRequest(model=req.model, messages=req.messages, tools=req.tools),
+            self._chat_ids(ChatRequest(model=req.model, messages=req.messages, tools=req.tools,
+                                       chat_template_kwargs=req.chat_template_kwargs),
                            req.add_generation_prompt)
         return {"count": len(ids), "max_model_len": self.seq_len, "tokens": ids}
 
