@@ -1,5 +1,6 @@
-"""A Hugging Face model directory in every role (model.pretrained): a tiny random Llama and a
-character-level tokenizer with a chat template, both built and saved by the test (no hub)."""
+"""A Hugging Face model directory in every role (model.pretrained): a tiny random Llama (and
+Qwen3, Mistral) and a character-level tokenizer with a chat template, both built and saved by
+the test (no hub)."""
 
 import pytest
 import torch
@@ -13,16 +14,15 @@ from troupe.rlhf.data import SortTask  # noqa: E402
 from troupe.rlhf.experience import RolloutRequest  # noqa: E402
 from troupe.rlhf.roles import Critic, Policy, Reference, Reward  # noqa: E402
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def test_every_role_runs_on_the_pretrained_model(tiny_llama, tmp_path):
-    cfg = RLHFConfig(model=dict(pretrained=str(tiny_llama)), sft=dict(steps=20),
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_every_role_runs_on_the_pretrained_model(family, tmp_path):
+    """Llama; Qwen3 (q and k norms trained too); Mistral with a window shorter than a
+    prompt, in training, generation and scoring alike."""
+    pretrained = save_tiny_llama(tmp_path / family, family)
+    cfg = RLHFConfig(model=dict(pretrained=str(pretrained)), sft=dict(steps=20),
                      reward=dict(steps=5), step3=dict(max_new_tokens=6))
     policy = Policy(cfg, None, 0)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tiny_llama)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(pretrained)
     assert policy.tok.prompt("sort 31:") == hf_tok.encode("<user>sort 31:<end><assistant>",
                                                           add_special_tokens=False)
     policy.train.use_optimizer(cfg.sft.optimizer, 20)
