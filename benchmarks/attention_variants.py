@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import torch
 import transformers
 
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import from_pretrained
-from machine import machine  # benchmarks/machine.py, beside this script
+from hf_models import timed  # benchmarks/hf_models.py, beside this script
+from machine import machine
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
@@ -41,15 +40,6 @@ VARIANTS = {
     "mistral-sliding-32": (transformers.MistralForCausalLM, transformers.MistralConfig,
                            dict(sliding_window=32)),
 }
-
-
-def timed(fn, repeats: int):
-    times, out = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def engine_for(model, batch: int, native: bool) -> ContinuousBatcher:
