@@ -10,8 +10,9 @@ key/value heads, SwiGLU of 1536, vocabulary 8192, fp32) in one Hugging Face fami
 reference), Qwen3 (q and k normalised per head), Qwen2 with YaRN, Mistral with heads of 128
 over the width of 512 (Mistral-Nemo's layout) and Mistral with a sliding window of 32 (shorter
 than prompt plus new tokens). Each engine is built, and each path run once, before the timed
-runs. All three paths must choose the same tokens. One JSON line per variant and batch size: new tokens per second of each path (median of the repeats) and the
-native step's ratio to the Python step and to transformers.
+runs. All three paths must choose the same tokens. One JSON line per variant and batch size:
+new tokens per second of each path (median of the repeats) and the native step's ratio to the
+Python step and to transformers.
 """
 
 from __future__ import annotations
