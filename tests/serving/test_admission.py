@@ -187,6 +187,27 @@ def test_rendering_a_prompt_leaves_the_event_loop_free(replica):
     assert chat.status_code == 200, chat.body
 
 
+def test_a_template_kwarg_that_spells_a_control_token_is_a_400_naming_it(replica, tmp_path):
+    """chat_template_kwargs reach the model's template (here the byte tokenizer saved as a
+    Hugging Face one, with a template that renders bos_token); one that would put a control
+    token into the template's text is refused as a 400 naming chat_template_kwargs."""
+    from troupe.data import ByteTokens, HFTokens
+    ByteTokens().save_pretrained(tmp_path / "tok")  # a directory it makes
+    replica.tok = HFTokens(tmp_path / "tok", template="{{ bos_token }}{% for m in messages %}"
+                                                      "{{ m['content'] }}{% endfor %}")
+    answers = []
+    for bos in ("plain ", "<|endoftext|>"):
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 2, "chat_template_kwargs": {"bos_token": bos}})
+        answers.append(asyncio.run(replica(_request("POST", "/v1/chat/completions",
+                                                    body.encode()))))
+    assert answers[0].status_code == 200, answers[0].body
+    assert json.loads(answers[0].body)["usage"]["prompt_tokens"] == len("plain hi")
+    error = json.loads(answers[1].body)["error"]
+    assert answers[1].status_code == 400 and error["param"] == "chat_template_kwargs"
+    assert "chat_template_kwargs.bos_token: holds the control token" in error["message"]
+
+
 def test_a_prompt_far_over_the_limit_is_refused_before_it_is_tokenized(replica):
     def never(_):
         raise AssertionError("tokenized")

@@ -90,6 +90,7 @@ class ByteTokens:
         directory's config.json, when there is one, gets the end-of-text id as its bos and eos
         ids (transformers' GPT-2 defaults name an id past a byte model's vocabulary)."""
         directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
         vocab = {ch: b for b, ch in enumerate(_byte_chars())}
         eos = "<|endoftext|>"
         tokenizer = {
@@ -140,6 +141,11 @@ def _byte_chars() -> list[str]:
 # before each encode: two threads encoding at once (the server prepares requests on a thread
 # pool) could have a user's content parsed with control tokens on. Encodes take this lock.
 _SPECIALS = threading.Lock()
+
+
+class TemplateKwargsError(ValueError):
+    """A chat template variable that the template cannot take as it is (it spells a control
+    token); the message names the key."""
 
 
 class HFTokens:
@@ -196,6 +202,7 @@ class HFTokens:
         A message without text content (an assistant turn of tool calls) has none."""
         if not self.hf.chat_template:
             raise ValueError(f"{self.path}: the tokenizer has no chat template")
+        self._check_template_kwargs(template_kwargs or {})
         texts = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
         marks = {i: f"\ue000{i}\ue001" for i in texts}  # private-use characters
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
@@ -216,12 +223,36 @@ class HFTokens:
                                           split_special_tokens=is_content)
         return ids
 
-    def _chat_whole(self, messages: list[dict], extra: dict[str, Any],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def control_token_in(self, text: str) -> str | None:
+        """The first of the tokenizer's control tokens that ``text`` spells, or None."""
         specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
                     if t]
+        return next((t for t in specials if t in text), None)
+
+    def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """A template's variables are rendered as the template's own text, whose markers are
+        control tokens: a string among them that spells one would forge a turn. Raises
+        TemplateKwargsError naming the key."""
+        def strings(x: Any):
+            if isinstance(x, str):
+                yield x
+            elif isinstance(x, dict):
+                for k, v in x.items():
+                    yield from strings(k)
+                    yield from strings(v)
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    yield from strings(v)
+        for key, value in kwargs.items():
+            found = next(filter(None, map(self.control_token_in, strings(value))), None)
+            if found is not None:
+                raise TemplateKwargsError(f"chat_template_kwargs.{key}: holds the control token "
+                                          f"{found!r}, which would be read as the template's")
+
+    def _chat_whole(self, messages: list[dict], extra: dict[str, Any],
+                    add_generation_prompt: bool = True) -> list[int]:
         for i, m in enumerate(messages):
-            found = next((t for t in specials if t in (m.get("content") or "")), None)
+            found = self.control_token_in(m.get("content") or "")
             if found is not None:
                 raise ValueError(f"message {i}: its content holds the control token {found!r}, "
                                  "which this model's chat template cannot keep as text")

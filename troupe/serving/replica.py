@@ -22,6 +22,7 @@ import torch
 
 from troupe.actors import Dispatch, dispatch
 from troupe.config import validate
+from troupe.data.tokenizer import TemplateKwargsError
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
 from troupe.generation.sampling import check_tokens
 from troupe.generation.grammar import Constraint, GrammarError, Grammars
@@ -271,6 +272,8 @@ class ServeReplica:
             return self.tok.chat(req.conversation(), req.tool_specs(),
                                  add_generation_prompt=add_generation_prompt,
                                  template_kwargs=req.chat_template_kwargs)
+        except TemplateKwargsError as e:
+            raise RequestError(400, str(e), "chat_template_kwargs") from None
         except Exception as e:  # the model's chat template refused the conversation
             raise RequestError(400, f"messages: {e}", "messages") from None
 
