@@ -38,8 +38,15 @@ def _close(a, b, rel):
                 assert abs(u - v) <= rel * abs(v), (x, y)
 
 
+# Qwen3's attention (q and k norms, heads of 32 over a width of 32 split in two) and a sliding
+# window shorter than the sequences
+QWEN3_WINDOW = dict(DENSE, model__positions="rope", model__norm="rmsnorm", model__mlp="swiglu",
+                    model__n_kv_head=1, model__head_dim=32, model__qk_norm=True,
+                    model__sliding_window=8, model__out_bias=False, model__mlp_bias=False)
+
+
 @pytest.mark.parametrize("case,workers", [("dense", 2), ("moe-ep2", 2), ("moe-ep1", 4),
-                                          ("dense-lamb-ckpt", 4)])
+                                          ("dense-lamb-ckpt", 4), ("qwen3-window", 2)])
 def test_stage3_gives_stage1s_run(cluster, tmp_path, case, workers):
     """Same seed and data: the same losses. On 2 ranks bit for bit (gloo's reduce-scatter
     sums in rank order whatever the cut); on 4 within 1e-5 relative, for LAMB, whose
@@ -47,7 +54,8 @@ def test_stage3_gives_stage1s_run(cluster, tmp_path, case, workers):
     too: benchmarks/RESULTS.md)."""
     over = {"dense": DENSE, "moe-ep2": {}, "moe-ep1": MOE1,
             "dense-lamb-ckpt": dict(DENSE, optimizer__name="lamb",
-                                    train__activation_checkpointing=True)}[case]
+                                    train__activation_checkpointing=True),
+            "qwen3-window": QWEN3_WINDOW}[case]
     over = dict(over, workers=workers, train__batch_size=2 * workers)
     _, one = _train(tmp_path, "one", 1, **over)
     cfg, three = _train(tmp_path, "three", 3, **over)
