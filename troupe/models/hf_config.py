@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from troupe.config import ConfigError
 from troupe.models.gpt import GPTConfig
+from troupe.models.layers import rope_type
 from troupe.models.moe import MoEConfig
 
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -65,11 +66,11 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
             raise ValueError(f"{where}: activation_function {act!r} is not supported")
         # attention scaled otherwise than by 1 / sqrt(head size) would load without a word
         # and give other logits
-        if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-            key = ("scale_attn_by_inverse_layer_idx" if hf.get("scale_attn_by_inverse_layer_idx")
-                   else "scale_attn_weights")
-            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (troupe scales "
-                             "attention by 1 / sqrt(head size) in every layer)")
+        for key, usual in (("scale_attn_weights", True),
+                           ("scale_attn_by_inverse_layer_idx", False)):
+            if bool(hf.get(key, usual)) != usual:
+                raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (troupe scales "
+                                 "attention by 1 / sqrt(head size) in every layer)")
         return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
                          n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
                          d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -88,7 +89,7 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
                                          else None)
     seq_len = hf.get("max_position_embeddings", 2048)
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+    if rope_type(scaling) == "yarn":
         # as transformers reads YaRN: the original context defaults to this one, and the
         # factor to their ratio
         scaling = dict(scaling)
@@ -135,7 +136,7 @@ def _sliding(hf: dict[str, Any], kind: str, where: str) -> tuple[int | None, lis
     layer_types marks "sliding_attention", where config.json lists them. (None, None): no
     layer slides (a window of null or 0, as transformers writes for none)."""
     window, n = hf.get("sliding_window"), hf["num_hidden_layers"]
-    if window is None or window is False or window == 0:
+    if window is None or window == 0:
         return None, None
     if type(window) is not int or window < 0:
         raise ValueError(f"{where}: sliding_window={window!r} must be a positive integer")
@@ -247,6 +248,14 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
     return out
 
 
+def _moe_needs(moe: MoEConfig) -> list[tuple[bool, str]]:
+    """(fails, what every Hugging Face MoE family needs) for ``moe``."""
+    return [(not isinstance(moe.num_experts, int), "one expert count for all layers"),
+            (not moe.dropless, "dropless routing"),
+            (moe.residual, "no Residual MoE"),
+            (moe.noisy_gate == "rsample", "no rsample gate noise")]
+
+
 def _qwen3_family(cfg: GPTConfig) -> str:
     """Qwen3, or Qwen3-MoE for an MoE config: the families whose heads normalise q and k
     (qk_norm); a ValueError saying what they cannot describe."""
@@ -254,11 +263,7 @@ def _qwen3_family(cfg: GPTConfig) -> str:
     why = [reason for bad, reason in (
         (cfg.qkv_bias != cfg.out_bias, "a bias on all of q, k, v and the output or on none"),
         (cfg.mlp_bias, "no MLP biases"),
-        (moe is not None and not isinstance(moe.num_experts, int),
-         "one expert count for all layers"),
-        (moe is not None and not moe.dropless, "dropless routing"),
-        (moe is not None and moe.residual, "no Residual MoE"),
-        (moe is not None and moe.noisy_gate == "rsample", "no rsample gate noise"),
+        *(_moe_needs(moe) if moe is not None else []),
         (moe is not None and moe.shared_expert_d_ff is not None, "no shared expert"))
         if bad]
     if why:
@@ -299,10 +304,7 @@ def _moe_family(cfg: GPTConfig) -> str:
     moe = cfg.moe
     qwen = moe.shared_expert_d_ff is not None
     why = [reason for bad, reason in (
-        (not isinstance(moe.num_experts, int), "one expert count for all layers"),
-        (not moe.dropless, "dropless routing"),
-        (moe.residual, "no Residual MoE"),
-        (moe.noisy_gate == "rsample", "no rsample gate noise"),
+        *_moe_needs(moe),
         (cfg.out_bias or cfg.mlp_bias, "no output or MLP biases"),
         (not qwen and cfg.qkv_bias, "no qkv bias (Mixtral)"),
         (not qwen and (moe.expert_interval != 1 or moe.dense_layers),

@@ -36,6 +36,11 @@ def norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
 ROPE_TYPES = ("linear", "llama3", "yarn")  # the rope_scaling kinds troupe computes
 
 
+def rope_type(scaling: dict | None) -> str | None:
+    """A Hugging Face rope_scaling dict's kind: "rope_type", or "type" in older configs."""
+    return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies (head_dim / 2,) of rotary embeddings, stretched by ``scaling``
     (a Hugging Face rope_scaling dict) for a context longer than pretraining's:
@@ -50,7 +55,7 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     inv = 1.0 / theta ** (steps.float() / head_dim)
     if not scaling:
         return inv
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope_type {kind!r} is not supported "
                          f"({', '.join(ROPE_TYPES)} are)")
@@ -82,7 +87,7 @@ def rope_attention_factor(scaling: dict | None) -> float:
     """What the rotary cos and sin are multiplied by (so q.k by its square): YaRN's
     attention_factor, by default 0.1 ln(factor) + 1 (or the ratio of two such with mscale and
     mscale_all_dim, as DeepSeek's configs give); 1 for every other kind."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+    if rope_type(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
