@@ -18,7 +18,7 @@ from troupe.config import Config
 from troupe.devices import precision_dtype
 from troupe.kernels.decode_attention import decode_attention
 from troupe.models.layers import (ROPE_TYPES, MLP, RMSNorm, apply_rope, norm, rope_angles,
-                                  rope_attention_factor, rope_frequencies)
+                                  rope_attention_factor, rope_frequencies, rope_type)
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 from troupe.models.packing import segment_mask, segment_positions
 
@@ -71,7 +71,7 @@ class GPTConfig(Config):
         and yarn, each with the numbers it needs positive. "default" is no scaling."""
         if not v:
             return None
-        kind = v.get("rope_type", v.get("type"))
+        kind = rope_type(v)
         if kind == "default":
             return None
         if kind not in ROPE_TYPES:
@@ -463,20 +463,22 @@ class GPT(nn.Module):
         span = cache.span if isinstance(cache, PrefixTree) else L + T  # the longest row
         if span > self.cfg.seq_len:
             raise ValueError(f"sequence of {span} tokens exceeds seq_len={self.cfg.seq_len}")
-        mask = None
+        mask = keys = None  # keys: the keys' positions, where the branch has them at hand
         if isinstance(cache, PrefixTree):
             pos = cache.positions
         elif segments_BT is not None:
             if valid_BS is not None or cache is not None:
                 raise ValueError("segments_BT (a packed batch) takes no valid_BS or cache")
             pos, mask = segment_positions(segments_BT), segment_mask(segments_BT)
+            keys = pos
         elif valid_BS is None:
             pos = torch.arange(L, L + T, device=idx_BT.device)
         elif T == 1:  # one new token per sequence (decoding): it may see every real key
             pos = valid_BS.sum(1, keepdim=True) - 1  # (B, 1)
             mask = valid_BS[:, None, None, :]
         else:
-            pos = (valid_BS.long().cumsum(1) - 1).clamp_min(0)[:, L:]  # (B, T)
+            keys = (valid_BS.long().cumsum(1) - 1).clamp_min(0)  # (B, S)
+            pos = keys[:, L:]  # (B, T)
             mask = attention_mask(valid_BS, T)
         # The layers that slide see only the keys less than their window behind; None where
         # no row is longer than the window (it changes nothing) or a tree attends (it has its
@@ -484,9 +486,9 @@ class GPT(nn.Module):
         slid = None
         window = self.cfg.sliding_window
         if window is not None and window < span and not isinstance(cache, PrefixTree):
-            keys = (pos if segments_BT is not None
-                    else torch.arange(L + T, device=idx_BT.device)[None] if valid_BS is None
-                    else (valid_BS.long().cumsum(1) - 1).clamp_min(0))
+            if keys is None:
+                keys = (torch.arange(L + T, device=idx_BT.device)[None] if valid_BS is None
+                        else (valid_BS.long().cumsum(1) - 1).clamp_min(0))
             slid = within_window(mask, pos if pos.dim() == 2 else pos[None], keys, window)
             if T == 1 and slid.shape[0] != B:  # the decode kernel takes one row per sequence
                 slid = slid.expand(B, -1, -1, -1)
@@ -527,9 +529,10 @@ def within_window(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.T
     keys at positions above p - window (itself and the window - 1 before it). Positions
     count real tokens: q_pos (B or 1, T), k_pos (B or 1, S). A mask of None is causal over
     the positions (as ``is_causal``)."""
-    gap = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, S)
-    near = ((gap < window) & (gap >= 0) if mask is None else gap < window).unsqueeze(1)
-    return near if mask is None else mask & near
+    gap = (q_pos[:, :, None] - k_pos[:, None, :]).unsqueeze(1)  # (B, 1, T, S)
+    if mask is None:
+        return (gap >= 0) & (gap < window)
+    return mask & (gap < window)
 
 
 def _through_subset(block: Block, x_BTC: torch.Tensor, keep: int,

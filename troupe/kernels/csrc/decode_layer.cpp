@@ -260,8 +260,8 @@ class Step {
       const float p = static_cast<float>(count - 1);
       for (int64_t j = 0; j < half; j++) {
         const float angle = p * freq[j];
-        cosines[m * half + j] = rs == 1.0f ? std::cos(angle) : std::cos(angle) * rs;
-        sines[m * half + j] = rs == 1.0f ? std::sin(angle) : std::sin(angle) * rs;
+        cosines[m * half + j] = std::cos(angle) * rs;  // exact where rs is 1
+        sines[m * half + j] = std::sin(angle) * rs;
       }
       for (int64_t c = 0, before = 0; window_ > 0 && c <= col; c++) {
         near[m * (col + 1) + c] = vm[c] && count - 1 - before < window_;  // key at ``before``
