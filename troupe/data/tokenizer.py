@@ -4,6 +4,7 @@ troupe's models, HFTokens for a Hugging Face model directory (``load_tokenizer``
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
@@ -223,11 +224,14 @@ class HFTokens:
                                           split_special_tokens=is_content)
         return ids
 
+    @functools.cached_property
+    def control_tokens(self) -> list[str]:
+        """The texts of the tokenizer's special and added tokens."""
+        return [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder) if t]
+
     def control_token_in(self, text: str) -> str | None:
         """The first of the tokenizer's control tokens that ``text`` spells, or None."""
-        specials = [t for t in self.hf.all_special_tokens + list(self.hf.added_tokens_encoder)
-                    if t]
-        return next((t for t in specials if t in text), None)
+        return next((t for t in self.control_tokens if t in text), None)
 
     def _check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
         """A template's variables are rendered as the template's own text, whose markers are
