@@ -14,13 +14,18 @@ would have been accepted::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from troupe.errors import DataError, TroupeError, one_line
 
 C = TypeVar("C", bound="Config")
 
@@ -232,17 +237,47 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+@contextlib.contextmanager
+def errors_reported(out_dir: str | Path | None, app: str, show_traceback: bool = False):
+    """The apps' one shape for an error: what escapes the block is printed as one line on
+    stderr (``troupe.errors.one_line``: the setting, file, row, rank or role at fault, never a
+    worker's remote traceback), its whole traceback is written to ``<out_dir>/error.log``
+    (shown instead with the apps' ``--traceback``), and the app exits with status 2 (1 for an
+    exception troupe did not expect: a bug to report with that log)."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 -- every error gets the one shape
+        text = "".join(traceback.format_exception(e))
+        where = Path(out_dir) if out_dir is not None else Path(tempfile.gettempdir())
+        log_path = where / ("error.log" if out_dir is not None else f"troupe-{app}-error.log")
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text(text)
+            told = f" (traceback in {log_path})"
+        except OSError:
+            told = ""
+        if show_traceback:
+            print(text, file=sys.stderr, end="")
+            told = ""
+        expected = isinstance(e, (ValueError, FileNotFoundError, TroupeError))
+        print(f"error: {one_line(e)}{told}", file=sys.stderr)
+        raise SystemExit(2 if expected else 1) from None
+
+
 def load_app_config(cls: type[C], path: str | Path | None, overrides: Sequence[str],
                     check: Callable[[C], Any] | None = None, print_config: bool = False) -> C:
     """``load_config`` for an app's command line: a bad file, key or value (or what ``check``
-    refuses with ConfigError or FileNotFoundError) is printed to stderr and the app exits with
-    status 2, before anything starts. ``print_config`` (the apps' --print-config): print the
+    refuses with ConfigError, DataError or FileNotFoundError: the apps' plans of lengths,
+    data and memory) is printed to stderr and the app exits with status 2, before anything
+    starts. ``print_config`` (the apps' --print-config): print the
     validated configuration as YAML (``dump_config``) and exit 0, before anything starts."""
     try:
         cfg = load_config(cls, path, overrides)
         if check is not None:
             check(cfg)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DataError, FileNotFoundError) as e:
         print(e, file=sys.stderr)
         raise SystemExit(2) from None
     if print_config:
@@ -310,5 +345,8 @@ def app_parser(app: str, doc: str, default_recipe: str) -> argparse.ArgumentPars
                         f"{default_recipe}; `troupe recipes` lists them)")
     p.add_argument("--print-config", action="store_true",
                    help="print the validated configuration (overrides applied) and exit")
+    p.add_argument("--traceback", action="store_true",
+                   help="on an error, print its whole traceback (else it goes to "
+                        "<out_dir>/error.log and one line says what is wrong)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. device=cpu seed=1")
     return p

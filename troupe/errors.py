@@ -87,8 +87,11 @@ class RunFailedError(TroupeError):
     def __init__(self, run: str, restarts: int, failures: list[dict[str, Any]]):
         self.run, self.restarts, self.failures = run, restarts, failures
         last = failures[-1]
-        lines = [f"{run} failed after {restarts} restart(s): role {last['role']!r} rank "
-                 f"{last['rank']} on node {last['node_id']}: {last['cause']}"]
+        why = (f"{run} failed after {restarts} restart(s)" if last.get("fault", True) else
+               f"{run} stopped at step {last.get('step')} by an error, not retried (the same "
+               "inputs raise it again)")
+        lines = [f"{why}: role {last['role']!r} rank {last['rank']} on node "
+                 f"{last['node_id']}: {last['cause']}"]
         for i, f in enumerate(failures[:-1], 1):
             lines.append(f"  earlier failure {i} (step {f.get('step')}): role {f['role']!r} rank "
                          f"{f['rank']} on node {f['node_id']}: {f['cause']}")
@@ -139,3 +142,17 @@ class CollectiveTimeoutError(CollectiveError):
         for r, report in sorted(self.stacks.items()):
             msg += f"\n--- group rank {r} ---\n{report}"
         super().__init__(msg)
+
+
+def one_line(e: BaseException) -> str:
+    """What a user reads of ``e`` on the terminal: one line naming the setting, file, rank or
+    role at fault (a worker's exception by its last line, not its remote traceback; a timeout
+    or a failed run without the stacks and earlier failures its message goes on with)."""
+    if isinstance(e, WorkerCallError):
+        lines = [ln.strip() for ln in e.remote_traceback.splitlines() if ln.strip()]
+        return (f"role {e.role!r} rank {e.rank} on node {e.node_id} raised in {e.method}(): "
+                f"{lines[-1] if lines else type(e.cause).__name__}")
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    if isinstance(e, (TroupeError, ValueError, FileNotFoundError)):
+        return text or type(e).__name__
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -68,7 +68,7 @@ def test_a_quantize_pattern_that_matches_nothing_exits_2(capsys, tmp_path):
     from troupe.models import GPT, GPTConfig
     from troupe.serving.model import save_model
     path = tmp_path / "m.trp"
-    save_model(GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)), path)
+    save_model(GPT(GPTConfig(seq_len=512, n_layer=1, n_head=2, d_model=16)), path)
     recipe = tmp_path / "serve.yaml"
     recipe.write_text(f"model: {{file: {path}, name: m}}\nquantize: {{'*.attnn.*': w8a8}}\n")
     code, err = _exit_code_and_message(capsys, "serve", ["--config", str(recipe)])
@@ -80,7 +80,7 @@ def served_file(tmp_path):
     from troupe.models import GPT, GPTConfig
     from troupe.serving.model import save_model
     path = tmp_path / "m.trp"
-    save_model(GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16)), path)
+    save_model(GPT(GPTConfig(seq_len=512, n_layer=1, n_head=2, d_model=16)), path)
     return path
 
 

@@ -461,6 +461,14 @@ class GPT(nn.Module):
         B, T = idx_BT.shape
         L = cache.length if cache is not None else 0
         span = cache.span if isinstance(cache, PrefixTree) else L + T  # the longest row
+        if span > self.cfg.seq_len and cache is None:
+            # a padded or packed batch may be wider than the context where no sample is:
+            # positions count each sample's real tokens (rollouts lay prompts and responses
+            # out in columns of their own)
+            if valid_BS is not None:
+                span = int(valid_BS.sum(1).max())
+            elif segments_BT is not None:
+                span = int(segment_positions(segments_BT).max()) + 1
         if span > self.cfg.seq_len:
             raise ValueError(f"sequence of {span} tokens exceeds seq_len={self.cfg.seq_len}")
         mask = keys = None  # keys: the keys' positions, where the branch has them at hand

@@ -158,6 +158,15 @@ def read_config(directory: str | Path) -> GPTConfig:
     return config_from_hf(*config_json(directory))
 
 
+def context_length(directory: str | Path) -> tuple[int, str]:
+    """The context of the Hugging Face model in ``directory`` (the longest sequence it
+    reads), and where it is written, for messages: ``(2048, ".../config.json
+    max_position_embeddings")``."""
+    hf, where = config_json(directory)
+    key = _HF_NAMES["gpt2" if hf.get("model_type") == "gpt2" else "llama"]["seq_len"]
+    return config_from_hf(hf, where).seq_len, f"{where} {key}"
+
+
 def config_json(directory: str | Path) -> tuple[dict[str, Any], str]:
     """A model directory's config.json as a dict, and the file's path (for errors)."""
     path = Path(directory).expanduser() / "config.json"

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from troupe.config import ConfigError
 from troupe.optim import OptimizerConfig, padded_size
 from troupe.parallel.zero3 import transient_bytes, unit_parameters
 
 GIB = 1 << 30
 
 
-class MemoryBudgetError(ValueError):
-    """A rank's planned bytes exceed ``memory_per_worker``; the message has both figures."""
+class MemoryBudgetError(ConfigError):
+    """A rank's planned bytes exceed ``memory_per_worker``; the message has both figures (a
+    recipe's error: the apps plan it before Ray starts and refuse it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,16 @@ class MemoryPlan:
         return self.params + self.grads + self.optimizer + self.gathered
 
     def describe(self) -> str:
-        parts = [f"parameters {self.params / GIB:.2f}", f"gradients {self.grads / GIB:.2f}",
-                 f"optimizer state {self.optimizer / GIB:.2f}"]
+        parts = [f"parameters {size(self.params)}", f"gradients {size(self.grads)}",
+                 f"optimizer state {size(self.optimizer)}"]
         if self.gathered:
-            parts.append(f"gathered blocks {self.gathered / GIB:.2f}")
-        return f"{self.total / GIB:.2f} GiB ({', '.join(parts)})"
+            parts.append(f"gathered blocks {size(self.gathered)}")
+        return f"{size(self.total)} ({', '.join(parts)})"
+
+
+def size(nbytes: int) -> str:
+    """Bytes for a person: GiB down to a tenth of one, MiB below."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def plan(model: nn.Module, cfg: OptimizerConfig, world: int, zero_stage: int = 1,
@@ -101,7 +108,7 @@ def check_budget(planned: MemoryPlan, budget_gib: float | None, who: str,
     if alternative is not None and alternative.zero_stage != planned.zero_stage:
         fits = "fits" if alternative.total <= budget_gib * GIB else "does not fit either"
         hint = (f"; zero_stage {alternative.zero_stage} would plan "
-                f"{alternative.total / GIB:.2f} GiB ({fits})")
+                f"{size(alternative.total)} ({fits})")
     raise MemoryBudgetError(f"{who}: zero_stage {planned.zero_stage} plans "
                             f"{planned.describe()} a worker, over memory_per_worker="
                             f"{budget_gib:g} GiB{hint}")

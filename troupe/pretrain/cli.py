@@ -13,13 +13,12 @@ newest checkpoint; --no-resume starts over.
 from __future__ import annotations
 
 import logging
-import sys
 
-from troupe.checkpoint import CheckpointError
-from troupe.config import app_parser, load_app_config
+from troupe.config import app_parser, errors_reported, load_app_config
 from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import PretrainConfig
 from troupe.pretrain import driver as pretrain
+from troupe.pretrain.rank import plan
 from troupe.runtime import cluster
 
 
@@ -31,14 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(PretrainConfig, args.config, args.overrides,
-                          lambda c: check_pretrained(c.model.pretrained),
+                          lambda c: (check_pretrained(c.model.pretrained), plan(c)),
                           print_config=args.print_config)
-    cluster.init()
-    try:
+    with errors_reported(cfg.out_dir, "pretrain", args.traceback):
+        cluster.init()
         records = pretrain.run(cfg, None if args.no_resume else args.resume, args.stop_after)
-    except CheckpointError as e:  # a damaged or lying checkpoint: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     evals = [r for r in records if r["kind"] == "eval"]
     if evals:
         print(f"validation loss: {evals[0]['val_loss']:.4f} (step {evals[0]['step']}) -> "

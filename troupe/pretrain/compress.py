@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -37,19 +36,19 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from troupe import checkpoint as ckpt
-from troupe.checkpoint import CheckpointError
 from troupe.compression.artifact import save_quantized
 from troupe.compression.distill import Distillation
 from troupe.compression.lkd import FakeQuantLinear
 from troupe.compression.quantize import (check_patterns, gates_stay_fp32, known_modes,
                                          quantize_model, replace_linears)
 from troupe.compression.student import reduce_layers, reduced_config
-from troupe.config import Config, ConfigError, app_parser, load_app_config
+from troupe.config import Config, ConfigError, app_parser, errors_reported, load_app_config
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import driver as pretrain
 from troupe.pretrain.config import ModelConfig, PretrainConfig
 from troupe.pretrain.export import load_full_model
+from troupe.pretrain.rank import plan
 from troupe.runtime import cluster
 from troupe.runtime.metrics import MetricsLog
 
@@ -133,6 +132,7 @@ def check_student(cfg: CompressConfig) -> None:
         raise ConfigError(f"model.keep_layers: {e}") from None
     with torch.device("meta"):
         check_patterns(GPT(arch), cfg.quantize, "the student")
+    plan(cfg)  # the distillation window against the teacher's context; memory
 
 
 def export_quantized(cfg: CompressConfig, out: Path) -> Path:
@@ -191,12 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(CompressConfig, args.config, args.overrides, check_student,
                           print_config=args.print_config)
-    cluster.init()
-    try:
+    with errors_reported(cfg.out_dir, "compress", args.traceback):
+        cluster.init()
         records = run(cfg, None if args.no_resume else args.resume, args.stop_after)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     evals = [r for r in records if r["kind"] == "eval"]
     if evals:
         first, last = evals[0], evals[-1]

@@ -13,9 +13,11 @@ from typing import Callable
 import torch
 
 from troupe.collectives import Communicator
+from troupe.config import ConfigError
 from troupe.data import TokenDataset, load_tokenizer, micro_batches
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
+from troupe.models.hf_config import context_length
 from troupe.optim import (
     CommCounter,
     FlatParams,
@@ -31,7 +33,8 @@ from troupe.optim import (
     padded_size,
 )
 from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, expert_layout
-from troupe.parallel.memory import MemoryPlan, check_budget, device_budget_gib, plan
+from troupe.parallel.memory import MemoryPlan, check_budget, device_budget_gib
+from troupe.parallel.memory import plan as memory_plan
 from troupe.pretrain.config import PretrainConfig
 from troupe.runtime.metrics import peak_memory_mb
 
@@ -113,19 +116,37 @@ class PartitionedState:
         return self.part.state_dict(self.optimizer)
 
 
-def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int,
+def plan(cfg: PretrainConfig) -> MemoryPlan:
+    """What the driver checks before any Ray process starts (pretraining and compression):
+    the training window against the model's context and the curriculum's start against the
+    window (ConfigError naming the keys and both numbers), and each rank's memory plan
+    against ``memory_per_worker`` (MemoryBudgetError, a ConfigError); returns the plan."""
+    arch = cfg.model.architecture()
+    if cfg.model.pretrained is not None and cfg.model.seq_len > arch.seq_len:
+        _, where = context_length(cfg.model.pretrained)
+        raise ConfigError(f"model.seq_len={cfg.model.seq_len} (the training window) exceeds "
+                          f"the model's context of {arch.seq_len} tokens ({where})")
+    window = cfg.model.window(arch)
+    if cfg.curriculum.enabled and cfg.curriculum.min_len > window:
+        raise ConfigError(f"curriculum.min_len={cfg.curriculum.min_len} exceeds the training "
+                          f"window of {window} tokens (model.seq_len)")
+    return check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
+
+
+def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int | None,
                  world: int) -> MemoryPlan:
     """This rank's memory plan (troupe.parallel.memory), from the model's shapes alone;
-    MemoryBudgetError when it exceeds the budget (memory_per_worker, or the GPU's)."""
+    MemoryBudgetError when it exceeds the budget (memory_per_worker, or the GPU's); ``rank``
+    None: every rank's (each plans the same)."""
     with torch.device("meta"):
         shapes = GPT(arch)
     ep_size = arch.moe.ep_size if arch.moe else 1
-    mine = plan(shapes, cfg.optimizer, world, cfg.zero_stage, cfg.zero_prefetch, ep_size,
+    mine = memory_plan(shapes, cfg.optimizer, world, cfg.zero_stage, cfg.zero_prefetch, ep_size,
                 cfg.train.offload)
-    other = plan(shapes, cfg.optimizer, world, 4 - cfg.zero_stage, cfg.zero_prefetch, ep_size,
+    other = memory_plan(shapes, cfg.optimizer, world, 4 - cfg.zero_stage, cfg.zero_prefetch, ep_size,
                  cfg.train.offload)
     check_budget(mine, device_budget_gib(device, cfg.memory_per_worker),
-                 f"rank {rank} of {world}", other)
+                 f"every rank of {world}" if rank is None else f"rank {rank} of {world}", other)
     return mine
 
 

@@ -12,8 +12,10 @@ whether it is done. Their tokens are the chat template's rendering of the conver
 them, from where the assistant's eos ended the turn, through the next generation prompt: the
 model's own tokens are never re-rendered or re-tokenized, so the sequence trained on is the one
 sampled. It ends when the environment says done, after ``env.max_turns`` assistant turns, when
-its tokens would pass ``env.max_tokens``, or when the environment fails (its cause counted;
-the trajectory then scores ``env.failure_score``).
+its tokens would pass ``env.max_tokens``, when the model's context has no room left for a token
+of the model's own (``context``: an environment that answers at length), or when the
+environment fails (its cause counted; the trajectory then scores ``env.failure_score``). Each
+trajectory's end is counted by cause in step 3's records (``trajectory_ends``).
 
 Every turn after the first continues the previous one's tokens: the engine keeps each finished
 turn's keys and values in its prefix cache (``keep_outputs``), so a turn runs only its new
@@ -51,7 +53,7 @@ class Trajectory:
     turns: int = 0                # assistant turns
     tool_turns: int = 0           # assistant turns with at least one parsed tool call
     rewards: list[float] = field(default_factory=list)    # the environment's, as given
-    end: str | None = None        # done, max_turns, max_tokens, failed
+    end: str | None = None        # done, max_turns, max_tokens, context, failed
     error: str | None = None      # the environment's failure, with its cause first
     env_seconds: float = 0.0      # waiting for the environment, over the turns
     turn_tokens: list[int] = field(default_factory=list, repr=False)   # the turn being made
@@ -110,11 +112,10 @@ class AgentLoop:
         return [trajs[k] for k in trajs]
 
     def _generate(self, engine: ContinuousBatcher, t: Trajectory, open_: set) -> None:
-        context = len(t.prompt_ids) + len(t.tokens)
-        room = min(self.turn_tokens, self.max_tokens - len(t.tokens),
-                   engine.cfg.seq_len - context)
+        context_room = engine.cfg.seq_len - len(t.prompt_ids) - len(t.tokens)
+        room = min(self.turn_tokens, self.max_tokens - len(t.tokens), context_room)
         if room < 1:
-            self._finish(t, "max_tokens", open_)
+            self._finish(t, "context" if context_room < 1 else "max_tokens", open_)
             return
         params = SamplingParams(max_tokens=room, temperature=self.temperature, top_p=self.top_p,
                                 top_k=self.top_k, seed=(t.seed + 7919 * t.turns) % (1 << 62),
@@ -137,6 +138,9 @@ class AgentLoop:
         if not ended:  # cut at step3.max_new_tokens: the template closes the turn (not trained)
             if len(t.tokens) + 1 >= self.max_tokens:
                 self._finish(t, "max_tokens", open_)
+                return
+            if len(t.prompt_ids) + len(t.tokens) + 1 > engine.cfg.seq_len:
+                self._finish(t, "context", open_)
                 return
             t.extend([self.tok.eos_id])
         content, calls = tool_calls.parse(self.tok.decode(t.turn_tokens[:-1] if ended
@@ -173,6 +177,10 @@ class AgentLoop:
         delta = after[cut:]
         if len(t.tokens) + len(delta) >= self.max_tokens:
             self._finish(t, "max_tokens", open_)
+            return
+        if len(t.prompt_ids) + len(t.tokens) + len(delta) >= engine.cfg.seq_len:
+            # the environment's answer leaves the model no room for a token of its own
+            self._finish(t, "context", open_)
             return
         t.extend(delta)
         self._generate(engine, t, open_)

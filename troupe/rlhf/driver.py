@@ -9,12 +9,14 @@ out_dir/policy-hf as a Hugging Face directory."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from troupe.devices import cluster_device
 from troupe.rlhf.config import STEP3, RLHFConfig
-from troupe.rlhf.data import Data, check_sizes, prepare_data
+from troupe.rlhf.data import Data, prepare_data
 from troupe.rlhf.dpo import run_dpo
+from troupe.rlhf.plan import Plan, plan
 from troupe.rlhf.plots import plot
 from troupe.rlhf.step3 import run_step3, setup_roles
 from troupe.rlhf.topology import RLHFTopology
@@ -93,21 +95,21 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
 
 def load_data(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Data:
     """The data ``steps`` read, checked (DataError naming the file, row and field, or the
-    setting the data is too small for): the apps call it before Ray starts."""
-    data = prepare_data(cfg)
-    check_sizes(cfg, data, steps)
-    return data
+    setting the data is too small for) and without the examples longer than the model's
+    context (troupe.rlhf.plan)."""
+    return plan(cfg, steps).data
 
 
 def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
-        data: Data | None = None) -> dict:
+        planned: Plan | None = None) -> dict:
     """Run ``steps`` (a subset of "sft", "reward", "step3", in that order; "step3" is step 3
     whatever the algorithm, and its older name "ppo" is read as it) and return a summary; a
     later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
     continues step 3 from its latest checkpoint there. Step 2 is skipped when no learned
     reward model is used; step 3 without step 1's weights starts from the model's own (a
-    pretrained model's only). ``data``: what ``load_data`` returned (else it is loaded here).
-    The summary holds step 3's result under "step3", and under "ppo" as it used to."""
+    pretrained model's only). ``planned``: ``troupe.rlhf.plan.plan(cfg, steps)``, which the
+    apps make before Ray starts (else it is made here); its record opens metrics.jsonl. The
+    summary holds step 3's result under "step3", and under "ppo" as it used to."""
     steps = tuple(STEP3 if s == "ppo" else s for s in steps)
     if resume and ("sft" in steps or "reward" in steps):
         raise ValueError("resume continues step 3 from its checkpoint; run it with steps "
@@ -116,13 +118,16 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    data = data or load_data(cfg, steps)
+    planned = planned or plan(cfg, steps)
+    data = planned.data
     sft_path, reward_path = out / "sft" / "policy.trp", out / "reward" / "reward.trp"
     if STEP3 in steps:
         _check_inputs(cfg, steps, sft_path, reward_path)
-    summary: dict = {"algorithm": cfg.algorithm}
+    summary: dict = {"algorithm": cfg.algorithm, "steps": list(steps)}
+    t0 = time.perf_counter()
     graph = build_graph(cfg, steps=steps)
     log = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
+    log.write({**planned.record(), "step": 0})
     try:
         if "sft" in steps:
             run_sft(graph, cfg, data, log, out)
@@ -147,6 +152,7 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
         log.close()
         graph.shutdown()
     plot(log.records(), out / "rlhf.png")
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -1,12 +1,23 @@
 """The one failure policy and the one step loop of a troupe run (pretraining and RLHF's step 3
 alike).
 
-When a worker dies or a call raises, Ray restarts the lost worker (its role's
-``max_restarts``), the policy waits until every worker of the graph answers, rebuilds every
-collective group under a new generation, and hands back to the application, which sets its
-roles up again and loads its last complete checkpoint; the run goes on from there. After
-``max_restarts`` failures, or when a worker cannot come back, the run stops with
-RunFailedError, and out_dir/failure.json names each failure's role, rank, node, cause and step.
+A failure is a fault or an error, told apart by the cause's type. A fault is what the
+cluster did to the run: a worker or node lost (WorkerDiedError, Ray's actor, node, object and
+out-of-memory errors), a call or a collective that timed out (a stalled or cut link surfaces as
+CollectiveTimeoutError), a weight sync that did not arrive whole, torch.distributed's own
+network and backend errors. Anything else a worker raised (a ValueError of troupe's code or of
+the user's reward function, say) is an error, unless a worker of the graph died or was
+restarted meanwhile (its process is no longer the one it was: the error was the death's echo
+in a peer). An error ends the run at once: the same inputs would raise it again after every
+restart.
+
+After a fault, Ray restarts the lost worker (its role's ``max_restarts``), the policy waits
+until every worker of the graph answers, rebuilds every collective group under a new
+generation, and hands back to the application, which sets its roles up again and loads its
+last complete checkpoint; the run goes on from there. After ``max_restarts`` faults, after an
+error, or when a worker cannot come back, the run stops with RunFailedError, and
+out_dir/failure.json names each failure's role, rank, node, cause, step and whether it was a
+fault.
 """
 
 from __future__ import annotations
@@ -16,7 +27,13 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Collection, NoReturn, TypeVar
 
-from troupe.errors import RunFailedError, WorkerCallError, WorkerDiedError, failure_record
+import ray
+import torch.distributed
+from ray import exceptions as ray_errors
+
+from troupe.errors import (CallTimeoutError, CollectiveError, RunFailedError, WorkerCallError,
+                           WorkerDiedError, failure_record)
+from troupe.parallel.weight_sync import WeightSyncError
 from troupe.runtime.graph import rewire
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -24,6 +41,13 @@ from troupe.runtime.metrics import MetricsLog
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+FAULTS: tuple[type[BaseException], ...] = (
+    WorkerDiedError, CallTimeoutError, CollectiveError, WeightSyncError,
+    ray_errors.RayActorError, ray_errors.NodeDiedError, ray_errors.ObjectLostError,
+    ray_errors.OutOfMemoryError, ray_errors.WorkerCrashedError, ray_errors.LocalRayletDiedError,
+    ray_errors.ObjectFetchTimedOutError, ray_errors.GetTimeoutError,
+    torch.distributed.DistError)
 
 
 class FailurePolicy:
@@ -41,6 +65,7 @@ class FailurePolicy:
         self.run, self.graph, self.max_restarts = run, graph, max_restarts
         self.out_dir, self.timeout_s = Path(out_dir), timeout_s
         self.failures: list[dict] = []
+        self.processes = self._processes()  # who each worker is, to see a restart by
 
     @property
     def restarts(self) -> int:
@@ -52,8 +77,12 @@ class FailurePolicy:
         ``restore()`` sets the roles up and puts them at their last checkpoint, and what it
         returns (where the run stands) is returned. Raises RunFailedError once the restarts
         are used up."""
-        self.failures.append(failure_record(self._dead_rank(error), step=step))
-        if len(self.failures) > self.max_restarts:
+        fault = self.is_fault(error)
+        self.failures.append(failure_record(self._dead_rank(error), step=step, fault=fault))
+        if not fault:
+            log.error("%s: an error, not a fault, at step %d: not retried", self.run, step)
+            self._give_up()
+        if sum(f["fault"] for f in self.failures) > self.max_restarts:
             self._give_up()
         f = self.failures[-1]
         log.warning("%s: role %r rank %s on node %s %s at step %d; restart %d of %d from the "
@@ -63,10 +92,41 @@ class FailurePolicy:
             for group in self.graph.roles.values():
                 group.wait_ready(self.timeout_s)
             rewire(self.graph, generation=len(self.failures), timeout_s=self.timeout_s)
-            return restore()
+            where = restore()
         except (WorkerDiedError, WorkerCallError) as e:  # a worker that cannot come back
-            self.failures.append(failure_record(e, step=step, during="recovery"))
+            self.failures.append(failure_record(e, step=step, during="recovery",
+                                                fault=self.is_fault(e)))
             self._give_up()
+        self.processes = self._processes()
+        return where
+
+    def is_fault(self, error: BaseException) -> bool:
+        """Whether ``error`` is a fault (retried) rather than an error (see the module's
+        docstring)."""
+        if isinstance(error, FAULTS):
+            return True
+        if isinstance(error, WorkerCallError):
+            if isinstance(error.cause, FAULTS):
+                return True
+            if error.cause is None:  # not rebuilt on the driver: its type is in the text
+                last = error.remote_traceback.strip().splitlines()[-1:] or [""]
+                if any(last[0].startswith(t.__name__) or f".{t.__name__}:" in last[0]
+                       for t in FAULTS):
+                    return True
+        return self._processes() != self.processes  # a peer died: the error is its echo
+
+    def _processes(self) -> dict[tuple[str, int], tuple[str, int] | None]:
+        """Each worker's node and process id (None: it does not answer)."""
+        out: dict[tuple[str, int], tuple[str, int] | None] = {}
+        for name, group in self.graph.roles.items():
+            refs = [a.ready.remote() for a in group.actors]
+            for rank, ref in enumerate(refs):
+                try:
+                    info = ray.get(ref, timeout=30)
+                    out[name, rank] = (info["node_id"], info["pid"])
+                except Exception:  # noqa: BLE001 -- dead, restarting or unreachable alike
+                    out[name, rank] = None
+        return out
 
     def _dead_rank(self, error: WorkerDiedError | WorkerCallError
                    ) -> WorkerDiedError | WorkerCallError:

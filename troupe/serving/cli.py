@@ -18,7 +18,7 @@ import signal
 import time
 import urllib.request
 
-from troupe.config import app_parser, load_app_config
+from troupe.config import app_parser, errors_reported, load_app_config
 from troupe.runtime import cluster
 from troupe.serving import deploy as serve
 from troupe.serving.auth import take_key
@@ -47,14 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_app_config(ServeConfig, args.config, args.overrides, check_source,
                           print_config=args.print_config)
     key, digest = take_key(cfg.api_key_env)  # before Ray starts: no process inherits the key
-    cluster.init()
-    url = serve.deploy(cfg, key=digest)
-    print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)
-    if args.check is not None:
-        out = check(url, cfg, args.check, key)
-        print(json.dumps(out["choices"][0]), flush=True)
-        serve.shutdown()
-        return 0
+    with errors_reported(None, "serve", args.traceback):
+        cluster.init()
+        url = serve.deploy(cfg, key=digest)
+        print(f"serving {cfg.model.name} at {url}/v1 (OpenAI API); Ctrl-C stops", flush=True)
+        if args.check is not None:
+            out = check(url, cfg, args.check, key)
+            print(json.dumps(out["choices"][0]), flush=True)
+            serve.shutdown()
+            return 0
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, `docker stop`: as Ctrl-C
     try:
         while True:

@@ -80,10 +80,12 @@ def locate(src: ModelSource) -> StorePath:
 
 
 def check_source(cfg: ServeConfig) -> None:
-    """What the driver checks before any replica starts: the model exists (``locate``) and
-    every quantize pattern matches some layer of it; ConfigError naming the key otherwise."""
+    """What the driver checks before any replica starts: the model exists (``locate``), every
+    quantize pattern matches some layer of it, and the limits fit its context; ConfigError
+    naming the key otherwise."""
     path = locate(cfg.model)
-    if cfg.model.pretrained is not None and is_quantized_dir(path):
+    quantized_dir = cfg.model.pretrained is not None and is_quantized_dir(path)
+    if quantized_dir:
         if cfg.quantize and "quantize" in cfg.model_fields_set:
             raise ConfigError(f"quantize: model.pretrained={cfg.model.pretrained!r} is a "
                               f"quantized model directory (its {MANIFEST} says how each layer "
@@ -91,32 +93,40 @@ def check_source(cfg: ServeConfig) -> None:
         if cfg.expert_parallel > 1:
             raise ConfigError("expert_parallel: a quantized model directory holds no MoE "
                               "experts to spread; set expert_parallel=1")
-        try:
-            read_config(path)
-        except (ValueError, KeyError) as e:
-            raise ConfigError(f"model.pretrained: {e}") from None
-        return
-    if not cfg.quantize:
-        return
     if cfg.model.pretrained is not None:
         try:
             model_cfg = read_config(path).model_dump()
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.pretrained: {e}") from None
+        where = f"{path}/config.json"
     elif cfg.model.file is not None:
         meta, _ = read_module_file(path)
         model_cfg = meta.get("config")
         model_cfg = json.loads(model_cfg) if isinstance(model_cfg, str) else None
+        where = f"model.file {path}"
     else:
         try:
             model_cfg = checkpoint_model(ckpt.read_manifest(path), path).architecture.model_dump()
         except ckpt.CheckpointError as e:
             raise ConfigError(f"model.checkpoint: {e}") from None
+        where = f"model.checkpoint {path}"
     if model_cfg is None:
         return  # an older file or manifest without a config: the replica checks the weights
-    with torch.device("meta"):
-        skeleton = GPT(validate(GPTConfig, model_cfg, f"{path}: config"))
-    check_patterns(skeleton, cfg.quantize)
+    arch = validate(GPTConfig, model_cfg, f"{path}: config")
+    if cfg.quantize and not quantized_dir:
+        with torch.device("meta"):
+            check_patterns(GPT(arch), cfg.quantize)
+    check_limits(cfg, arch.seq_len, where)
+
+
+def check_limits(cfg: ServeConfig, context: int, where: str) -> None:
+    """ConfigError when ``limits.max_tokens`` cannot be honoured by a model of ``context``
+    tokens (set in ``where``): a completion that long leaves no room for a prompt. (A prompt
+    over the context is the request's fault, refused with 400 naming its field.)"""
+    n = cfg.limits.max_tokens
+    if n >= context:
+        raise ConfigError(f"limits.max_tokens={n} leaves no room for a prompt in the model's "
+                          f"context of {context} tokens ({where}): set it below {context}")
 
 
 def source_tokenizer(src: ModelSource) -> Tokenizer:

@@ -1,0 +1,188 @@
+"""What an RLHF recipe will do, planned on the driver before any Ray process starts, so that
+a recipe that validates runs.
+
+Every length the recipe sets is held against the model's context (troupe's
+``model.gpt.seq_len``, or a Hugging Face directory's config.json): step 3's and the
+evaluation's prompts plus ``step3.max_new_tokens``, SFT's demonstrations, the reward model's
+and DPO's pairs, ``env.max_tokens`` and ``env.max_turns`` (packed and padded micro-batches
+need no check of their own: the model counts each sample's tokens, not the batch's width). A
+setting that no example can fit is refused in one line naming both numbers and the key; an
+example that alone does not fit (a long prompt in the data) is skipped here, once for every
+rank (so ZeRO-3 ranks run the same micro-batches and GRPO/DAPO draw and refill their groups
+from what fits), and counted in the run's ``plan`` record of metrics.jsonl. The trained
+roles' memory (parameters, gradients, optimizer state: troupe.parallel.memory) is planned from
+the model's shapes and held against ``memory_per_worker``. What only the run decides (an
+environment that answers at length) ends its trajectory with the ``context`` cause
+(troupe.rlhf.agent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from troupe.config import ConfigError
+from troupe.data import ByteTokens, load_tokenizer
+from troupe.errors import DataError
+from troupe.generation.tools import template_text
+from troupe.models import GPT, GPTConfig
+from troupe.models.hf_config import context_length, read_config
+from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
+from troupe.rlhf.config import STEP3, RLHFConfig
+from troupe.rlhf.data import Data, check_sizes, prepare_data
+
+
+@dataclass
+class Plan:
+    """The data the steps will read (what fits the context), the model's context and where
+    it is set, how many examples of each kind were skipped as too long, and each trained
+    role's memory per rank."""
+
+    data: Data
+    context: int
+    context_key: str
+    skipped: dict[str, int] = field(default_factory=dict)
+    memory: dict[str, MemoryPlan] = field(default_factory=dict)
+
+    def record(self) -> dict:
+        """The ``plan`` record of metrics.jsonl."""
+        return {"kind": "plan", "context": self.context, "skipped": dict(self.skipped),
+                "memory_bytes": {role: {"params": m.params, "grads": m.grads,
+                                        "optimizer": m.optimizer, "gathered": m.gathered}
+                                 for role, m in self.memory.items()}}
+
+
+def architecture(cfg: RLHFConfig) -> tuple[GPTConfig, str]:
+    """The model's configuration and the key (or file) its context comes from."""
+    if cfg.model.pretrained is None:
+        return cfg.model.gpt, "model.gpt.seq_len"
+    _, where = context_length(cfg.model.pretrained)
+    return read_config(cfg.model.pretrained), where
+
+
+def plan(cfg: RLHFConfig, steps: Sequence[str]) -> Plan:
+    """The plan of running ``steps`` of ``cfg`` (see the module's docstring); ConfigError or
+    DataError in one line for what cannot run."""
+    arch, key = architecture(cfg)
+    C = arch.seq_len
+    where = f"the model's context of {C} tokens ({key})"
+    _check_settings(cfg, C, where)
+    data = prepare_data(cfg)
+    tok = _tokenizer(cfg)
+    out = Plan(data, C, key)
+    source = cfg.data.path or "the task"
+    if "sft" in steps:
+        out.data.sft = _fitting(out, "demonstrations", data.sft, C,
+                                lambda d: len(tok.prompt(d[0])) + len(tok.encode(d[1])) + 1,
+                                f"sft: no demonstration of {source} fits {where}")
+    pairs_needed = ("reward" in steps and cfg.uses_reward_model()) or (
+        STEP3 in steps and not cfg.algo().online)
+    if pairs_needed:
+        def pair(p):
+            prompt = len(tok.prompt(p[0]))
+            return prompt + max(len(tok.encode(p[1])), len(tok.encode(p[2]))) + 1
+        out.data.pairs = _fitting(out, "pairs", data.pairs, C, pair,
+                                  f"no preference pair of {source} fits {where}")
+        out.data.eval_pairs = _fitting(out, "eval_pairs", data.eval_pairs, C, pair, None)
+    online = STEP3 in steps and cfg.algo().online
+    if online or "sft" in steps:  # the held-out evaluation samples as step 3 does
+        _prompts(out, tok, cfg, eval_only=not online or bool(cfg.env.function), where=where)
+    check_sizes(cfg, out.data, tuple(steps))
+    out.memory = _memory(cfg, arch, steps)
+    return out
+
+
+def _check_settings(cfg: RLHFConfig, C: int, where: str) -> None:
+    """The lengths the recipe sets that no example could fit."""
+    if cfg.env.function:  # the openings come from the environment: no data to hold up
+        e, N = cfg.env, cfg.step3.max_new_tokens
+        if N >= C:
+            raise ConfigError(f"step3.max_new_tokens={N} leaves no room for an opening in "
+                              f"{where}: set it below {C}")
+        if e.max_tokens >= C:
+            raise ConfigError(f"env.max_tokens={e.max_tokens} does not fit {where} after an "
+                              f"opening of at least one token: set it below {C}")
+        if e.max_turns > e.max_tokens:
+            raise ConfigError(f"env.max_turns={e.max_turns} cannot be reached within "
+                              f"env.max_tokens={e.max_tokens} (each assistant turn takes a "
+                              "token at least)")
+
+
+def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> None:
+    """Step 3's and the evaluation's prompts that leave room for step3.max_new_tokens."""
+    N = cfg.step3.max_new_tokens
+    budget = out.context - N
+    length = lambda p: len(tok.prompt(p))  # noqa: E731
+    d = out.data
+    source = cfg.data.path or "the task"
+
+    def none_fit(prompts: list, which: str) -> DataError:
+        shortest = min(map(length, prompts))
+        return DataError(f"step3.max_new_tokens={N} plus the shortest {which} of {source} "
+                         f"({shortest} tokens) exceed {where}: at most "
+                         f"{max(out.context - shortest, 0)} new tokens fit")
+    if not eval_only:
+        keep = _kept(d.prompts, budget, length)
+        if not keep:
+            raise none_fit(d.prompts, "prompt")
+        out.skipped["prompts"] = len(d.prompts) - len(keep)
+        d.prompts = [d.prompts[i] for i in keep]
+        d.fields = [d.fields[i] for i in keep] if d.fields else d.fields
+    keep = _kept(d.eval_prompts, budget, length)
+    if not keep:
+        raise none_fit(d.eval_prompts, "held-out prompt")
+    out.skipped["eval_prompts"] = len(d.eval_prompts) - len(keep)
+    d.eval_prompts = [d.eval_prompts[i] for i in keep]
+    d.eval_fields = [d.eval_fields[i] for i in keep] if d.eval_fields else d.eval_fields
+
+
+def _kept(items: list, budget: int, length: Callable) -> list[int]:
+    return [i for i, x in enumerate(items) if length(x) <= budget]
+
+
+def _fitting(out: Plan, kind: str, items: list, C: int, length: Callable,
+             none_fit: str | None) -> list:
+    """The items of at most ``C`` tokens; the others counted under ``kind``; DataError
+    ``none_fit`` (with the shortest's length) when none is left."""
+    keep = _kept(items, C, length)
+    if not keep and items and none_fit is not None:
+        raise DataError(f"{none_fit}: the shortest has {min(map(length, items))} tokens")
+    out.skipped[kind] = len(items) - len(keep)
+    return [items[i] for i in keep]
+
+
+def _tokenizer(cfg: RLHFConfig):
+    """The tokenizer the roles build (troupe.rlhf.common.build_lm), for counting tokens."""
+    m = cfg.model
+    if m.pretrained is None:
+        return ByteTokens()
+    return load_tokenizer(m.pretrained, m.chat_template, m.template and template_text(m.template),
+                          cfg.env.tools or None)
+
+
+def _memory(cfg: RLHFConfig, arch: GPTConfig, steps: Sequence[str]) -> dict[str, MemoryPlan]:
+    """Each trained role's memory per rank, from the model's shapes; MemoryBudgetError (a
+    ConfigError) naming the role when ``memory_per_worker`` is set and a plan exceeds it."""
+    optimizers = {}
+    if "sft" in steps:
+        optimizers["policy (sft)"] = cfg.sft.optimizer
+    if "reward" in steps and cfg.uses_reward_model():
+        optimizers["reward"] = cfg.reward.optimizer
+    if STEP3 in steps and not cfg.algo().online:
+        optimizers["policy (dpo)"] = cfg.dpo.optimizer
+    elif STEP3 in steps:
+        optimizers["policy"] = cfg.step3.actor
+        if cfg.uses_critic():
+            optimizers["critic"] = cfg.step3.critic
+    with torch.device("meta"):
+        shapes = GPT(arch)
+    plans = {}
+    for role, opt in optimizers.items():
+        mine = memory_plan(shapes, opt, cfg.workers, cfg.zero_stage, cfg.zero_prefetch)
+        other = memory_plan(shapes, opt, cfg.workers, 4 - cfg.zero_stage, cfg.zero_prefetch)
+        check_budget(mine, cfg.memory_per_worker, f"role {role!r}", other)
+        plans[role] = mine
+    return plans
+
