@@ -31,8 +31,21 @@ class Echo:
         self.turns += 1
         self.chars += len(assistant["content"] or "")
         done = self.turns >= self.limit
-        return ([{"role": "tool", "content": f"result {self.turns} of {len(messages)}"}],
+        return ([{"role": "tool", "content": f"result {self.turns} of {len(messages)}"
+                                             + "." * row_padding(self)}],
                 float(self.chars) if done else None, done)
+
+
+def row_padding(env):
+    return getattr(env, "padding", 0)
+
+
+class Chatty(Echo):
+    '''Echo whose every answer is row["padding"] characters longer.'''
+
+    def reset(self, row):
+        self.padding = row["padding"]
+        return super().reset(row)
 """
 
 
@@ -44,10 +57,10 @@ def echo(tmp_path, monkeypatch):
         yield pool
 
 
-def _model() -> GPT:
+def _model(seq_len: int = 512) -> GPT:
     """A byte-level decoder whose eos logit is raised along the mean hidden state, so that
     sampled turns end after a few tokens (a random model would almost never end one)."""
-    cfg = GPTConfig(vocab_size=257, seq_len=512, n_layer=2, n_head=2, d_model=64,
+    cfg = GPTConfig(vocab_size=257, seq_len=seq_len, n_layer=2, n_head=2, d_model=64,
                     positions="rope", norm="rmsnorm", mlp="swiglu", n_kv_head=1,
                     out_bias=False, mlp_bias=False)
     model = GPT(cfg, seed=0).eval()
@@ -116,6 +129,25 @@ def test_concurrent_trajectories_and_their_rollout(echo):
     assert ro.agent["ends"] == {"done": 5}
     part, rest = ro.split(2)
     assert part.agent == ro.agent and rest.agent is None  # counted once
+
+
+def test_an_environment_that_answers_past_the_context_ends_its_trajectory(tmp_path, monkeypatch):
+    """Answers that leave the model no room end the trajectory with the ``context`` cause,
+    within the context: its rollout scores without a sequence longer than the model's."""
+    (tmp_path / "agent_envs.py").write_text(textwrap.dedent(MODULE))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    tok, model = ByteTokens(), _model(seq_len=120)
+    rows = [{"prompt": f"task {i}", "turns": 8, "padding": 25 + 10 * i} for i in range(3)]
+    with EnvironmentPool("agent_envs:Chatty", workers=1) as pool:
+        engine = ContinuousBatcher(model, tok.eos_id, max_batch=4)
+        trajs = AgentLoop(tok, pool, max_turns=8, max_tokens=119, turn_tokens=20).run(
+            engine, rows, [1, 2, 3], temperature=1.0)
+    assert [t.end for t in trajs] == ["context"] * 3
+    assert all(len(t.prompt_ids) + len(t.tokens) <= 120 for t in trajs)
+    ro = rollout_of(trajs, tok, failure_score=0.0)
+    assert ro.agent["ends"] == {"context": 3}
+    with torch.no_grad():
+        model.hidden(ro.ids, valid_BS=ro.valid)  # as the roles score it: every row fits
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "rloo", "reinforce_pp", "gspo"])

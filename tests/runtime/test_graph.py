@@ -1,3 +1,4 @@
+import json
 import os
 import re
 import time
@@ -8,7 +9,7 @@ import torch
 from ray.util.state import list_actors
 
 from troupe import collectives
-from troupe.errors import CollectiveTimeoutError
+from troupe.errors import CollectiveTimeoutError, RunFailedError
 from tests.runtime.helpers import eventually, kill_worker, live_placement_groups
 from troupe.runtime import (
     ActorGraph,
@@ -247,3 +248,42 @@ def test_constructor_failure_fails_the_build_and_names_the_role(cluster):
     assert "cannot load checkpoint /nowhere/rm.pt" in str(e.value)
     eventually(lambda: not live_placement_groups("broken/reward"),
                "placement group broken/reward removed")
+
+
+def test_an_error_ends_the_run_at_once_and_a_fault_is_retried(rlhf_like, cluster, tmp_path):
+    """The failure policy tells a fault (retried) from an error raised by code for the same
+    inputs (the run ends at once, nothing restored), by the cause's type, and takes an
+    error raised while a peer died and came back for that death's echo (a fault)."""
+    from troupe.runtime.recovery import FailurePolicy
+
+    policy = FailurePolicy("job", rlhf_like, max_restarts=3, out_dir=tmp_path)
+    with pytest.raises(WorkerCallError) as e:
+        rlhf_like["actor"].call("fail")
+    assert not policy.is_fault(e.value)
+    restored = []
+    with pytest.raises(RunFailedError) as stop:
+        policy.recover(e.value, 7, lambda: restored.append(1))
+    assert restored == [] and str(stop.value).startswith(
+        "job stopped at step 7 by an error, not retried (the same inputs raise it again): "
+        "role 'actor' rank ")
+    assert str(stop.value).splitlines()[0].endswith("ValueError: bad batch in rank 0") or \
+        str(stop.value).splitlines()[0].endswith("ValueError: bad batch in rank 1")
+    failure = json.loads((tmp_path / "failure.json").read_text())["failures"]
+    assert [f["fault"] for f in failure] == [False]
+    timeout = CollectiveTimeoutError("dp", [1], 2, 5.0)
+    assert policy.is_fault(WorkerCallError("actor", 0, "n", "step", "...", timeout))
+    assert policy.is_fault(WorkerCallError("actor", 0, "n", "step",
+                                           "troupe.errors.CollectiveTimeoutError: group 'dp'"))
+
+    graph = ActorGraph("echo").role("critic", Reference, 1, num_cpus=0.5,
+                                    max_restarts=1).build(timeout_s=60)
+    try:
+        echo = FailurePolicy("job", graph, max_restarts=1, out_dir=tmp_path)
+        error = WorkerCallError("critic", 0, "n", "step", "ValueError: a peer went away",
+                                ValueError("a peer went away"))
+        assert not echo.is_fault(error)
+        kill_worker(graph["critic"].actors[0], restart=True)
+        graph["critic"].wait_ready(60)
+        assert echo.is_fault(error)  # its process is not the one it was
+    finally:
+        graph.shutdown()

@@ -136,11 +136,11 @@ class AgentLoop:
         t.turns += 1
         ended = t.turn_tokens[-1] == self.tok.eos_id
         if not ended:  # cut at step3.max_new_tokens: the template closes the turn (not trained)
-            if len(t.tokens) + 1 >= self.max_tokens:
-                self._finish(t, "max_tokens", open_)
-                return
             if len(t.prompt_ids) + len(t.tokens) + 1 > engine.cfg.seq_len:
                 self._finish(t, "context", open_)
+                return
+            if len(t.tokens) + 1 >= self.max_tokens:
+                self._finish(t, "max_tokens", open_)
                 return
             t.extend([self.tok.eos_id])
         content, calls = tool_calls.parse(self.tok.decode(t.turn_tokens[:-1] if ended
@@ -175,12 +175,12 @@ class AgentLoop:
                 "multi-turn rollouts need a template that renders a conversation's start the "
                 "same whatever comes after it")
         delta = after[cut:]
-        if len(t.tokens) + len(delta) >= self.max_tokens:
-            self._finish(t, "max_tokens", open_)
-            return
         if len(t.prompt_ids) + len(t.tokens) + len(delta) >= engine.cfg.seq_len:
             # the environment's answer leaves the model no room for a token of its own
             self._finish(t, "context", open_)
+            return
+        if len(t.tokens) + len(delta) >= self.max_tokens:
+            self._finish(t, "max_tokens", open_)
             return
         t.extend(delta)
         self._generate(engine, t, open_)

@@ -18,7 +18,7 @@ environment that answers at length) ends its trajectory with the ``context`` cau
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -69,7 +69,7 @@ def plan(cfg: RLHFConfig, steps: Sequence[str]) -> Plan:
     C = arch.seq_len
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
-    data = prepare_data(cfg)
+    data = _data(cfg)
     tok = _tokenizer(cfg)
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
@@ -92,6 +92,21 @@ def plan(cfg: RLHFConfig, steps: Sequence[str]) -> Plan:
     check_sizes(cfg, out.data, tuple(steps))
     out.memory = _memory(cfg, arch, steps)
     return out
+
+
+def _data(cfg: RLHFConfig) -> Data:
+    """``prepare_data``; the bundled task (a function of its settings and the seed) made once
+    per process and copied (the plan narrows the copy's lists)."""
+    if cfg.data.path:
+        return prepare_data(cfg)
+    key = (cfg.task.model_dump_json(), cfg.seed)
+    if key not in _TASKS:
+        _TASKS.clear()
+        _TASKS[key] = prepare_data(cfg)
+    return replace(_TASKS[key])
+
+
+_TASKS: dict[tuple, Data] = {}
 
 
 def _check_settings(cfg: RLHFConfig, C: int, where: str) -> None:

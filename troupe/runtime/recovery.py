@@ -109,9 +109,9 @@ class FailurePolicy:
             if isinstance(error.cause, FAULTS):
                 return True
             if error.cause is None:  # not rebuilt on the driver: its type is in the text
-                last = error.remote_traceback.strip().splitlines()[-1:] or [""]
-                if any(last[0].startswith(t.__name__) or f".{t.__name__}:" in last[0]
-                       for t in FAULTS):
+                last = (error.remote_traceback.strip().splitlines()[-1:] or [""])[0]
+                name = last.partition(":")[0].rpartition(".")[2]
+                if name in _fault_names():
                     return True
         return self._processes() != self.processes  # a peer died: the error is its echo
 
@@ -180,3 +180,13 @@ def run_steps(policy: FailurePolicy, log: MetricsLog, done: int, last: int,
         if bar is not None:
             bar.update(1)
         n += 1
+
+
+def _fault_names() -> set[str]:
+    """The class names of FAULTS and of their subclasses (CollectiveTimeoutError, say)."""
+    names, todo = set(), list(FAULTS)
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names

@@ -1,0 +1,73 @@
+"""The config fuzzer: hundreds of recipes drawn over each app's schema (tests/apps/
+recipe_space.py) go through validation and the driver-side plan (lengths, data, memory), without
+Ray; each is refused in one line (a ConfigError or DataError naming the key) or planned, and a
+planned one keeps only what fits the model's context. benchmarks/config_fuzz.py runs drawn
+recipes to the end."""
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+
+from tests.apps.recipe_space import PRETRAIN, RLHF, strategy
+from troupe.config import ConfigError, load_config, recipe_path
+from troupe.errors import DataError
+from troupe.pretrain.config import PretrainConfig
+from troupe.pretrain.rank import plan as pretrain_plan
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.driver import STEPS
+from troupe.rlhf.plan import plan as rlhf_plan
+
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+def _refused_in_one_line(e: Exception) -> None:
+    text = str(e)
+    assert text and "\n" not in text and "Traceback" not in text, text
+
+
+@FUZZ
+@given(strategy(RLHF))
+@example(["step3.max_new_tokens=100", "sft.steps=5", "reward.steps=5", "step3.iterations=2",
+          "workers=1"])
+@example(["algorithm=grpo", "env.function=apps.environments:Calculator"])
+@example(["model.gpt.seq_len=8"])
+@example(["sft.batch_size=1000000"])
+def test_rlhf_recipes_are_refused_in_one_line_or_planned(overrides):
+    try:
+        cfg = load_config(RLHFConfig, recipe_path("rlhf-sort"), overrides)
+        planned = rlhf_plan(cfg, STEPS)
+    except (ConfigError, DataError) as e:
+        if isinstance(e, ConfigError) and str(e).startswith("invalid config from"):
+            return  # the schema's own refusals: one line per bad key, named
+        _refused_in_one_line(e)
+        return
+    C, N, d = planned.context, cfg.step3.max_new_tokens, planned.data
+    from troupe.data import ByteTokens
+    tok = ByteTokens()
+    assert all(len(tok.prompt(p)) + N <= C for p in d.eval_prompts[:50])
+    if cfg.algo().online and not cfg.env.function:
+        assert all(len(tok.prompt(p)) + N <= C for p in d.prompts[:50])
+    assert all(len(tok.prompt(p)) + len(tok.encode(r)) + 1 <= C for p, r in d.sft[:50])
+    if cfg.env.function:
+        assert cfg.env.max_tokens < C and N < C
+
+
+@FUZZ
+@given(strategy(PRETRAIN))
+@example(["zero_stage=1", "memory_per_worker=0.002"])
+def test_pretraining_recipes_are_refused_in_one_line_or_planned(overrides):
+    try:
+        cfg = load_config(PretrainConfig, recipe_path("dense-tiny"), overrides)
+        planned = pretrain_plan(cfg)
+    except ConfigError as e:
+        if not str(e).startswith("invalid config from"):
+            _refused_in_one_line(e)
+        return
+    assert cfg.memory_per_worker is None or planned.total <= cfg.memory_per_worker * (1 << 30)
+    assert not cfg.curriculum.enabled or cfg.curriculum.min_len <= cfg.model.seq_len
+
+
+def test_the_schema_refusals_are_one_line_each():
+    with pytest.raises(ConfigError) as e:
+        load_config(RLHFConfig, recipe_path("rlhf-sort"), ["zero_stage=3", "step3.lora.enabled=true"])
+    assert str(e.value).count("\n") == 0 and "zero_stage=3" in str(e.value)
