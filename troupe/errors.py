@@ -35,12 +35,18 @@ class PlacementTimeoutError(TroupeError):
     """A role's placement group was not placed within the build timeout."""
 
     def __init__(self, role: str, bundle: dict[str, float], num_bundles: int,
-                 timeout_s: float, cluster: dict[str, float], autoscaler: bool):
+                 timeout_s: float, cluster: dict[str, float], autoscaler: bool,
+                 never: str | None = None):
         self.role, self.bundle, self.num_bundles = role, bundle, num_bundles
         self.timeout_s, self.cluster = timeout_s, cluster
         missing = {k: v for k, v in bundle.items() if v > 0 and cluster.get(k, 0) < v}
         need = ", ".join(f"{k}={v:g}" for k, v in bundle.items() if v > 0)
         have = ", ".join(f"{k}={cluster.get(k, 0):g}" for k in bundle if bundle[k] > 0)
+        if never is not None:  # known at once: no wait would place it
+            super().__init__(f"role {role!r}: {num_bundles} bundle(s) of {{{need}}} cannot be "
+                             f"placed: {never} (lower workers or num_cpus/num_gpus, or join a "
+                             "cluster with RAY_ADDRESS)")
+            return
         msg = (f"role {role!r}: could not place {num_bundles} bundle(s) of {{{need}}} within "
                f"{timeout_s:g}s; the cluster has {{{have}}} in total")
         if missing:

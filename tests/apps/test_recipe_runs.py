@@ -149,3 +149,21 @@ def test_a_workers_error_is_one_line_and_its_traceback_goes_to_error_log(capsys,
             {}["a bug"]
     assert e.value.code == 1 and capsys.readouterr().err.startswith("error: KeyError: 'a bug'")
 
+
+
+def test_the_main_jobs_ending_reads_at_a_glance():
+    from troupe.rlhf.cli import glance
+    summary = {"algorithm": "ppo", "steps": ["sft", "reward", "step3"], "seconds": 83.4,
+               "sft": {"gold": 0.512, "exact": 0.25, "samples": [["sort 12:", "12"]] * 4},
+               "reward_accuracy": 0.9375,
+               "step3": {"before": {"gold": 0.512}, "after": {"gold": 0.781, "exact": 0.5}},
+               "exported": "runs/x/policy-hf"}
+    cfg = load_config(RLHFConfig, None, ["out_dir=runs/x"])
+    assert glance(summary, cfg).splitlines() == [
+        "rlhf (ppo): sft, reward, step3 in 83 s",
+        "  after SFT:           gold 0.512, exact 0.250",
+        "  after ppo:           gold 0.781, exact 0.500",
+        "  reward model:        accuracy 0.938 on held-out pairs",
+        "  plots:               runs/x/rlhf.png",
+        "  exported model:      runs/x/policy-hf",
+        "  everything else:     runs/x/summary.json, runs/x/metrics.jsonl"]

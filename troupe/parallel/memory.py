@@ -41,6 +41,11 @@ class MemoryPlan:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.gathered
 
+    def bytes(self) -> dict[str, int]:
+        """The plan's figures, for a metrics record."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "gathered": self.gathered}
+
     def describe(self) -> str:
         parts = [f"parameters {size(self.params)}", f"gradients {size(self.grads)}",
                  f"optimizer state {size(self.optimizer)}"]

@@ -27,7 +27,7 @@ from troupe.models import save_pretrained
 from troupe.models.hf_config import config_to_hf
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.export import load_full_model
-from troupe.pretrain.rank import StepStats
+from troupe.pretrain.rank import StepStats, plan
 from troupe.pretrain.topology import OWNER, TRAINER, PretrainTopology
 from troupe.pretrain.workers import ShardOwnerActor, TrainerActor, RankInfo
 from troupe.runtime import checkpoint
@@ -163,6 +163,8 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
     policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s)
     start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
+    # each rank's parameter, gradient and optimizer-state bytes, beside the steps' peak memory
+    metrics.write({"kind": "plan", "step": start, "memory_bytes": {"trainer": plan(cfg).bytes()}})
     records: list[dict] = []
     last = min(T.steps, stop_after or T.steps)
 

@@ -49,9 +49,7 @@ class Plan:
     def record(self) -> dict:
         """The ``plan`` record of metrics.jsonl."""
         return {"kind": "plan", "context": self.context, "skipped": dict(self.skipped),
-                "memory_bytes": {role: {"params": m.params, "grads": m.grads,
-                                        "optimizer": m.optimizer, "gathered": m.gathered}
-                                 for role, m in self.memory.items()}}
+                "memory_bytes": {role: m.bytes() for role, m in self.memory.items()}}
 
 
 def architecture(cfg: RLHFConfig) -> tuple[GPTConfig, str]:

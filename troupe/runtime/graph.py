@@ -181,13 +181,13 @@ class ActorGraph:
         (a group member did not join). Nothing is left running when it raises.
         """
         placed = self._check()
-        init()
+        info = init()
         deadline = time.monotonic() + timeout_s
         pgs, roles = {}, {}
         try:
             for root, members in placed.items():
                 pgs[root] = self._placement_group(root, members)
-            self._wait_placed(pgs, placed, timeout_s, deadline)
+            self._wait_placed(pgs, placed, timeout_s, deadline, can_grow=not info.embedded)
             for root, members in placed.items():
                 for m in members:
                     roles[m] = self._start_role(self.roles[m], pgs[root], call_timeout_s)
@@ -216,16 +216,32 @@ class ActorGraph:
                                         name=f"{self.name}/{root}@{uuid.uuid4().hex[:8]}")
 
     def _wait_placed(self, pgs: dict, placed: dict[str, list[str]], timeout_s: float,
-                     deadline: float) -> None:
+                     deadline: float, can_grow: bool = True) -> None:
         """Wait until every placement group is placed. Groups that do not fit at once are
         asked of the autoscaler (``request_resources``, besides the pending groups themselves)
-        and waited for until ``deadline``, saying what is missing every few seconds."""
+        and waited for until ``deadline``, saying what is missing every few seconds. A
+        cluster that cannot grow (troupe's embedded one) and holds less than the graph asks
+        in all refuses at once: no wait would place it."""
         waiting = {pgs[root].ready(): root for root in pgs}
         ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=1.0)
         for ref in ready:
             waiting.pop(ref)
         if not waiting:
             return
+        total = ray.cluster_resources()
+        demand: dict[str, float] = {}
+        for root in pgs:
+            for bundle in pgs[root].bundle_specs:
+                for k, v in bundle.items():
+                    demand[k] = demand.get(k, 0.0) + v
+        short = sorted(k for k, v in demand.items() if v > total.get(k, 0.0) + 1e-9)
+        if not can_grow and short:
+            root = next(iter(waiting.values()))
+            raise PlacementTimeoutError(
+                root, pgs[root].bundle_specs[0], len(pgs[root].bundle_specs), 0.0, total,
+                autoscaler=False,
+                never=f"graph {self.name!r} asks for {_amounts(demand, short)} in all, and this "
+                      f"local cluster has {_amounts(total, short)}, and cannot grow")
         # imported here, not with the module: every worker process imports this module
         # (through troupe), and the autoscaler's SDK costs each of them 40 ms of CPU
         from ray.autoscaler.sdk import request_resources
@@ -282,6 +298,10 @@ def _describe(bundle_lists: list[list[dict[str, float]]]) -> str:
     """'2 x {CPU: 1, GPU: 1}, 1 x {CPU: 4}' for lists of identical bundles."""
     return ", ".join(f"{len(b)} x {{{', '.join(f'{k}: {v:g}' for k, v in b[0].items())}}}"
                      for b in bundle_lists)
+
+
+def _amounts(resources: dict[str, float], keys: list[str]) -> str:
+    return ", ".join(f"{k} {resources.get(k, 0.0):g}" for k in keys)
 
 
 def _describe_total() -> str:
