@@ -1,6 +1,6 @@
 """Drawn recipes run to the end: a recipe that validates runs.
 
-    python benchmarks/config_fuzz.py --examples 8 [--seed 0] [--apps rlhf,pretrain]
+    python benchmarks/config_fuzz.py --examples 16 [--seed 0] [--apps rlhf,pretrain] [--share 0.25]
 
 Each example is an app's bundled recipe with overrides drawn from tests/apps/recipe_space.py
 (the space the suite's fuzzer checks without Ray), shrunk to tiny sizes (a few steps, one
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,9 @@ def run_one(app: str, overrides: list[str], out: Path, timeout_s: float) -> dict
         code, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired:
         code, err = "timeout", ""
-    lines = [ln for ln in err.splitlines() if ln.strip() and " INFO " not in ln
-             and " WARNING " not in ln and not ln.startswith(("20", "step", "\r"))]
+    # what a person reads: not the log lines (dated) nor the progress bars
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"\d{4}-\d\d-\d\d ", ln)
+             and "it/s]" not in ln and "s/it]" not in ln and "\r" not in ln]
     ray_started = "Started a local Ray" in err
     if code == 0:
         outcome = "ran"
@@ -66,6 +68,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--apps", default="rlhf,pretrain")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--share", type=float, default=0.25,
+                   help="the chance that each key of the space is overridden")
     args = p.parse_args()
     rng = random.Random(args.seed)
     apps = args.apps.split(",")
@@ -74,10 +78,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.examples):
             app = apps[i % len(apps)]
-            rec = run_one(app, draw(RECIPES[app][1], rng), Path(tmp) / f"run-{i}", args.timeout)
+            rec = run_one(app, draw(RECIPES[app][1], rng, args.share), Path(tmp) / f"run-{i}", args.timeout)
             counts[rec["outcome"]] += 1
             print(json.dumps(rec), flush=True)
-    print(json.dumps({"examples": args.examples, "seed": args.seed, **counts,
+    print(json.dumps({"examples": args.examples, "seed": args.seed, "share": args.share, **counts,
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 

@@ -18,6 +18,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_hosts_left():
+    """At the session's end, no network namespace the suite's emulated hosts made is left
+    (tests/runtime/test_hosts.py: troupe.runtime.hosts, names starting trt-)."""
+    yield
+    import shutil
+    import subprocess
+    if shutil.which("ip") is None:
+        return
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = [line.split()[0] for line in out.splitlines() if line.startswith("trt-")]
+    assert not left, f"the suite left network namespaces behind: {left}"
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The embedded cluster, with more logical CPUs than cores so 4-rank groups fit."""

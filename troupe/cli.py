@@ -4,6 +4,8 @@
     troupe pretrain [--config RECIPE] [key=value ...]   # GPT / PR-MoE pretraining
     troupe serve [--config RECIPE] [key=value ...]      # the OpenAI-compatible server
     troupe compress [--config RECIPE] [key=value ...]   # XTC: ternary/binary students, distilled
+    troupe hosts up|down|status|shape|cut|restore|kill|restart|exec
+                                                        # hosts as network namespaces, Ray in each
     troupe recipes                                      # the bundled recipes and their files
 
 ``python -m troupe ...`` is the same command, and ``python apps/rlhf.py ...`` (likewise
@@ -19,7 +21,8 @@ import sys
 from troupe.config import bundled_recipes
 
 APPS = {"pretrain": "troupe.pretrain.cli", "rlhf": "troupe.rlhf.cli",
-        "serve": "troupe.serving.cli", "compress": "troupe.pretrain.compress"}
+        "serve": "troupe.serving.cli", "compress": "troupe.pretrain.compress",
+        "hosts": "troupe.runtime.hosts"}
 
 
 def main(argv: list[str] | None = None) -> int:

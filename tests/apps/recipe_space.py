@@ -18,7 +18,7 @@ RLHF = {
     "algorithm": ["ppo", "grpo", "rloo", "reinforce_pp", "dapo", "gspo", "dpo"],
     "zero_stage": [1, 3],
     "model.packing": [False, True],
-    "model.packing_tokens": [NONE, 8, 64, 256],
+    "model.packing_tokens": [NONE, NONE, NONE, 8, 64],
     "model.gpt.seq_len": [8, 16, 24, 32, 48],
     "step3.max_new_tokens": [1, 4, 8, 16, 31, 40, 100],
     "step3.rollout.replicas": [0, 1, 2],

@@ -36,6 +36,7 @@ from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, exp
 from troupe.parallel.memory import MemoryPlan, check_budget, device_budget_gib
 from troupe.parallel.memory import plan as memory_plan
 from troupe.pretrain.config import PretrainConfig
+from troupe.runtime.cluster import check_local_capacity
 from troupe.runtime.metrics import peak_memory_mb
 
 
@@ -119,8 +120,9 @@ class PartitionedState:
 def plan(cfg: PretrainConfig) -> MemoryPlan:
     """What the driver checks before any Ray process starts (pretraining and compression):
     the training window against the model's context and the curriculum's start against the
-    window (ConfigError naming the keys and both numbers), and each rank's memory plan
-    against ``memory_per_worker`` (MemoryBudgetError, a ConfigError); returns the plan."""
+    window (ConfigError naming the keys and both numbers), the ranks' CPUs against the local
+    cluster's when the run would start one, and each rank's memory plan against
+    ``memory_per_worker`` (MemoryBudgetError, a ConfigError); returns the plan."""
     arch = cfg.model.architecture()
     if cfg.model.pretrained is not None and cfg.model.seq_len > arch.seq_len:
         _, where = context_length(cfg.model.pretrained)
@@ -130,6 +132,11 @@ def plan(cfg: PretrainConfig) -> MemoryPlan:
     if cfg.curriculum.enabled and cfg.curriculum.min_len > window:
         raise ConfigError(f"curriculum.min_len={cfg.curriculum.min_len} exceeds the training "
                           f"window of {window} tokens (model.seq_len)")
+    cpus, what = cfg.workers * cfg.threads, f"workers={cfg.workers} x threads={cfg.threads}"
+    if cfg.train.offload:
+        cpus += cfg.workers * cfg.train.shard_cpus
+        what += f" and as many shard owners x train.shard_cpus={cfg.train.shard_cpus:g}"
+    check_local_capacity(cpus, what)
     return check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
 
 

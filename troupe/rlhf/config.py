@@ -402,6 +402,17 @@ class RLHFConfig(AppConfig):
         if self.zero_stage == 3 and self.step3.ema:
             raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
                              "model on every rank; use zero_stage=1")
+        W = self.workers
+        for key, batch in (("sft.batch_size", self.sft.batch_size),
+                           ("reward.batch_size", self.reward.batch_size),
+                           ("dpo.batch_size", self.dpo.batch_size)):
+            if batch < W:
+                raise ValueError(f"{key}={batch} leaves some of workers={W} data-parallel "
+                                 f"ranks without an example: at least {W}")
+        if self.algo().online and self.step3.prompts_per_iter * self.samples_per_prompt() < W:
+            raise ValueError(f"step3.prompts_per_iter={self.step3.prompts_per_iter} x "
+                             f"{self.samples_per_prompt()} samples leave some of workers={W} "
+                             f"data-parallel ranks without a sequence: at least {W}")
         if self.model.packing_tokens and not self.model.packing:
             raise ValueError("model.packing_tokens is the budget of packed micro-batches: "
                              "set model.packing=true with it")

@@ -32,6 +32,7 @@ from troupe.models.hf_config import context_length, read_config
 from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
 from troupe.rlhf.config import STEP3, RLHFConfig
 from troupe.rlhf.data import Data, check_sizes, prepare_data
+from troupe.runtime.cluster import check_local_capacity
 
 
 @dataclass
@@ -89,7 +90,22 @@ def plan(cfg: RLHFConfig, steps: Sequence[str]) -> Plan:
         _prompts(out, tok, cfg, eval_only=not online or bool(cfg.env.function), where=where)
     check_sizes(cfg, out.data, tuple(steps))
     out.memory = _memory(cfg, arch, steps)
+    _check_cpus(cfg, steps)
     return out
+
+
+def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
+    """The graph's CPUs against the local cluster's, when the run would start one."""
+    from troupe.rlhf.driver import roles  # the driver builds the graph (and imports this)
+    names = roles(cfg)
+    cpus = len(names) * cfg.workers * cfg.num_cpus
+    what = f"workers={cfg.workers} x {len(names)} roles ({', '.join(names)}) x num_cpus={cfg.num_cpus:g}"
+    r = cfg.step3.rollout
+    if r.replicas and STEP3 in steps and cfg.algo().online:
+        cpus += r.replicas * r.num_cpus
+        what += (f" and step3.rollout.replicas={r.replicas} x step3.rollout.num_cpus="
+                 f"{r.num_cpus:g}")
+    check_local_capacity(cpus, what)
 
 
 def _data(cfg: RLHFConfig) -> Data:

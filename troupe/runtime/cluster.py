@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from troupe.config import ConfigError
 from troupe.errors import ClusterConnectionError
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,20 @@ def init(address: str | None = None, *, num_cpus: float | None = None,
     if address:
         return _join(address, namespace, ray_kwargs)
     return _start_embedded(num_cpus, num_gpus, namespace, ray_kwargs)
+
+
+def check_local_capacity(cpus: float, what: str) -> None:
+    """Before Ray starts: ConfigError when the embedded cluster ``init()`` would start (the
+    machine's cores; it cannot grow) has fewer CPUs than a run asks for in all (``what``
+    says for what). Nothing is checked when the run joins a cluster (RAY_ADDRESS), which may
+    grow, or when Ray is already connected (a graph then names what the cluster lacks)."""
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return
+    have = os.cpu_count() or 1
+    if cpus > have + 1e-9:
+        raise ConfigError(f"{what} ask for {cpus:g} CPUs in all, and the local cluster this "
+                          f"machine starts has {have} (it cannot grow): lower them, or join a "
+                          "cluster with RAY_ADDRESS")
 
 
 def _join(address: str, namespace: str, ray_kwargs: dict[str, Any]) -> ClusterInfo:

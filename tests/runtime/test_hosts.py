@@ -1,0 +1,94 @@
+"""Hosts on one machine (troupe.runtime.hosts): two network namespaces on a shaped bridge, a
+Ray node in each; a job run from host 0 sees two nodes at two addresses, its gloo allreduce
+between them crosses the veth links (their counters), and ``down`` leaves no namespace or
+process behind. Skipped, with the reason, where root or ``ip``/``tc`` are missing."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from troupe.runtime.hosts import Hosts, HostsError, _namespaces, _pids, check_tools, main
+
+try:
+    check_tools()
+    REASON = None
+except HostsError as e:
+    REASON = str(e)
+
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+JOB = textwrap.dedent("""
+    import json, ray, torch
+    import troupe
+    from troupe import collectives
+    from troupe.runtime import ActorGraph
+
+    class Rank:
+        def __init__(self, config=None):
+            pass
+        def where(self):
+            return ray.util.get_node_ip_address()
+        def reduce(self, n):
+            t = torch.ones(n)
+            collectives.get_group("dp").all_reduce(t)
+            return float(t[0])
+
+    info = troupe.init()
+    g = ActorGraph("across").role("rank", Rank, 2, num_cpus=1, strategy="STRICT_SPREAD")
+    g.collective("dp", ["rank"], backend="gloo")
+    graph = g.build(timeout_s=60)
+    print(json.dumps({"embedded": info.embedded, "nodes": info.nodes,
+                      "where": graph["rank"].call("where"),
+                      "sum": graph["rank"].call("reduce", 1 << 20)}))
+    graph.shutdown()
+""")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    two = Hosts.up(2, name="trt", rate="1gbit", cpus=1, object_store_mb=128)
+    yield two
+    two.down()
+    assert not [ns for ns in _namespaces() if ns.startswith("trt-")]
+
+
+def test_a_job_from_host_0_spans_both_hosts_and_their_links(hosts):
+    before = [hosts.tx_bytes(i) for i in range(2)]
+    out = hosts.run(0, [sys.executable, "-c", JOB], timeout_s=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["embedded"] is False and result["nodes"] == 2  # not a cluster of its own
+    assert sorted(result["where"]) == ["198.18.0.1", "198.18.0.2"]
+    assert result["sum"] == [2.0, 2.0]
+    sent = [hosts.tx_bytes(i) - b for i, b in enumerate(before)]
+    assert min(sent) > 4 << 20  # a 4 MiB tensor each way, at least, over each veth
+    rows = hosts.status()
+    assert [(r["address"], r["up"], r["link"], r["rate"]) for r in rows] == [
+        ("198.18.0.1", True, "up", "1gbit"), ("198.18.0.2", True, "up", "1gbit")]
+    assert all(r["processes"] > 0 for r in rows)
+
+
+def test_the_command_line_names_what_it_cannot_do(hosts, capsys):
+    def cli(*argv):
+        code = main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err.strip()
+    assert cli("--name", "trt", "up", "--hosts", "2") == (
+        2, "", "error: hosts 'trt' are up already: `troupe hosts down --name trt` first")
+    assert cli("--name", "trt", "cut", "5") == (2, "", "error: host 5: the hosts are 0 to 1")
+    code, _, err = cli("--name", "trt", "shape", "1", "--rate", "fast")
+    assert code == 2 and "a rate such as 100mbit" in err
+    code, _, err = cli("--name", "nothere", "status")
+    assert code == 2 and "no hosts named 'nothere'" in err
+    code, out, _ = cli("--name", "trt", "status")
+    assert code == 0 and [json.loads(line)["host"] for line in out.splitlines()] == [0, 1]
+
+
+def test_kill_leaves_no_process_in_the_host_and_restart_brings_its_node_back(hosts):
+    hosts.kill(1)
+    assert _pids(hosts.namespace(1)) == []
+    hosts.wait_nodes(1, timeout_s=60)  # the head notices the node is gone
+    hosts.restart(1)
+    hosts.wait_nodes(2, timeout_s=90)
