@@ -67,8 +67,10 @@ def check_zero_stage(stage: int, optimizers: dict[str, Any]) -> None:
 class AppConfig(Config):
     """Base of the applications' recipes. Every app spells a shared setting the same way, at
     the top level: ``device``, ``precision``, ``seed``, ``out_dir``, ``workers``,
-    ``num_gpus``, ``max_restarts``, ``zero_stage``, ``zero_prefetch``, ``memory_per_worker``
-    (where the app has it; the last three: ``ZERO``). ``MOVED`` maps a key's older place
+    ``num_gpus``, ``max_restarts``, ``collective_timeout_s`` (how long a collective operation
+    waits for its group's other ranks before it fails naming them: a fault, which the failure
+    policy retries; a link cut for longer, or a lost node, surfaces so), ``zero_stage``,
+    ``zero_prefetch``, ``memory_per_worker`` (where the app has it; the last three: ``ZERO``). ``MOVED`` maps a key's older place
     (dotted) to its name now: a recipe, override or stored config that still uses the old
     place is read as the new key, with one warning naming it; giving both is an error."""
 

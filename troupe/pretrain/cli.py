@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)  # overrides before and after options
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_app_config(PretrainConfig, args.config, args.overrides,
-                          lambda c: (check_pretrained(c.model.pretrained), plan(c)),
+                          lambda c: (check_pretrained(c.model.pretrained),
+                                     plan(c, local=not args.print_config)),
                           print_config=args.print_config)
     with errors_reported(cfg.out_dir, "pretrain", args.traceback):
         cluster.init()

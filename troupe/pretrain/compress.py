@@ -121,7 +121,7 @@ class CompressConfig(PretrainConfig):
         return Distillation(teacher, self.distill.temperature, self.distill.hidden_mse, keep)
 
 
-def check_student(cfg: CompressConfig) -> None:
+def check_student(cfg: CompressConfig, local: bool = False) -> None:
     """What the driver checks before anything starts: the teacher directory, ``keep_layers``
     against its blocks, and that every ``quantize`` pattern matches some layer of the student
     (a typo would quietly leave it unquantized); ConfigError naming the key otherwise."""
@@ -132,7 +132,7 @@ def check_student(cfg: CompressConfig) -> None:
         raise ConfigError(f"model.keep_layers: {e}") from None
     with torch.device("meta"):
         check_patterns(GPT(arch), cfg.quantize, "the student")
-    plan(cfg)  # the distillation window against the teacher's context; memory
+    plan(cfg, local)  # the distillation window against the teacher's context; memory; CPUs
 
 
 def export_quantized(cfg: CompressConfig, out: Path) -> Path:
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step")
     args = p.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_app_config(CompressConfig, args.config, args.overrides, check_student,
+    cfg = load_app_config(CompressConfig, args.config, args.overrides,
+                          lambda c: check_student(c, local=not args.print_config),
                           print_config=args.print_config)
     with errors_reported(cfg.out_dir, "compress", args.traceback):
         cluster.init()

@@ -93,6 +93,8 @@ class PretrainConfig(AppConfig):
     the data order. out_dir: metrics, plots, checkpoints and the exported model.
     max_restarts: the failure policy: how many times a lost or failed worker is restarted and
     the run resumed from its last checkpoint before it stops with a report (failure.json).
+    collective_timeout_s: how long a collective waits for the other ranks (see
+    troupe.config.AppConfig).
     zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the same in every
     app). logging: where the metric records go besides metrics.jsonl (troupe.runtime.metrics:
     tensorboard, wandb, mlflow; the same in every app)."""
@@ -117,6 +119,7 @@ class PretrainConfig(AppConfig):
     seed: int = 0
     out_dir: str = "runs/pretrain"
     max_restarts: int = Field(default=0, ge=0)
+    collective_timeout_s: float = Field(default=300.0, gt=0)
     zero_stage: Literal[1, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)

@@ -69,7 +69,8 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain",
                max_restarts=cfg.max_restarts, config=config)
     topology = PretrainTopology.of(cfg)
     topology.declare(g)
-    graph = g.build(timeout_s=timeout_s or T.placement_timeout_s, call_timeout_s=600)
+    graph = g.build(timeout_s=timeout_s or T.placement_timeout_s, call_timeout_s=600,
+                    collective_timeout_s=cfg.collective_timeout_s)
     try:
         trainers, owners = _both(graph, TrainerActor.setup, ShardOwnerActor.setup, topology)
     except BaseException:
@@ -160,12 +161,16 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
     ``run``) to the last step; returns the records of the steps this run made."""
     out, T = Path(cfg.out_dir), cfg.train
     metrics = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
-    policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s)
+    policy = FailurePolicy("pretraining", graph, cfg.max_restarts, out, T.placement_timeout_s,
+                           cfg.collective_timeout_s)
     start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
-    # each rank's parameter, gradient and optimizer-state bytes, beside the steps' peak memory
-    metrics.write({"kind": "plan", "step": start, "memory_bytes": {"trainer": plan(cfg).bytes()}})
     records: list[dict] = []
+    if start == 0:  # a run's first record: each rank's parameter, gradient and optimizer-state
+        # bytes, beside the peak memory of its steps' records (a resumed run keeps it)
+        records.append({"kind": "plan", "step": 0,
+                        "memory_bytes": {"trainer": plan(cfg).bytes()}})
+        metrics.write(records[-1])
     last = min(T.steps, stop_after or T.steps)
 
     def step(n: int) -> None:

@@ -117,12 +117,14 @@ class PartitionedState:
         return self.part.state_dict(self.optimizer)
 
 
-def plan(cfg: PretrainConfig) -> MemoryPlan:
+def plan(cfg: PretrainConfig, local: bool = False) -> MemoryPlan:
     """What the driver checks before any Ray process starts (pretraining and compression):
     the training window against the model's context and the curriculum's start against the
-    window (ConfigError naming the keys and both numbers), the ranks' CPUs against the local
-    cluster's when the run would start one, and each rank's memory plan against
-    ``memory_per_worker`` (MemoryBudgetError, a ConfigError); returns the plan."""
+    window (ConfigError naming the keys and both numbers), each rank's memory plan against
+    ``memory_per_worker`` (MemoryBudgetError, a ConfigError) and, with ``local`` (the apps,
+    about to start Ray: not --print-config, whose recipe may be meant for a cluster), the
+    ranks' CPUs against the local cluster's when the run would start one; returns the
+    memory plan."""
     arch = cfg.model.architecture()
     if cfg.model.pretrained is not None and cfg.model.seq_len > arch.seq_len:
         _, where = context_length(cfg.model.pretrained)
@@ -132,12 +134,14 @@ def plan(cfg: PretrainConfig) -> MemoryPlan:
     if cfg.curriculum.enabled and cfg.curriculum.min_len > window:
         raise ConfigError(f"curriculum.min_len={cfg.curriculum.min_len} exceeds the training "
                           f"window of {window} tokens (model.seq_len)")
-    cpus, what = cfg.workers * cfg.threads, f"workers={cfg.workers} x threads={cfg.threads}"
-    if cfg.train.offload:
-        cpus += cfg.workers * cfg.train.shard_cpus
-        what += f" and as many shard owners x train.shard_cpus={cfg.train.shard_cpus:g}"
-    check_local_capacity(cpus, what)
-    return check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
+    planned = check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
+    if local:
+        cpus, what = cfg.workers * cfg.threads, f"workers={cfg.workers} x threads={cfg.threads}"
+        if cfg.train.offload:
+            cpus += cfg.workers * cfg.train.shard_cpus
+            what += f" and as many shard owners x train.shard_cpus={cfg.train.shard_cpus:g}"
+        check_local_capacity(cpus, what)
+    return planned
 
 
 def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int | None,

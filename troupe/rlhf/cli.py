@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     planned: list[Plan] = []  # lengths, data and memory, refused before Ray starts
     cfg = load_app_config(RLHFConfig, args.config, args.overrides,
                           lambda c: (check_pretrained(c.model.pretrained),
-                                     planned.append(plan(c, steps_of(c)))),
+                                     planned.append(plan(c, steps_of(c),
+                                                         local=not args.print_config))),
                           print_config=args.print_config)
     steps = steps_of(cfg)
     if args.resume and steps != (STEP3,):

@@ -327,6 +327,8 @@ class RLHFConfig(AppConfig):
     worker processes (a process fewer per rank);
     max_restarts: how often step 3 may recover from a failed worker of any role (Ray restarts
     it, every role goes back to the last step-3 checkpoint) before the run fails.
+    collective_timeout_s: how long a collective waits for the other ranks (see
+    troupe.config.AppConfig).
     precision: "bf16" runs every role's forward and backward except generation under bf16
     autocast (troupe.rlhf.lm.GPTLM), the fp32 weights, gradients and optimizer state kept;
     "fp16" the same in fp16, the trained roles' losses scaled dynamically (an update whose
@@ -363,6 +365,7 @@ class RLHFConfig(AppConfig):
     device: Device = "auto"
     num_gpus: float | None = Field(default=None, gt=0)
     max_restarts: int = Field(default=2, ge=0)
+    collective_timeout_s: float = Field(default=300.0, gt=0)
     seed: int = 0
     out_dir: str = "runs/rlhf"
     logging: LoggingConfig = LoggingConfig()

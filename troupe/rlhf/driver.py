@@ -84,7 +84,8 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
                max_restarts=r.max_restarts)
     topology = RLHFTopology.of(list(g.roles), W, cfg.zero_stage, r.replicas)
     topology.declare(g)
-    graph = g.build(timeout_s=timeout_s, call_timeout_s=900)
+    graph = g.build(timeout_s=timeout_s, call_timeout_s=900,
+                    collective_timeout_s=cfg.collective_timeout_s)
     try:
         setup_roles(graph, topology)
     except BaseException:

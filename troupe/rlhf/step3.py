@@ -262,7 +262,8 @@ def run_step3(graph: Graph, cfg: RLHFConfig, data: Data, log: MetricsLog, out: P
         if state.before is None:
             state.before = evaluate_policy(graph, data, cfg.seed + 99)
             log.write({"kind": "step3_eval", "step": 0, **state.before})
-        policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out)
+        policy = FailurePolicy("rlhf", graph, cfg.max_restarts, out,
+                               collective_timeout_s=cfg.collective_timeout_s)
 
         def step(it: int) -> None:
             _iterate(graph, cfg, data, log, out, root, state, it, reward_fn, replicas)

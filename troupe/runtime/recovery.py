@@ -61,9 +61,11 @@ class FailurePolicy:
     """
 
     def __init__(self, run: str, graph: Graph, max_restarts: int, out_dir: str | Path,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, collective_timeout_s: float | None = None):
         self.run, self.graph, self.max_restarts = run, graph, max_restarts
         self.out_dir, self.timeout_s = Path(out_dir), timeout_s
+        # how long the rebuilt groups' operations wait (the recipe's collective_timeout_s)
+        self.collective_timeout_s = collective_timeout_s or timeout_s
         self.failures: list[dict] = []
         self.processes = self._processes()  # who each worker is, to see a restart by
 
@@ -91,7 +93,8 @@ class FailurePolicy:
         try:
             for group in self.graph.roles.values():
                 group.wait_ready(self.timeout_s)
-            rewire(self.graph, generation=len(self.failures), timeout_s=self.timeout_s)
+            rewire(self.graph, generation=len(self.failures),
+                   timeout_s=self.collective_timeout_s)
             where = restore()
         except (WorkerDiedError, WorkerCallError) as e:  # a worker that cannot come back
             self.failures.append(failure_record(e, step=step, during="recovery",
