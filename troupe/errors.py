@@ -141,8 +141,8 @@ class CollectiveTimeoutError(CollectiveError):
         self.group, self.missing, self.world_size, self.timeout_s = (
             group, missing, world_size, timeout_s)
         self.stacks, self.cause = stacks or {}, cause
-        msg = (f"group {group!r}: rank(s) {missing} of {world_size} did not {what} "
-               f"within {timeout_s:g}s")
+        who = f"rank(s) {missing} of {world_size} " if missing else ""
+        msg = f"group {group!r}: {who}did not {what} within {timeout_s:g}s"
         if cause:
             msg += f" [{cause}]"
         for r, report in sorted(self.stacks.items()):

@@ -4,7 +4,9 @@ between them crosses the veth links (their counters), and ``down`` leaves no nam
 process behind. Skipped, with the reason, where root or ``ip``/``tc`` are missing."""
 
 import json
+import subprocess
 import sys
+import time
 import textwrap
 
 import pytest
@@ -92,3 +94,60 @@ def test_kill_leaves_no_process_in_the_host_and_restart_brings_its_node_back(hos
     hosts.wait_nodes(1, timeout_s=60)  # the head notices the node is gone
     hosts.restart(1)
     hosts.wait_nodes(2, timeout_s=90)
+
+
+def _train_step(out) -> int:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["step"] for r in records if r["kind"] == "train"), default=0)
+
+
+def _wait_step(out, step: int, proc, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _train_step(out) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s}s"
+        time.sleep(0.05)
+
+
+def test_a_short_cut_is_ridden_out_and_a_long_one_restarts_the_run(hosts, tmp_path):
+    """Pretraining with one rank a host: a cut of the link shorter than collective_timeout_s
+    (5 s) costs a pause; a longer one (8 s, less than Ray's 10 s to declare the node lost)
+    fails the collective, naming the peer and its host, a fault: the run goes back to its
+    last checkpoint and completes, with the losses of a run nobody cut."""
+    def pretrain(out):
+        return [sys.executable, "apps/pretrain.py", "--config", "dense-tiny", "workers=2",
+                "train.strategy=STRICT_SPREAD", "train.steps=160", "train.eval_every=0",
+                "train.checkpoint_every=20", "collective_timeout_s=5", "max_restarts=2",
+                f"out_dir={out}"]
+    cut = tmp_path / "cut"
+    proc = hosts.exec(0, pretrain(cut), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
+    try:
+        _wait_step(cut, 25, proc)
+        hosts.set_cut(1, True)
+        time.sleep(2)
+        hosts.set_cut(1, False)
+        _wait_step(cut, 90, proc)
+        hosts.set_cut(1, True)
+        time.sleep(8)
+        hosts.set_cut(1, False)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        hosts.set_cut(1, False)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    records = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    [recovery] = [r for r in records if r["kind"] == "recovery"]  # the long cut alone
+    assert recovery["fault"] and 80 <= recovery["step"] <= 160, recovery
+    assert "CollectiveTimeoutError" in recovery["cause"] and "within 5s" in recovery["cause"]
+    assert "every rank reached it" in recovery["cause"] and "198.18.0." in recovery["cause"]
+    whole = tmp_path / "whole"
+    plain = hosts.run(0, pretrain(whole), timeout_s=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
+    uncut = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [key(r) for r in records if r["kind"] != "recovery"] == [key(r) for r in uncut]

@@ -116,6 +116,7 @@ class RoleWorker:
         c = self.context
         return {"seq": getattr(comm, "seq", -1), "in_op": getattr(comm, "in_op", None),
                 "timed_out_seq": getattr(comm, "timed_out_seq", -1),
+                "where": f"rank {c.rank} ({c.role!r}) on {c.node_ip}",
                 "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
                           f"{self._stacks()}"}
 

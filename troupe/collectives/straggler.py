@@ -51,5 +51,9 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
     missing = [r for r in others if not arrived(r)] if states else others
     what = f"reach {op} (operation #{comm.seq} on the group; rank {comm.rank} waited there)"
     reports = {r: states[r]["report"] for r in missing if r in states}
+    if states and not missing:  # everyone is there: what they send each other did not arrive
+        peers = ", ".join(states[r].get("where", f"rank {r}") for r in others)
+        what = (f"complete {op} (operation #{comm.seq} on the group): every rank reached it, "
+                f"and rank {comm.rank} waited for the data of {peers}: a stalled or cut link")
     return CollectiveTimeoutError(comm.name, missing, comm.world_size, comm.timeout_s, what,
                                   stacks=reports, cause=str(cause).splitlines()[0])
