@@ -150,24 +150,21 @@ def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> No
     d = out.data
     source = cfg.data.path or "the task"
 
-    def none_fit(prompts: list, which: str) -> DataError:
-        shortest = min(map(length, prompts))
-        return DataError(f"step3.max_new_tokens={N} plus the shortest {which} of {source} "
-                         f"({shortest} tokens) exceed {where}: at most "
-                         f"{max(out.context - shortest, 0)} new tokens fit")
-    if not eval_only:
-        keep = _kept(d.prompts, budget, length)
+    def narrow(prompts: list, fields: list | None, which: str, kind: str):
+        """The prompts (and their rows' fields) that fit; DataError when none does."""
+        keep = _kept(prompts, budget, length)
         if not keep:
-            raise none_fit(d.prompts, "prompt")
-        out.skipped["prompts"] = len(d.prompts) - len(keep)
-        d.prompts = [d.prompts[i] for i in keep]
-        d.fields = [d.fields[i] for i in keep] if d.fields else d.fields
-    keep = _kept(d.eval_prompts, budget, length)
-    if not keep:
-        raise none_fit(d.eval_prompts, "held-out prompt")
-    out.skipped["eval_prompts"] = len(d.eval_prompts) - len(keep)
-    d.eval_prompts = [d.eval_prompts[i] for i in keep]
-    d.eval_fields = [d.eval_fields[i] for i in keep] if d.eval_fields else d.eval_fields
+            shortest = min(map(length, prompts))
+            raise DataError(f"step3.max_new_tokens={N} plus the shortest {which} of {source} "
+                            f"({shortest} tokens) exceed {where}: at most "
+                            f"{max(out.context - shortest, 0)} new tokens fit")
+        out.skipped[kind] = len(prompts) - len(keep)
+        return [prompts[i] for i in keep], [fields[i] for i in keep] if fields else fields
+
+    if not eval_only:
+        d.prompts, d.fields = narrow(d.prompts, d.fields, "prompt", "prompts")
+    d.eval_prompts, d.eval_fields = narrow(d.eval_prompts, d.eval_fields, "held-out prompt",
+                                           "eval_prompts")
 
 
 def _kept(items: list, budget: int, length: Callable) -> list[int]:
