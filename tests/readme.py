@@ -12,7 +12,9 @@ How a line of a bash block runs:
   app appended, each unless the line sets that key itself: the same commands, shorter runs.
 - A server (the ``serve`` app without ``--check`` or ``--print-config``) is started in the
   background; the section goes on once it says where it serves, and it is stopped (SIGINT, as
-  Ctrl-C) when the section ends. ``ray start`` is followed by ``ray stop`` at the section's end.
+  Ctrl-C) when the section ends. ``ray start`` is followed by ``ray stop`` at the section's end,
+  ``troupe hosts up`` by ``troupe hosts down`` (and is skipped, with the reason, without root
+  or ``ip``/``tc``).
 - A line that makes a virtual environment (``python3 -m venv``) runs as written, in the
   section's copy: installs never touch the suite's own environment.
 - Any other ``pip install`` runs as ``pip install --dry-run``: the suite's environment must
@@ -190,6 +192,7 @@ class Section:
     timings: list[dict] = field(default_factory=list)
     servers: list[subprocess.Popen] = field(default_factory=list)
     ray_started: bool = False
+    hosts_up: bool = False  # `troupe hosts up` ran: `troupe hosts down` at the end, whatever
 
     @classmethod
     def make(cls, tmp: Path) -> "Section":
@@ -269,6 +272,9 @@ class Section:
                                      "seconds": round(time.monotonic() - start, 1)})
         if self.ray_started:
             subprocess.run(["ray", "stop", "--force"], env=self.env(), capture_output=True)
+        if self.hosts_up:
+            subprocess.run([sys.executable, "-m", "troupe", "hosts", "down"], env=self.env(),
+                           cwd=self.workdir, capture_output=True)
 
 
 def run_block(section: Section, block: Block) -> None:
@@ -293,6 +299,14 @@ def run_block(section: Section, block: Block) -> None:
         else:
             if re.search(r"\bray start\b", line):
                 section.ray_started = True
+            if re.search(r"\btroupe hosts up\b", line):
+                from troupe.runtime.hosts import HostsError, check_tools
+                try:
+                    check_tools()
+                except HostsError as e:  # no root, no `ip`: the section cannot run here
+                    import pytest
+                    pytest.skip(f"{what}: {e}")
+                section.hosts_up = True
             section.run(with_sizes(line), what)
 
 
@@ -320,8 +334,9 @@ def holds(blocks: list[Block]) -> set[str]:
     """What a section holds while it runs, so that sections running at once never share it:
 
     - "machine": ``ray start``/``ray stop`` act on every Ray cluster of the machine, and a job
-      submitted to 127.0.0.1:8265 needs that dashboard to be its own cluster's: nothing else
-      runs beside it;
+      submitted to 127.0.0.1:8265 needs that dashboard to be its own cluster's; ``troupe
+      hosts`` starts Ray nodes that a ``ray stop`` beside it would end: nothing else runs
+      beside them;
     - "port": a server binds the recipes' port;
     - "smollm2": the 135M model's runs, 3-7 GB each at their peak (the Hugging Face section's
       RLHF run 7.0 GB, the RLHF section's GRPO run 4.4); held alone only on a machine with
@@ -329,7 +344,7 @@ def holds(blocks: list[Block]) -> set[str]:
     """
     text = "\n".join(b.text for b in blocks if b.not_here is None)
     held = set()
-    if re.search(r"\bray (?:start|stop)\b", text):
+    if re.search(r"\bray (?:start|stop)\b|\btroupe hosts\b", text):
         held.add("machine")
     lines = [line for b in blocks if b.language == "bash" and b.not_here is None
              for line in shell_lines(b.text)]

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, example, given, settings
 
 from tests.apps.recipe_space import PRETRAIN, RLHF, strategy
 from troupe.config import ConfigError, load_config, recipe_path
+from troupe.data import ByteTokens
 from troupe.errors import DataError
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.rank import plan as pretrain_plan
@@ -42,7 +43,6 @@ def test_rlhf_recipes_are_refused_in_one_line_or_planned(overrides):
         _refused_in_one_line(e)
         return
     C, N, d = planned.context, cfg.step3.max_new_tokens, planned.data
-    from troupe.data import ByteTokens
     tok = ByteTokens()
     assert all(len(tok.prompt(p)) + N <= C for p in d.eval_prompts[:50])
     if cfg.algo().online and not cfg.env.function:
