@@ -54,6 +54,33 @@ PRETRAIN = {
     "memory_per_worker": [NONE, 0.001, 0.002, 1.0],
 }
 
+SERVE = {  # over a model file of context 128 (tests/apps/test_config_fuzz.py)
+    "quantize": ["{}", '{"*": w8a8}', '{"*.attn.*": w8a16, "*.ffn.*": w4a16}',
+                 '{"*.attnn.*": w8a8}', '{"*": ternary}'],
+    "embedding": ["fp32", "int8", "int4"],
+    "group_size": [2, 16, 64, 1000],
+    "limits.max_tokens": [1, 64, 127, 128, 256],
+    "limits.max_prompt_tokens": [1, 96, 4096],
+    "limits.max_batch": [1, 16, 64],
+    "num_replicas": [1, 2],
+    "precision": ["fp32", "bf16", "fp16"],
+    "expert_parallel": [1, 2],
+}
+
+COMPRESS = {  # over a teacher of 4 blocks and context 64 (tests/apps/test_config_fuzz.py)
+    "model.keep_layers": [NONE, "[0,2]", "[0,3]", "[5]", "[]"],
+    "model.seq_len": [8, 32, 64, 128],
+    "quantize": ['{"blocks.*": ternary}', '{"blocks.*": binary}', '{"blockz.*": ternary}',
+                 '{"*": w8a8}'],
+    "embedding": ["fp32", "int8", "int4"],
+    "distill.temperature": [0.5, 1.0, 2.0],
+    "distill.hidden_mse": [0.0, 1.0],
+    "workers": [1, 2, 3],
+    "zero_stage": [1, 3],
+    "train.batch_size": [1, 2, 4, 6],
+    "memory_per_worker": [NONE, 0.00001, 1.0],
+}
+
 RECIPES = {"rlhf": ("rlhf-sort", RLHF), "pretrain": ("dense-tiny", PRETRAIN)}
 
 

@@ -7,7 +7,7 @@ recipes to the end."""
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from tests.apps.recipe_space import PRETRAIN, RLHF, strategy
+from tests.apps.recipe_space import COMPRESS, PRETRAIN, RLHF, SERVE, strategy
 from troupe.config import ConfigError, load_config, recipe_path
 from troupe.data import ByteTokens
 from troupe.errors import DataError
@@ -65,6 +65,55 @@ def test_pretraining_recipes_are_refused_in_one_line_or_planned(overrides):
         return
     assert cfg.memory_per_worker is None or planned.total <= cfg.memory_per_worker * (1 << 30)
     assert not cfg.curriculum.enabled or cfg.curriculum.min_len <= cfg.model.seq_len
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A served model file (context 128) and a teacher directory (4 blocks, context 64)."""
+    from troupe.models import GPT, GPTConfig, save_pretrained
+    from troupe.serving.model import save_model
+    tmp = tmp_path_factory.mktemp("fuzz-models")
+    served = save_model(GPT(GPTConfig(seq_len=128, n_layer=2, n_head=2, d_model=32)),
+                        tmp / "m.trp")
+    teacher = save_pretrained(GPT(GPTConfig(seq_len=64, n_layer=4, n_head=2, d_model=32,
+                                            positions="rope", norm="rmsnorm", mlp="swiglu",
+                                            out_bias=False, mlp_bias=False,
+                                            tie_embeddings=False)), tmp / "teacher")
+    return served, teacher
+
+
+SMALL = settings(FUZZ, max_examples=60)
+
+
+@SMALL
+@given(overrides=strategy(SERVE))
+def test_serving_recipes_are_refused_in_one_line_or_planned(models, overrides):
+    from troupe.serving.model import check_source
+    from troupe.serving.protocol import ServeConfig
+    served, _ = models
+    try:
+        cfg = load_config(ServeConfig, None, [f"model.file={served}", *overrides])
+        check_source(cfg)
+    except ConfigError as e:
+        if not str(e).startswith("invalid config from"):
+            _refused_in_one_line(e)
+        return
+    assert cfg.limits.max_tokens < 128
+
+
+@SMALL
+@given(overrides=strategy(COMPRESS))
+def test_compression_recipes_are_refused_in_one_line_or_planned(models, overrides):
+    from troupe.pretrain.compress import CompressConfig, check_student
+    _, teacher = models
+    try:
+        cfg = load_config(CompressConfig, None, [f"model.pretrained={teacher}", *overrides])
+        check_student(cfg)
+    except ConfigError as e:
+        if not str(e).startswith("invalid config from"):
+            _refused_in_one_line(e)
+        return
+    assert cfg.model.seq_len <= 64
 
 
 def test_the_schema_refusals_are_one_line_each():

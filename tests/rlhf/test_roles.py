@@ -281,7 +281,10 @@ def test_micro_batches_give_the_whole_batch_step():
 
     whole, micro = run(None), run(1)
     assert whole[0] == pytest.approx(micro[0], abs=1e-6)
-    torch.testing.assert_close(micro[1], whole[1], atol=1e-6, rtol=0)
+    # Adam divides by sqrt(v): where a weight's gradient is near 0, the other order of the
+    # micro-batches' float sums moves its step by up to 4e-6 on an AMD EPYC (1 of 34528
+    # weights; within 1e-6 on the Intel Xeon the bound was set on), still 500x below lr
+    torch.testing.assert_close(micro[1], whole[1], atol=5e-6, rtol=0)
     torch.testing.assert_close(micro[2], whole[2], atol=1e-6, rtol=0)
     g, policy = whole[3], whole[4]
     with torch.no_grad():
