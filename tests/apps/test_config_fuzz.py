@@ -26,6 +26,18 @@ def _refused_in_one_line(e: Exception) -> None:
     assert text and "\n" not in text and "Traceback" not in text, text
 
 
+def _planned(cls, recipe, overrides: list[str], plan):
+    """(config, plan) of a drawn recipe, or None when it is refused: by the schema (one line
+    per bad key, named) or by the plan, in one line (asserted)."""
+    try:
+        cfg = load_config(cls, recipe, overrides)
+        return cfg, plan(cfg)
+    except (ConfigError, DataError) as e:
+        if not (isinstance(e, ConfigError) and str(e).startswith("invalid config from")):
+            _refused_in_one_line(e)
+        return None
+
+
 @FUZZ
 @given(strategy(RLHF))
 @example(["step3.max_new_tokens=100", "sft.steps=5", "reward.steps=5", "step3.iterations=2",
@@ -34,14 +46,11 @@ def _refused_in_one_line(e: Exception) -> None:
 @example(["model.gpt.seq_len=8"])
 @example(["sft.batch_size=1000000"])
 def test_rlhf_recipes_are_refused_in_one_line_or_planned(overrides):
-    try:
-        cfg = load_config(RLHFConfig, recipe_path("rlhf-sort"), overrides)
-        planned = rlhf_plan(cfg, STEPS)
-    except (ConfigError, DataError) as e:
-        if isinstance(e, ConfigError) and str(e).startswith("invalid config from"):
-            return  # the schema's own refusals: one line per bad key, named
-        _refused_in_one_line(e)
+    got = _planned(RLHFConfig, recipe_path("rlhf-sort"), overrides,
+                   lambda c: rlhf_plan(c, STEPS))
+    if got is None:
         return
+    cfg, planned = got
     C, N, d = planned.context, cfg.step3.max_new_tokens, planned.data
     tok = ByteTokens()
     assert all(len(tok.prompt(p)) + N <= C for p in d.eval_prompts[:50])
@@ -56,13 +65,10 @@ def test_rlhf_recipes_are_refused_in_one_line_or_planned(overrides):
 @given(strategy(PRETRAIN))
 @example(["zero_stage=1", "memory_per_worker=0.002"])
 def test_pretraining_recipes_are_refused_in_one_line_or_planned(overrides):
-    try:
-        cfg = load_config(PretrainConfig, recipe_path("dense-tiny"), overrides)
-        planned = pretrain_plan(cfg)
-    except ConfigError as e:
-        if not str(e).startswith("invalid config from"):
-            _refused_in_one_line(e)
+    got = _planned(PretrainConfig, recipe_path("dense-tiny"), overrides, pretrain_plan)
+    if got is None:
         return
+    cfg, planned = got
     assert cfg.memory_per_worker is None or planned.total <= cfg.memory_per_worker * (1 << 30)
     assert not cfg.curriculum.enabled or cfg.curriculum.min_len <= cfg.model.seq_len
 
@@ -91,14 +97,9 @@ def test_serving_recipes_are_refused_in_one_line_or_planned(models, overrides):
     from troupe.serving.model import check_source
     from troupe.serving.protocol import ServeConfig
     served, _ = models
-    try:
-        cfg = load_config(ServeConfig, None, [f"model.file={served}", *overrides])
-        check_source(cfg)
-    except ConfigError as e:
-        if not str(e).startswith("invalid config from"):
-            _refused_in_one_line(e)
-        return
-    assert cfg.limits.max_tokens < 128
+    got = _planned(ServeConfig, None, [f"model.file={served}", *overrides], check_source)
+    if got is not None:
+        assert got[0].limits.max_tokens < 128
 
 
 @SMALL
@@ -106,14 +107,10 @@ def test_serving_recipes_are_refused_in_one_line_or_planned(models, overrides):
 def test_compression_recipes_are_refused_in_one_line_or_planned(models, overrides):
     from troupe.pretrain.compress import CompressConfig, check_student
     _, teacher = models
-    try:
-        cfg = load_config(CompressConfig, None, [f"model.pretrained={teacher}", *overrides])
-        check_student(cfg)
-    except ConfigError as e:
-        if not str(e).startswith("invalid config from"):
-            _refused_in_one_line(e)
-        return
-    assert cfg.model.seq_len <= 64
+    got = _planned(CompressConfig, None, [f"model.pretrained={teacher}", *overrides],
+                   check_student)
+    if got is not None:
+        assert got[0].model.seq_len <= 64
 
 
 def test_the_schema_refusals_are_one_line_each():

@@ -41,8 +41,7 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     and the rollouts see the same system turn)."""
     if cfg.pretrained is not None:
         gpt = from_pretrained(cfg.pretrained).train()
-        tok = load_tokenizer(cfg.pretrained, cfg.chat_template, cfg.template and
-                             template_text(cfg.template), tools) if tokenizer else None
+        tok = recipe_tokenizer(cfg, tools) if tokenizer else None
     else:
         tok = ByteTokens()
         if cfg.gpt.vocab_size != tok.vocab_size:
@@ -51,6 +50,15 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
         gpt = GPT(cfg.gpt, seed=seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
     return GPTLM(gpt.to(device), precision, cfg.packing, cfg.packing_tokens), tok
+
+
+def recipe_tokenizer(cfg: ModelConfig, tools: list[dict] | None = None) -> Tokenizer:
+    """The tokenizer of the recipe's model: a Hugging Face directory's (with ``template`` in
+    place of its chat template, ``tools`` rendered with every prompt), or troupe's bytes."""
+    if cfg.pretrained is None:
+        return ByteTokens()
+    return load_tokenizer(cfg.pretrained, cfg.chat_template,
+                          cfg.template and template_text(cfg.template), tools)
 
 
 def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,

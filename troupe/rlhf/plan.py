@@ -24,12 +24,11 @@ from typing import Callable, Sequence
 import torch
 
 from troupe.config import ConfigError
-from troupe.data import ByteTokens, load_tokenizer
 from troupe.errors import DataError
-from troupe.generation.tools import template_text
 from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import context_length, read_config
 from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
+from troupe.rlhf.common import recipe_tokenizer
 from troupe.rlhf.config import STEP3, RLHFConfig
 from troupe.rlhf.data import Data, check_sizes, prepare_data
 from troupe.runtime.cluster import check_local_capacity
@@ -71,7 +70,7 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
     data = _data(cfg)
-    tok = _tokenizer(cfg)
+    tok = recipe_tokenizer(cfg.model, cfg.env.tools or None)  # the one the roles build
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
     if "sft" in steps:
@@ -180,15 +179,6 @@ def _fitting(out: Plan, kind: str, items: list, C: int, length: Callable,
         raise DataError(f"{none_fit}: the shortest has {min(map(length, items))} tokens")
     out.skipped[kind] = len(items) - len(keep)
     return [items[i] for i in keep]
-
-
-def _tokenizer(cfg: RLHFConfig):
-    """The tokenizer the roles build (troupe.rlhf.common.build_lm), for counting tokens."""
-    m = cfg.model
-    if m.pretrained is None:
-        return ByteTokens()
-    return load_tokenizer(m.pretrained, m.chat_template, m.template and template_text(m.template),
-                          cfg.env.tools or None)
 
 
 def _memory(cfg: RLHFConfig, arch: GPTConfig, steps: Sequence[str]) -> dict[str, MemoryPlan]:
