@@ -20,8 +20,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_hosts_left():
-    """At the session's end, no network namespace the suite's emulated hosts made is left
-    (tests/runtime/test_hosts.py: troupe.runtime.hosts, names starting trt-)."""
+    """At the session's end, no network namespace (with its links and rules) and no process
+    of the suite's emulated hosts is left (tests/runtime/test_hosts.py: troupe.runtime.hosts,
+    names starting trt-)."""
     yield
     import shutil
     import subprocess
@@ -30,6 +31,15 @@ def no_hosts_left():
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     left = [line.split()[0] for line in out.splitlines() if line.startswith("trt-")]
     assert not left, f"the suite left network namespaces behind: {left}"
+    from pathlib import Path
+    alive = []  # the hosts' processes: their command lines name the hosts' state directory
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"troupe-hosts/trt" in (proc / "cmdline").read_bytes():
+                alive.append(proc.name)
+        except OSError:
+            pass
+    assert not alive, f"the suite left the emulated hosts' processes behind: pids {alive}"
 
 
 @pytest.fixture(scope="session")

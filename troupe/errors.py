@@ -150,6 +150,22 @@ class CollectiveTimeoutError(CollectiveError):
         super().__init__(msg)
 
 
+class PeerLostError(CollectiveError):
+    """A member of a group went away in the middle of an operation: its connection closed or
+    was reset (its process or its host died). ``missing`` lists the ranks that did not answer
+    when asked where they were, ``stacks`` what the others were doing."""
+
+    def __init__(self, group: str, missing: list[int], world_size: int, op: str,
+                 stacks: dict[int, str] | None = None, cause: str = ""):
+        self.group, self.missing, self.world_size = group, missing, world_size
+        self.stacks, self.cause = stacks or {}, cause
+        who = f"rank(s) {missing} of {world_size}" if missing else "a peer"
+        msg = f"group {group!r}: {who} went away during {op} [{cause}]"
+        for r, report in sorted(self.stacks.items()):
+            msg += f"\n--- group rank {r} ---\n{report}"
+        super().__init__(msg)
+
+
 def one_line(e: BaseException) -> str:
     """What a user reads of ``e`` on the terminal: one line naming the setting, file, rank or
     role at fault (a worker's exception by its last line, not its remote traceback; a timeout

@@ -139,6 +139,25 @@ def test_send_recv_ring_and_barrier(ranks):
         assert torch.equal(out, data((r - 1) % w))
 
 
+def _probe(g):
+    from troupe.collectives import straggler
+    return straggler.probe_links(g, 1 << 16)
+
+
+def test_the_link_probe_times_every_pair_and_names_a_slow_one(ranks):
+    """Every rank gets the same seconds, one per pair r -> r + 1; slowest_rank names the rank
+    of the two slow pairs (here made up: the probe's own links are all loopback)."""
+    w = ranks.world_size
+    answers = run(ranks, _probe)
+    assert all(a == answers[0] for a in answers) and len(answers[0]) == w
+    assert all(0 < s < 10 for s in answers[0])
+    from troupe.collectives.straggler import slowest_rank
+    assert slowest_rank([0.03, 0.3, 0.3, 0.03]) == 2 and slowest_rank([0.3, 0.3, 0.03]) == 1
+    assert slowest_rank([0.3, 0.03, 0.03, 0.3]) == 0  # the pair 3 -> 0 and 0 -> 1
+    assert slowest_rank([0.03] * 4) is None and slowest_rank([0.3, 0.03]) is None
+    assert slowest_rank([0.3, 0.05, 0.03, 0.03]) is None  # one slow pair: no host in two
+
+
 def _a2a_grad(g):
     ins = [1, 3] if g.rank == 0 else [2, 0]
     x = data(g.rank, shape=(sum(ins), 3)).requires_grad_(True)

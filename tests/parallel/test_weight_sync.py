@@ -51,10 +51,18 @@ class Member:
         self.model = _model(0 if ctx.role == "trainer" else 1 + ctx.rank,
                             wider and ctx.role == "replica" and ctx.rank == 1)
 
-    def send(self, version: int, bucket_bytes: int, timeout_s: float) -> dict:
+    def send(self, version: int, bucket_bytes: int, timeout_s: float,
+             dtype: torch.dtype | None = None) -> dict:
         return vars(weight_sync.send(collectives.get_group("weights"),
-                                     weight_sync.sync_tensors(self.model), version,
+                                     weight_sync.sync_tensors(self.model, dtype), version,
                                      bucket_bytes, timeout_s))
+
+    def to(self, dtype: torch.dtype) -> None:
+        self.model.to(dtype)
+
+    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(self.model(ids).float(), -1)
 
     def send_in_background(self, version: int, bucket_bytes: int, timeout_s: float) -> dict:
         """Stage, start the send, change the weights while it runs, then its report."""
@@ -121,6 +129,34 @@ def test_buckets_carry_every_weight_bit_for_bit(members):
     for state in replicas.call("state"):
         assert state.keys() == want.keys()
         assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_a_bf16_sync_is_an_fp32_sync_cast_on_arrival(cluster):
+    """An fp32 sync, after which replica 1 casts its model to bf16; replica 0, its weights
+    made to differ and cast to bf16, then gets a bf16 sync (half the bytes): the two
+    replicas' log-probabilities are equal, bit for bit, and differ from the trainer's fp32
+    ones by bf16's rounding."""
+    graph = _graph("weight-sync-bf16")
+    try:
+        trainer, replicas = graph["trainer"], graph["replica"]
+        t, r = _sync(trainer, replicas, 1, bucket_bytes=1 << 20)  # one bucket
+        [fp32], _ = t.result(), r.result()
+        replicas.call_rank(1, "to", torch.bfloat16)
+        replicas.call_rank(0, "perturb")
+        replicas.call_rank(0, "to", torch.bfloat16)
+        ids = torch.arange(40).view(2, 20)
+        cast = replicas.call_rank(1, "logprobs", ids)
+        assert not torch.equal(replicas.call_rank(0, "logprobs", ids), cast)
+        r = replicas.call_async("receive", 2, 1 << 20, 30.0)
+        [bf16] = trainer.call("send", 2, 1 << 20, 30.0, torch.bfloat16)
+        r.result()
+        synced = replicas.call_rank(0, "logprobs", ids)
+        [exact] = trainer.call("logprobs", ids)
+    finally:
+        graph.shutdown()
+    assert torch.equal(synced, cast)
+    assert 1e-4 < (synced - exact).abs().max() < 0.1
+    assert bf16["bytes"] * 2 == fp32["bytes"]
 
 
 def test_a_background_send_carries_the_weights_as_staged(members):

@@ -143,3 +143,18 @@ def calls_during_a_sync_wait_for_it(graph):
     send.result(), recv.result()
     answers = [ro for call in asked for ro in call.result()]
     assert len(answers) == 3 and all(ro.versions == [7] * 4 for ro in answers)
+
+
+def test_bf16_replicas_take_half_the_bytes_and_are_corrected(base, tmp_path):
+    """step3.rollout.precision=bf16: the replicas hold and compute a bf16 model, each sync
+    carries bf16 (half an fp32 sync's bytes), and the trainer's fp32 log-probabilities differ
+    from the engine's by bf16's rounding, weighted by the truncated importance ratio (tis_cap
+    2 by default)."""
+    fp32 = _step3(base, tmp_path / "fp32", algorithm="grpo",
+                  step3=dict(iterations=2, rollout=dict(replicas=1)))
+    bf16 = _step3(base, tmp_path / "bf16", algorithm="grpo",
+                  step3=dict(iterations=2, rollout=dict(replicas=1, precision="bf16")))
+    a, b = ([r for r in run if r["kind"] == "step3"] for run in (fp32, bf16))
+    assert b[0]["sync_bytes"] * 2 <= a[0]["sync_bytes"] <= b[0]["sync_bytes"] * 2 + 8192
+    assert max(r["logprob_mismatch_max"] for r in a) < 1e-4
+    assert 1e-3 < b[0]["logprob_mismatch_max"] < 0.5

@@ -1,8 +1,15 @@
 """all_to_all that autograd can differentiate: the backward pass is the all_to_all with the
-input and output splits swapped."""
+input and output splits swapped.
+
+``int8_all_to_all`` carries each row (a token's activations; in backward, its gradient) as
+int8 with a scale of its own: absmax / 127, sent as 4 bytes after the row's M bytes, so a row
+of M fp32 values costs M + 4 bytes instead of 4M (0.27x at M = 64, 0.25x as M grows). The
+error of a value is at most half a step of its row's scale (absmax / 254). A ``Meter`` counts
+the bytes a rank sent to the others (its own rows stay home)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -10,24 +17,67 @@ import torch
 from troupe.collectives.base import Communicator, even_splits
 
 
+@dataclass
+class Meter:
+    """Bytes this rank's all_to_alls sent to the other ranks, forward and backward."""
+
+    bytes: int = 0
+
+    def add(self, group: Communicator, input_splits: list[int], row_bytes: int) -> None:
+        self.bytes += (sum(input_splits) - input_splits[group.rank]) * row_bytes
+
+
+def pack_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """(R, M) floats as (R, M + 4) bytes: each row's int8 values, then its fp32 scale."""
+    x = x.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-30)
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def unpack_int8_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``pack_int8_rows``'s inverse (up to the rounding): (R, M) of ``dtype``."""
+    q = packed[:, :-4].contiguous().view(torch.int8)
+    scale = packed[:, -4:].contiguous().view(torch.float32)
+    return (q.float() * scale).to(dtype)
+
+
+def _exchange(x: torch.Tensor, group: Communicator, output_splits: list[int],
+              input_splits: list[int], int8: bool, meter: Meter | None) -> torch.Tensor:
+    if not int8:
+        if meter is not None:
+            meter.add(group, input_splits, x[:1].numel() * x.element_size())
+        return group.all_to_all(x, output_splits, input_splits)
+    packed = pack_int8_rows(x.reshape(x.shape[0], -1))
+    if meter is not None:
+        meter.add(group, input_splits, packed.shape[1])
+    got = group.all_to_all(packed, output_splits, input_splits)
+    return unpack_int8_rows(got, x.dtype).view(-1, *x.shape[1:])
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Communicator, output_splits: list[int],
-                input_splits: list[int]) -> torch.Tensor:
+                input_splits: list[int], int8: bool, meter: Meter | None) -> torch.Tensor:
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        return group.all_to_all(x, output_splits, input_splits)
+        ctx.int8, ctx.meter = int8, meter
+        return _exchange(x, group, output_splits, input_splits, int8, meter)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad_x = ctx.group.all_to_all(grad.contiguous(), ctx.input_splits, ctx.output_splits)
-        return grad_x, None, None, None
+        grad_x = _exchange(grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits,
+                           ctx.int8, ctx.meter)
+        return grad_x, None, None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, group: Communicator, output_splits: Sequence[int] | None = None,
-               input_splits: Sequence[int] | None = None) -> torch.Tensor:
-    """Differentiable all_to_all along dim 0 (see Communicator.all_to_all for the splits)."""
+               input_splits: Sequence[int] | None = None, int8: bool = False,
+               meter: Meter | None = None) -> torch.Tensor:
+    """Differentiable all_to_all along dim 0 (see Communicator.all_to_all for the splits);
+    ``int8``: every row carried as int8 with its own scale, both ways (see the module's
+    docstring); ``meter`` counts the bytes sent."""
     if input_splits is None and output_splits is None:
         input_splits = output_splits = even_splits(x.shape[0], group.world_size)
     elif output_splits is None:
         output_splits = group.exchange_splits(list(input_splits))
-    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits), int8, meter)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from troupe.errors import CollectiveTimeoutError
+from troupe.errors import CollectiveTimeoutError, PeerLostError
 
 # probe(group, ranks) -> {rank: {"seq": int, "in_op": str | None, "timed_out_seq": int,
 #                                 "report": str}}
@@ -25,18 +25,47 @@ def set_probe(probe: Probe | None) -> None:
     _probe = probe
 
 
+# what gloo says when the other end of a connection is gone (its process or host died)
+_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+         "connection refused", "socket closed")
+
+
+def peer_lost(cause: BaseException) -> bool:
+    """Whether ``cause`` (an operation's error) says a peer's connection went away."""
+    text = str(cause).lower()
+    return any(phrase in text for phrase in _LOST)
+
+
+def _states(comm: Any, others: list[int]) -> dict[int, dict[str, Any]]:
+    """What the probe says of ``others`` (empty without a probe)."""
+    if _probe is None:
+        return {}
+    try:
+        return _probe(comm.name, others)
+    except Exception as e:  # the diagnosis must not hide the failure itself
+        return {r: {"seq": -1, "in_op": None, "report": f"<probe failed: {e!r}>"}
+                for r in others}
+
+
+def lost_error(comm: Any, op: str, cause: BaseException,
+               peer: int | None = None) -> PeerLostError:
+    """The error for ``comm``'s operation ``op`` whose connection to a peer went away: the
+    ranks that no longer answer are the ones lost (every other rank when none can be asked)."""
+    others = [peer] if peer is not None else [r for r in range(comm.world_size) if r != comm.rank]
+    states = _states(comm, others)
+    missing = [r for r in others if states.get(r, {}).get("seq", -1) < 0] if states else others
+    return PeerLostError(comm.name, missing, comm.world_size, op,
+                         stacks={r: states[r]["report"] for r in others if r in states
+                                 and r not in missing},
+                         cause=str(cause).splitlines()[0])
+
+
 def timeout_error(comm: Any, op: str, cause: BaseException,
                   peer: int | None = None) -> CollectiveTimeoutError:
     """The error for ``comm``'s operation ``op`` (number ``comm.seq``) that timed out; ``peer``
     is the other rank of a send or recv (the only one that can be missing)."""
     others = [peer] if peer is not None else [r for r in range(comm.world_size) if r != comm.rank]
-    states: dict[int, dict[str, Any]] = {}
-    if _probe is not None:
-        try:
-            states = _probe(comm.name, others)
-        except Exception as e:  # the diagnosis must not hide the timeout itself
-            states = {r: {"seq": -1, "in_op": None, "report": f"<probe failed: {e!r}>"}
-                      for r in others}
+    states = _states(comm, others)
 
     def arrived(r: int) -> bool:
         s = states.get(r)
@@ -57,3 +86,41 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
                 f"and rank {comm.rank} waited for the data of {peers}: a stalled or cut link")
     return CollectiveTimeoutError(comm.name, missing, comm.world_size, comm.timeout_s, what,
                                   stacks=reports, cause=str(cause).splitlines()[0])
+
+
+def probe_links(comm: Any, nbytes: int = 4 << 20) -> list[float]:
+    """Seconds for ``nbytes`` to go from each rank r to rank r + 1 (mod world), one pair at a
+    time so that no two transfers share a link; every rank returns the same list (index r:
+    the pair r -> r + 1). A host whose link is slow is in two slow pairs, as sender and as
+    receiver: ``slowest_rank`` finds it."""
+    import time
+
+    import torch
+
+    W, r = comm.world_size, comm.rank
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    mine = torch.zeros(W, dtype=torch.float64)
+    for k in range(W):
+        comm.barrier()
+        t0 = time.perf_counter()
+        if r == k:
+            comm.send(buf, (k + 1) % W)
+        elif r == (k + 1) % W:
+            comm.recv(buf, k)
+            mine[k] = time.perf_counter() - t0  # the receiver times the transfer
+    return comm.all_reduce(mine).tolist()
+
+
+def slowest_rank(seconds: list[float], factor: float = 2.0) -> int | None:
+    """The rank in both of the two slowest pairs of ``probe_links`` when both are more than
+    ``factor`` times slower than every other pair (None: no link stands out, or fewer than
+    3 ranks)."""
+    W = len(seconds)
+    if W < 3:
+        return None
+    order = sorted(range(W), key=lambda k: seconds[k], reverse=True)
+    a, b = order[0], order[1]
+    if seconds[b] < factor * max(seconds[k] for k in order[2:]):
+        return None
+    common = {a, (a + 1) % W} & {b, (b + 1) % W}
+    return common.pop() if len(common) == 1 else None

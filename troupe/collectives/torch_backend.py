@@ -68,7 +68,8 @@ class TorchCommunicator:
 
     def _run(self, op: str, launch, peer: int | None = None) -> None:
         """Start one operation (``launch()`` returns its Work) and wait for it. A timeout
-        becomes CollectiveTimeoutError naming the ranks that never reached this operation.
+        becomes CollectiveTimeoutError naming the ranks that never reached this operation, a
+        connection to a peer that went away PeerLostError naming the ranks that are gone.
         Point-to-point operations (with ``peer``) are not counted: only two ranks take part."""
         if peer is None:
             self.seq += 1
@@ -76,6 +77,8 @@ class TorchCommunicator:
         try:
             launch().wait(self.timeout)
         except RuntimeError as e:
+            if straggler.peer_lost(e):
+                raise straggler.lost_error(self, op, e, peer) from e
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise
             if peer is None:

@@ -16,8 +16,9 @@ per bucket carries the bucket with its checksum in its last 24 bytes. A sync is:
    replica and bucket at fault.
 
 Every collective operation of the sync runs under ``timeout_s``: a member that does not
-arrive makes the others raise WeightSyncError naming it as "replica k" (the communicator's
-own diagnosis, troupe.collectives.straggler, finds who it was). The checksum reads the bucket
+arrive, or whose connection goes away mid-sync (its host died), makes the others raise
+WeightSyncError naming it as "replica k" (the communicator's own diagnosis,
+troupe.collectives.straggler, finds who it was). The checksum reads the bucket
 as a grid of 64-bit words, 512 to a row: the sum of all words, and the sums of the row sums
 and of the column sums each weighted by position (1, 2, ...), wrapping. A flipped bit changes
 the first; two different words swapped change the second (other rows) or the third (same
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from troupe.collectives import Communicator
-from troupe.errors import CollectiveTimeoutError, TroupeError
+from troupe.errors import CollectiveTimeoutError, PeerLostError, TroupeError
 
 _ALIGN = 8       # every tensor starts on an 8-byte boundary of its bucket
 _ROW = 512       # the checksum reads a bucket as rows of 512 int64 words
@@ -62,15 +63,20 @@ def who(group_rank: int) -> str:
     return "the trainer" if group_rank == 0 else f"replica {group_rank - 1}"
 
 
-def sync_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def sync_tensors(model: nn.Module, dtype: torch.dtype | None = None
+                 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors a sync carries, in a fixed order: every parameter once (tied ones under
     their first name), LoRA adapters left out and the adapted layer under its plain name (the
-    caller folds the adapters in first: troupe.models.lora.fuse_lora)."""
+    caller folds the adapters in first: troupe.models.lora.fuse_lora). ``dtype``: each cast
+    to it (a copy) where it differs, for replicas that hold their weights so (bf16: half the
+    bytes, and the same bits as an fp32 sync cast on arrival)."""
     out = []
     for name, p in model.named_parameters():
         if ".lora_a" in name or ".lora_b" in name:
             continue
-        out.append((name.replace(".base.", "."), p.detach()))
+        t = p.detach()
+        out.append((name.replace(".base.", "."),
+                    t if dtype is None or t.dtype == dtype else t.to(dtype)))
     return out
 
 
@@ -317,7 +323,9 @@ def _verdicts(comm: Communicator, version: int, ok: bool, bad_bucket: int,
 
 @contextlib.contextmanager
 def _translated(comm: Communicator, version: int):
-    """A member that did not arrive, said in the sync's terms (replica k, not group rank)."""
+    """A member that did not arrive or went away, said in the sync's terms (replica k, not
+    group rank), with the seconds this member spent in the sync before it knew."""
+    t0 = time.perf_counter()
     try:
         yield
     except CollectiveTimeoutError as e:
@@ -325,4 +333,12 @@ def _translated(comm: Communicator, version: int):
         raise WeightSyncError(
             f"weight sync to version {version}: {names} did not arrive within "
             f"{e.timeout_s:g}s (group {comm.name!r} rank(s) {e.missing}; {who(comm.rank)} "
-            f"waited)\n{e}", version, [r - 1 for r in e.missing]) from e
+            f"waited {time.perf_counter() - t0:.1f}s)\n{e}", version,
+            [r - 1 for r in e.missing]) from e
+    except PeerLostError as e:
+        names = ", ".join(who(r) for r in e.missing) or "a member"
+        raise WeightSyncError(
+            f"weight sync to version {version}: {names} went away during it (group "
+            f"{comm.name!r} rank(s) {e.missing}; {who(comm.rank)} saw it "
+            f"{time.perf_counter() - t0:.1f}s into the sync: {e.cause})",
+            version, [r - 1 for r in e.missing]) from e

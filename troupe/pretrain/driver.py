@@ -21,8 +21,10 @@ from tqdm import tqdm
 
 from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
+from troupe.collectives import straggler
 from troupe.data import ByteTokens
 from troupe.devices import cluster_device
+from troupe.errors import WorkerCallError, WorkerDiedError, one_line
 from troupe.models import save_pretrained
 from troupe.models.hf_config import config_to_hf
 from troupe.pretrain.config import PretrainConfig
@@ -171,6 +173,9 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
         records.append({"kind": "plan", "step": 0,
                         "memory_bytes": {"trainer": plan(cfg).bytes()}})
         metrics.write(records[-1])
+    links = probe_links(graph)
+    if links is not None:
+        metrics.write({**links, "step": start})
     last = min(T.steps, stop_after or T.steps)
 
     def step(n: int) -> None:
@@ -191,6 +196,29 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
         bar.close()
         metrics.close()
     return records
+
+
+def probe_links(graph: Graph, nbytes: int = 4 << 20) -> dict | None:
+    """When the trainers span nodes: a ``links`` record of each data-parallel pair's transfer
+    of ``nbytes`` (rank r to r + 1, one pair at a time) and the rank whose link is the slow
+    one, if one stands out (troupe.collectives.straggler.slowest_rank); None on one node."""
+    nodes = graph.placement([TRAINER])[TRAINER]
+    if len(set(nodes)) < 2:
+        return None
+    try:
+        answers = graph[TRAINER].invoke(TrainerActor.probe_links, nbytes)
+    except (WorkerDiedError, WorkerCallError) as e:  # the steps' own recovery will meet it
+        log.warning("the link probe failed: %s", one_line(e))
+        return None
+    seconds, where = answers[0]["seconds"], [a["node"] for a in answers]
+    W = len(where)
+    slow = straggler.slowest_rank(seconds)
+    return {"kind": "links", "bytes": nbytes,
+            "pairs": [{"from": f"rank {k} ({where[k]})", "to": f"rank {(k + 1) % W} "
+                       f"({where[(k + 1) % W]})", "seconds": round(s, 4),
+                       "mb_per_s": round(nbytes / s / 1e6, 1) if s > 0 else None}
+                      for k, s in enumerate(seconds)],
+            "slowest": None if slow is None else f"rank {slow} on {where[slow]}"}
 
 
 def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
@@ -227,7 +255,9 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "loss": sum(r.loss for r in ranks) / len(ranks),
             "aux_loss": sum(r.aux_loss for r in ranks) / len(ranks),
             "tokens": sum(r.tokens for r in ranks),
+            "a2a_bytes": sum(r.a2a_bytes for r in ranks),
             "seconds": max(r.seconds for r in ranks),
+            "compute_s": max(r.compute_s for r in ranks),
             "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]
     if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
         val = sum(graph[TRAINER].invoke(TrainerActor.evaluate)) / cfg.workers

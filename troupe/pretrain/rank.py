@@ -18,6 +18,7 @@ from troupe.data import TokenDataset, load_tokenizer, micro_batches
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.models.hf_config import context_length
+from troupe.models.moe import MoE
 from troupe.optim import (
     CommCounter,
     FlatParams,
@@ -56,6 +57,9 @@ class StepStats:
     peak_memory_mb: float = 0.0  # this rank's so far (runtime.metrics.peak_memory_mb)
     loss_scale: float = 1.0      # fp16's, after this step (it halves on an overflow)
     skipped_steps: int = 0       # fp16 steps skipped for overflow, since the start
+    a2a_bytes: int = 0           # MoE token exchanges' bytes to other ranks, since the start
+    compute_s: float = 0.0       # forward and backward (MoE's token exchanges and ZeRO-3's
+    #                              gathers inside), before the gradient's reduction and step
 
 
 class Bucket:
@@ -246,6 +250,7 @@ class Trainer:
             aux_value += aux.detach().item() * share
             loss = (lm_loss + coef * aux) * share
             (self.scaler.scale(loss) if self.scaler else loss).backward()
+        compute_s = time.perf_counter() - t0
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered
             self.zero3.release()
@@ -262,7 +267,9 @@ class Trainer:
         return StepStats(step, lm_loss_value, aux_value, lr, seq_len, keep, x.numel(), sent,
                          time.perf_counter() - t0, peak_memory_mb(),
                          loss_scale=s.scale_value if s else 1.0,
-                         skipped_steps=s.skipped if s else 0)
+                         skipped_steps=s.skipped if s else 0,
+                         a2a_bytes=sum(m.meter.bytes for m in self.model.modules()
+                                       if isinstance(m, MoE)), compute_s=compute_s)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -68,6 +68,14 @@ class TrainerActor:
         return self._w.evaluate()
 
     @dispatch(Dispatch.ALL)
+    def probe_links(self, nbytes: int) -> dict:
+        """Each data-parallel pair's transfer of ``nbytes`` (troupe.collectives.straggler),
+        with this rank's node address."""
+        from troupe.collectives import straggler
+        return {"seconds": straggler.probe_links(self._w.dp, nbytes),
+                "node": get_context().node_ip}
+
+    @dispatch(Dispatch.ALL)
     def memory(self) -> dict:
         """Bytes of parameters and optimizer state held now (a 1-bit optimizer's state
         changes at its freeze: setup's figures are those before the first step)."""

@@ -211,7 +211,11 @@ class RolloutConfig(Config):
     them from a thread while it scores and trains the next batch, so a sync costs the trainer
     the copy, not the transfer; off (or on cuda), it sends them before it goes on.
     max_restarts: how often a dead replica is restarted, re-synced and its prompts re-issued
-    before the run fails."""
+    before the run fails. precision: what the replicas hold their weights and compute in:
+    "fp32", or "bf16", the policy's weights cast to it before they travel (half the bytes of
+    a sync; the same bits as an fp32 sync cast on arrival), the engine's log-probabilities
+    then a bf16 model's (the trainer's and the engine's differ more: step3.tis_cap corrects
+    it, 2 by default then)."""
 
     replicas: int = Field(default=0, ge=0)
     max_staleness: int = Field(default=0, ge=0)
@@ -222,6 +226,7 @@ class RolloutConfig(Config):
     sync_timeout_s: float = Field(default=120.0, gt=0)
     overlap_sync: bool = True
     max_restarts: int = Field(default=4, ge=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
 
 
 class Step3Config(Config):
@@ -442,9 +447,11 @@ class RLHFConfig(AppConfig):
         return self
 
     def tis_cap(self) -> float | None:
-        """step3.tis_cap, or 2 when batches come off-policy (max_staleness > 0)."""
-        cap = self.step3.tis_cap
-        return 2.0 if cap is None and self.step3.rollout.max_staleness > 0 else cap
+        """step3.tis_cap, or 2 when batches come off-policy (max_staleness > 0) or from bf16
+        replicas of an fp32 trainer."""
+        cap, r = self.step3.tis_cap, self.step3.rollout
+        off = r.replicas and (r.max_staleness > 0 or r.precision != self.precision)
+        return 2.0 if cap is None and off else cap
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------
     def algo(self) -> algorithms.Algorithm:

@@ -71,6 +71,7 @@ class Replicas:
         self.restarts = 0
         self._rewired = 0
         self.inflight: Call | None = None  # the replicas' receives of a begun sync
+        self.sync_error: str | None = None  # how the last sync that lost a replica failed
 
     # weights --------------------------------------------------------------------------------
     def sync(self, version: int, step: int) -> dict:
@@ -134,10 +135,12 @@ class Replicas:
             except (WorkerDiedError, WorkerCallError) as e:
                 errors.append(e)
         dead = {e.rank: e for e in errors if _lost(e)}
+        cause = next((e.cause for e in errors
+                      if isinstance(getattr(e, "cause", None), WeightSyncError)), None)
         if errors and not dead:
-            cause = next((e.cause for e in errors
-                          if isinstance(getattr(e, "cause", None), WeightSyncError)), None)
             raise (cause or errors[0]) from None
+        if cause is not None:  # the sync's own account of the replica it lost
+            self.sync_error = str(cause).splitlines()[0][:400]
         return answer, dead
 
     def _send(self, version: int, step: int) -> dict:
@@ -251,10 +254,13 @@ class Replicas:
             self.group.invoke_on(r, RolloutActor.setup, self.topology).result()
         self._rewired += 1
         rewire(self.graph, _GENERATION + self._rewired, roles={"rollout"})
-        for r in ranks:
+        nodes = self.graph.placement(["rollout"])["rollout"]
+        for r in ranks:  # node: where the replica runs now; sync_error: a sync it failed
             self.log.write({"kind": "rollout_restart", "step": step, "replica": r,
-                            "cause": _cause(error),
+                            "cause": _cause(error), "node": nodes[r],
+                            "sync_error": self.sync_error,
                             "version": self.version, "restarts": self.restarts})
+        self.sync_error = None
 
     def reset(self) -> None:
         """After the run's failure policy set every role up again: nothing in flight, no

@@ -23,7 +23,7 @@ from troupe.collectives import Communicator
 from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels
 from troupe.data import micro_batches
-from troupe.devices import move, rng_state, set_rng_state, worker_device
+from troupe.devices import move, precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
 from troupe.models.io import load_module, save_module
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
@@ -126,7 +126,8 @@ class Policy:
                 return None
             fused = fuse_lora(self.lm)
             try:
-                tensors, bucket = weight_sync.sync_tensors(self.lm.gpt), int(r.bucket_mb * 2**20)
+                tensors = weight_sync.sync_tensors(self.lm.gpt, precision_dtype(r.precision))
+                bucket = int(r.bucket_mb * 2**20)
                 if background and self.device.type == "cpu":
                     reuse = None if self.staged is None else self.staged.buffer
                     self.staged = weight_sync.stage(tensors, bucket, into=reuse)

@@ -155,6 +155,8 @@ class RolloutReplica:
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
                                      tools=cfg.env.tools)
         self.lm.eval().requires_grad_(False)
+        if cfg.step3.rollout.precision == "bf16":  # held and computed in bf16; synced so
+            self.lm.gpt.to(torch.bfloat16)
         self.engine = RolloutEngine(cfg, self.tok)
         self.version: int | None = None
 

@@ -258,6 +258,22 @@ class Graph:
             ray.util.remove_placement_group(pg)
         self.roles, self.placement_groups, self.closed = {}, [], True
 
+    def placement(self, roles: Sequence[str] | None = None, timeout_s: float = 30.0
+                  ) -> dict[str, list[str | None]]:
+        """Each role's (of ``roles``; None: all) ranks' node addresses, in rank order (None: a
+        rank that does not answer within ``timeout_s``: dead or restarting)."""
+        out: dict[str, list[str | None]] = {}
+        for name in roles or list(self.roles):
+            group = self.roles[name]
+            refs = [a.ready.remote() for a in group.actors]
+            out[name] = []
+            for ref in refs:
+                try:
+                    out[name].append(ray.get(ref, timeout=timeout_s)["node_ip"])
+                except Exception:  # noqa: BLE001 -- dead, restarting or unreachable alike
+                    out[name].append(None)
+        return out
+
     def __enter__(self) -> "Graph":
         return self
 

@@ -119,15 +119,18 @@ class Hosts:
     @classmethod
     def up(cls, n: int, name: str = "trh", rate: str | None = None, loss: float = 0.0,
            cpus: float = 1.0, gpus: float = 0.0, object_store_mb: int = 256,
-           timeout_s: float = 120.0) -> "Hosts":
+           timeout_s: float = 120.0, head_cpus: float | None = None) -> "Hosts":
         """``n`` hosts with a Ray node each (host 0 the head), every link at ``rate`` (tbf;
-        None: unshaped) losing ``loss`` of its packets; returns once Ray counts ``n`` nodes."""
+        None: unshaped) losing ``loss`` of its packets; returns once Ray counts ``n`` nodes.
+        ``head_cpus``: the head's Ray CPUs when not ``cpus`` (0, as production clusters
+        often have it: the head holds the GCS, the driver and Serve's proxy, no workers)."""
         check_tools(loss > 0)
         if n < 1 or n > 250:
             raise HostsError(f"--hosts {n}: between 1 and 250 hosts")
         if len(name) > 10 or not name.replace("-", "").isalnum():
             raise HostsError(f"--name {name!r}: at most 10 letters, digits or dashes")
-        self = cls(name, [Host(i, f"{SUBNET}.{i + 1}", rate, loss, False, cpus, gpus,
+        self = cls(name, [Host(i, f"{SUBNET}.{i + 1}", rate, loss, False,
+                               cpus if i or head_cpus is None else head_cpus, gpus,
                                object_store_mb) for i in range(n)])
         if self.dir.exists() or set(_namespaces()) & {self.hub, self.namespace(0)}:
             raise HostsError(f"hosts {name!r} are up already: `troupe hosts down --name "
@@ -300,6 +303,34 @@ class Hosts:
                                  f"{p.stderr.strip().splitlines()[-1:] or ''}")
             time.sleep(1.0)
 
+    def at(self, address: str) -> int:
+        """The index of the host whose address is ``address``."""
+        for h in self.hosts:
+            if h.address == address:
+                return h.index
+        raise HostsError(f"no host has the address {address}")
+
+    def find(self, text: str) -> list[int]:
+        """The hosts running a process whose command line holds ``text`` (a Ray actor's is
+        ``ray::<its class>``: ``find("ray::ServeReplica")``)."""
+        found = []
+        for h in self.hosts:
+            for pid in _pids(self.namespace(h.index)):
+                try:
+                    line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                except OSError:  # gone meanwhile
+                    continue
+                if text.encode() in line:
+                    found.append(h.index)
+                    break
+        return found
+
+    def rx_bytes(self, i: int) -> int:
+        """Bytes host ``i`` has received over its link (the veth's counter)."""
+        out = _run("ip", "netns", "exec", self.namespace(i), "cat",
+                   "/sys/class/net/eth0/statistics/rx_bytes")
+        return int(out)
+
     def host(self, i: int) -> Host:
         if not 0 <= i < len(self.hosts):
             raise HostsError(f"host {i}: the hosts are 0 to {len(self.hosts) - 1}")
@@ -401,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--loss", type=float, default=0.0, help="share of packets dropped")
     up.add_argument("--delay", default=None, help="refused: this kernel has no netem")
     up.add_argument("--cpus", type=float, default=1.0, help="each host's Ray CPUs")
+    up.add_argument("--head-cpus", type=float, default=None,
+                    help="host 0's Ray CPUs, if not --cpus (0: the head runs no workers)")
     up.add_argument("--gpus", type=float, default=0.0, help="each host's logical GPUs")
     up.add_argument("--object-store-mb", type=int, default=256)
     verbs.add_parser("down", help="remove every namespace, link, rule and process")
@@ -429,7 +462,7 @@ def _verb(args: argparse.Namespace) -> int:
     if args.verb == "up":
         check_tools(args.loss > 0, args.delay is not None)
         hosts = Hosts.up(args.hosts, args.name, args.rate, args.loss, args.cpus, args.gpus,
-                         args.object_store_mb)
+                         args.object_store_mb, head_cpus=args.head_cpus)
         print(f"{len(hosts.hosts)} hosts up: RAY_ADDRESS={hosts.address}, dashboard "
               f"{hosts.dashboard} (from host 0: troupe hosts exec 0 -- ...)")
         return 0

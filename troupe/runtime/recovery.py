@@ -162,7 +162,10 @@ def run_steps(policy: FailurePolicy, log: MetricsLog, done: int, last: int,
     step, the log drops its records of ``kinds`` (None: all) after that step, one ``recovery``
     record (the failure's role, rank, node and cause, the step gone back to and the step that
     failed) is written, and the steps after it are redone. ``before_step(n)`` runs before each
-    step (again for a redone one); ``bar`` is a tqdm bar to keep in step."""
+    step (again for a redone one); ``bar`` is a tqdm bar to keep in step. A ``placement``
+    record (each role's ranks' node addresses: ``Graph.placement``) opens the steps and follows
+    each recovery, which may have moved ranks to other nodes."""
+    log.write({"kind": "placement", "step": done, "nodes": policy.graph.placement()})
     n = done + 1
     while n <= last:
         if before_step is not None:
@@ -175,6 +178,7 @@ def run_steps(policy: FailurePolicy, log: MetricsLog, done: int, last: int,
             failure = policy.failures[-1]
             log.write({**failure, "kind": "recovery", "failure": failure["kind"], "step": done,
                        "failed_step": n})
+            log.write({"kind": "placement", "step": done, "nodes": policy.graph.placement()})
             if bar is not None:
                 bar.reset(total=bar.total)
                 bar.update(done)

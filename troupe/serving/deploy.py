@@ -153,6 +153,13 @@ class ExpertParallelReplica(ServeReplica):
             "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}
 
 
+def proxy_location(host: str) -> str:
+    """Where Serve runs its HTTP proxies: on every node when ``host`` is a wildcard (0.0.0.0,
+    ::; a load balancer may reach any node), else on the head alone, the one machine that has
+    the address (a proxy elsewhere could not bind it, and Serve retries it forever)."""
+    return "EveryNode" if host in ("0.0.0.0", "::", "") else "HeadOnly"
+
+
 def _loopback(host: str) -> bool:
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -173,7 +180,9 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
     needed = cfg.num_replicas * cfg.expert_parallel * cfg.num_gpus
     cfg = cfg.model_copy(update={"device": cluster_device(cfg.device, info.num_gpus, needed,
                                                           info.embedded)})
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(proxy_location=proxy_location(cfg.host),
+                http_options={"host": cfg.host, "port": cfg.port,
+                              "request_timeout_s": cfg.limits.request_timeout_s})
     options: dict = {"num_cpus": cfg.num_cpus}
     if cfg.device == "cuda" and cfg.expert_parallel == 1:  # else the expert ranks hold GPUs
         options["num_gpus"] = cfg.num_gpus

@@ -60,7 +60,10 @@ class Limits(Config):
     (then 429); the request body in bytes (413), the seconds it may take to arrive and the
     rate it must keep from 3 seconds after its first part (408); requests whose bodies are
     still arriving past their headers (beyond them: 429, so that slow senders cannot hold
-    every place); and the decode batch."""
+    every place); the decode batch; and ``request_timeout_s``, the longest a request may take
+    end to end at the HTTP proxy, waiting for a replica included (then 408): when a replica's
+    host is lost and none is left, requests and /health get 408 within it, not an endless
+    wait, until Serve has started a replica elsewhere."""
 
     max_prompt_tokens: int = Field(default=1024, ge=1)
     max_tokens: int = Field(default=256, ge=1)
@@ -72,6 +75,7 @@ class Limits(Config):
     min_body_rate: int = Field(default=1024, ge=1)  # bytes per second
     max_receiving: int = Field(default=256, ge=1)
     max_batch: int = Field(default=16, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class ServeConfig(AppConfig):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.collectives import Communicator, all_to_all
+from troupe.collectives.autograd import Meter
 from troupe.kernels.moe import permute, unpermute
 from troupe.models.layers import MLP
 from troupe.models.moe.config import MoEConfig
@@ -23,7 +24,8 @@ class MoE(nn.Module):
     GELU MLPs with biases (troupe's PR-MoE) or, with ``mlp="swiglu", bias=False``, Mixtral's;
     ``cfg.shared_expert_d_ff`` adds Qwen2-MoE's gated shared expert (a dense MLP, replicated).
 
-    forward(x) returns (y, aux_loss) with y of x's shape.
+    forward(x) returns (y, aux_loss) with y of x's shape. ``meter.bytes``: what its token
+    exchanges sent to the other ranks so far (``cfg.dispatch``: in the model's dtype or int8).
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
@@ -31,6 +33,8 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.num_local = num_experts, num_experts
         self.group: Communicator | None = None  # set by apply_expert_parallel
+        self.int8_dispatch = cfg.dispatch == "int8"
+        self.meter = Meter()  # bytes the token exchanges sent to other ranks
         self.gate = TopKGate(d_model, num_experts, cfg)
         self.experts = Experts(num_experts, 0, d_model, d_ff, mlp, bias)
         self.last_routing: Routing | None = None
@@ -59,13 +63,15 @@ class MoE(nn.Module):
         send_PL = counts_E.view(P, L)
         recv_PL = self.group.all_to_all(send_PL.contiguous())  # row p: rows per local expert from p
         send_rows, recv_rows = send_PL.sum(1).tolist(), recv_PL.sum(1).tolist()
-        x_recv = all_to_all(x_AM, self.group, recv_rows, send_rows)  # grouped by source, expert
+        x_recv = all_to_all(x_AM, self.group, recv_rows, send_rows,  # by source, then expert
+                            self.int8_dispatch, self.meter)
         expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_AM.device).repeat(P),
                                                 recv_PL.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         y = self.experts(x_recv[by_expert], recv_PL.sum(0).tolist())
         y_recv = torch.empty_like(y).index_copy(0, by_expert, y)  # back to source order
-        return all_to_all(y_recv, self.group, send_rows, recv_rows)
+        return all_to_all(y_recv, self.group, send_rows, recv_rows, self.int8_dispatch,
+                          self.meter)
 
 
 class ResidualMoE(nn.Module):

@@ -1,0 +1,324 @@
+"""Hosts on one machine, end to end: the apps across emulated hosts (troupe.runtime.hosts),
+their links shaped with tbf, and what the links cost.
+
+    python benchmarks/hosts.py --what optimizers [--rates 1gbit 10gbit] [--seeds 0 1]
+    python benchmarks/hosts.py --what moe        [--rate 1gbit] [--seeds 0 1]
+    python benchmarks/hosts.py --what sync       [--rate 1gbit]
+    python benchmarks/hosts.py --what straggler  [--rate 1gbit]
+    python benchmarks/hosts.py --what loss       [--loss 0.01]
+    python benchmarks/hosts.py --what head
+
+Needs root and iproute2 (``loss`` also nftables: ``apt-get install nftables``; without it the
+line says so). Every run is one of the apps started in host 0 (``troupe hosts exec 0``), its
+numbers read back from its metrics.jsonl; the hosts are removed at the end, whatever happened.
+Run it alone: the hosts share this machine's cores, and their links are the kernel's work.
+
+optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
+  window a rank a step: a gradient of 50 MB against 0.5 GFLOP of compute per rank, the regime
+  where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
+  1-bit LAMB; each line: samples/s over the steps after the optimizer's warm-up (``steady``)
+  and over the run, the validation loss at the last step, and the bound the same run implies,
+  batch / (forward-backward seconds + the step's bytes per rank over the link's rate), and
+  the share of it reached. 1-bit Adam's and 0/1 Adam's lines carry their speed-up over Adam's
+  and the difference in validation loss, seed by seed.
+moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
+  int8 (model.moe.dispatch): all-to-all bytes per step and validation loss.
+sync: GRPO with one rollout replica on a host of its own; each weight sync's seconds and bytes
+  (fp32, and bf16 replicas), against bytes over the link's rate.
+straggler: pretraining with one host's link at a tenth of the others': the run's own
+  ``links`` record (troupe.collectives.straggler.probe_links) names it.
+loss: pretraining and GRPO with every link dropping ``--loss`` of its packets: both complete,
+  and what it cost against the same runs without loss.
+head: host 0 (the head: GCS, and here the driver's node) killed mid-pretraining while the
+  driver runs in host 1: the driver's last line, and the run resumed from its last checkpoint
+  on a new cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import machine  # benchmarks/machine.py, beside this script
+
+from troupe.runtime.hosts import Hosts, HostsError, check_tools
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "trb"
+# A recipe whose gradient is large next to its compute: dense-tiny made wide and fed one
+# 64-token window a rank a step (no curriculum or random-LTD: every step the same work)
+WIDE = ["--config", "dense-tiny", "model.d_model=512", "model.n_layer=4", "model.n_head=8",
+        "model.seq_len=64", "curriculum.enabled=false", "random_ltd.enabled=false",
+        "train.batch_size=4", "train.eval_every=0", "train.checkpoint_every=0"]
+WARMUP = 10  # the 1-bit optimizers' full-precision steps (freeze_step, var_freeze_step)
+OPTIMIZERS = {
+    "adam": ["optimizer.name=adam"],
+    "onebit_adam": ["optimizer.name=onebit_adam", f"optimizer.freeze_step={WARMUP}"],
+    "zero_one_adam": ["optimizer.name=zero_one_adam", f"optimizer.var_freeze_step={WARMUP}",
+                      "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=8",
+                      "optimizer.local_step_clipper=4"],
+    "onebit_lamb": ["optimizer.name=onebit_lamb", f"optimizer.freeze_step={WARMUP}",
+                    "optimizer.lr=2e-2", "optimizer.min_lr=2e-3"],
+}
+
+
+def rate_bytes(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale / 8
+    raise ValueError(f"rate {rate!r}")
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_app(hosts: Hosts, argv: list[str], host: int = 0, timeout_s: float = 900
+            ) -> subprocess.CompletedProcess:
+    p = hosts.run(host, [sys.executable, *argv], timeout_s)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)[:120]} failed: {p.stderr[-1500:]}")
+    return p
+
+
+def emit(line: dict) -> None:
+    print(json.dumps({"bench": "hosts", "machine": machine(), **line}), flush=True)
+
+
+# ---- optimizers -------------------------------------------------------------------------------
+def pretrain_figures(out: Path, rate: str, warmup: int) -> dict:
+    """A pretraining run's throughput and its bound, from its metrics.jsonl."""
+    recs = records(out)
+    steps = [r for r in recs if r["kind"] == "train"]
+    batch = 4 * 1  # train.batch_size: samples a step over all ranks
+    steady = steps[warmup:]
+    sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(steady, steady[1:])]
+    step_s = statistics.median(r["seconds"] for r in steady)
+    compute_s = statistics.median(r["compute_s"] for r in steady)
+    per_step = statistics.median(sent) if sent else 0
+    bound = batch / (compute_s + per_step / rate_bytes(rate))
+    val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
+    return {"samples_per_s": round(batch / step_s, 3),
+            "samples_per_s_run": round(batch * len(steps) / sum(r["seconds"] for r in steps), 3),
+            "bound_samples_per_s": round(bound, 3), "of_bound": round(batch / step_s / bound, 3),
+            "compute_s": round(compute_s, 4), "step_s": round(step_s, 4),
+            "bytes_per_step_per_rank": per_step, "val_loss": round(val, 4),
+            "steps": len(steps)}
+
+
+def optimizers(args) -> None:
+    for rate in args.rates:
+        hosts = Hosts.up(4, NAME, rate=rate, cpus=1, object_store_mb=128)
+        try:
+            for seed in args.seeds:
+                base = None
+                for name, over in OPTIMIZERS.items():
+                    with tempfile.TemporaryDirectory() as tmp:
+                        out = Path(tmp) / name
+                        run_app(hosts, ["apps/pretrain.py", *WIDE, *over, "workers=4",
+                                        "train.strategy=STRICT_SPREAD",
+                                        f"train.steps={args.steps}", f"seed={seed}",
+                                        f"out_dir={out}"])
+                        fig = pretrain_figures(out, rate, 0 if name == "adam" else WARMUP)
+                    line = {"what": "optimizers", "rate": rate, "hosts": 4, "seed": seed,
+                            "optimizer": name, **fig}
+                    if name == "adam":
+                        base = fig
+                    elif name in ("onebit_adam", "zero_one_adam"):
+                        line["speedup_vs_adam"] = round(fig["samples_per_s"]
+                                                        / base["samples_per_s"], 2)
+                        line["val_loss_vs_adam"] = round(fig["val_loss"] / base["val_loss"] - 1,
+                                                         4)
+                    emit(line)
+        finally:
+            hosts.down()
+
+
+# ---- MoE ---------------------------------------------------------------------------------------
+def moe(args) -> None:
+    hosts = Hosts.up(4, NAME, rate=args.rate, cpus=1, object_store_mb=128)
+    try:
+        for seed in args.seeds:
+            fp32 = None
+            for dispatch in ("model", "int8"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / dispatch
+                    run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
+                                    "model.moe.ep_size=4", f"model.moe.dispatch={dispatch}",
+                                    "train.strategy=STRICT_SPREAD", f"train.steps={args.steps}",
+                                    "train.eval_every=0", "train.checkpoint_every=0",
+                                    f"seed={seed}", f"out_dir={out}"])
+                    recs = records(out)
+                steps = [r for r in recs if r["kind"] == "train"]
+                val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
+                line = {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed,
+                        "dispatch": dispatch, "steps": len(steps),
+                        "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
+                        "samples_per_s": round(16 * len(steps)
+                                               / sum(r["seconds"] for r in steps), 3),
+                        "val_loss": round(val, 4)}
+                if dispatch == "model":
+                    fp32 = line
+                else:
+                    line["a2a_bytes_vs_fp32"] = round(line["a2a_bytes_per_step"]
+                                                      / fp32["a2a_bytes_per_step"], 4)
+                    line["val_loss_vs_fp32"] = round(val / fp32["val_loss"] - 1, 4)
+                emit(line)
+    finally:
+        hosts.down()
+
+
+# ---- weight sync -----------------------------------------------------------------------------
+def sync(args) -> None:
+    hosts = Hosts.up(3, NAME, rate=args.rate, cpus=1, head_cpus=0, object_store_mb=128)
+    try:
+        for precision in ("fp32", "bf16"):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / precision
+                run_app(hosts, ["apps/rlhf.py", "algorithm=grpo",
+                                "reward.function=apps.rewards:sort_digits", "sft.steps=20",
+                                f"step3.iterations={args.iterations}",
+                                "step3.prompts_per_iter=8", "step3.eval_every=1000",
+                                "step3.checkpoint_every=0", "task.eval_examples=8", "workers=1",
+                                "step3.rollout.replicas=1", "step3.rollout.num_cpus=1",
+                                "step3.rollout.overlap_sync=false",
+                                f"step3.rollout.precision={precision}", f"out_dir={out}"])
+                recs = records(out)
+            placement = [r for r in recs if r["kind"] == "placement"][-1]["nodes"]
+            steps = [r for r in recs if r["kind"] == "step3" and "sync_s" in r]
+            nbytes = steps[0]["sync_bytes"]
+            emit({"what": "sync", "rate": args.rate, "precision": precision,
+                  "policy_host": placement["policy"][0], "replica_host": placement["rollout"][0],
+                  "versions": len(steps), "bytes_per_version": nbytes,
+                  "seconds_per_version": round(statistics.median(r["sync_s"] for r in steps), 4),
+                  "bound_seconds": round(nbytes / rate_bytes(args.rate), 4)})
+    finally:
+        hosts.down()
+
+
+# ---- faults ------------------------------------------------------------------------------------
+def straggler(args) -> None:
+    hosts = Hosts.up(4, NAME, rate=args.rate, cpus=1, object_store_mb=128)
+    try:
+        slow = 2
+        hosts.shape(slow, rate=f"{rate_bytes(args.rate) * 8 / 10 / 1e6:g}mbit")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "straggler"
+            run_app(hosts, ["apps/pretrain.py", *WIDE, "optimizer.name=adam", "workers=4",
+                            "train.strategy=STRICT_SPREAD", "train.steps=10", f"out_dir={out}"])
+            recs = records(out)
+        links = [r for r in recs if r["kind"] == "links"]
+        emit({"what": "straggler", "rate": args.rate, "slow_host": hosts.hosts[slow].address,
+              "links": links[0] if links else None,
+              "named": bool(links) and hosts.hosts[slow].address in links[0]["slowest"]})
+    finally:
+        hosts.down()
+
+
+def loss(args) -> None:
+    try:
+        check_tools(loss=True)
+    except HostsError as e:
+        emit({"what": "loss", "loss": args.loss, "skipped": str(e)})
+        return
+    hosts = Hosts.up(4, NAME, rate=args.rate, cpus=1, object_store_mb=128)
+    try:
+        for lost in (0.0, args.loss):
+            for i in range(4):
+                hosts.shape(i, loss=lost)
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                run_app(hosts, ["apps/pretrain.py", *WIDE, "optimizer.name=adam", "workers=4",
+                                "train.strategy=STRICT_SPREAD", "train.steps=20",
+                                f"out_dir={Path(tmp) / 'pretrain'}"])
+                pre = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                run_app(hosts, ["apps/rlhf.py", "algorithm=grpo",
+                                "reward.function=apps.rewards:sort_digits", "sft.steps=20",
+                                "step3.iterations=10", "step3.prompts_per_iter=8",
+                                "step3.eval_every=1000", "task.eval_examples=8", "workers=2",
+                                f"out_dir={Path(tmp) / 'grpo'}"])
+                grpo = time.perf_counter() - t0
+            emit({"what": "loss", "loss": lost, "rate": args.rate,
+                  "pretrain_s": round(pre, 1), "grpo_s": round(grpo, 1)})
+    finally:
+        hosts.down()
+
+
+def head(args) -> None:
+    """The driver in host 1, the head in host 0 killed mid-run; then a new cluster resumes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        argv = [sys.executable, "apps/pretrain.py", "--config", "dense-tiny", "workers=2",
+                "train.steps=80", "train.eval_every=0", "train.checkpoint_every=20",
+                "collective_timeout_s=10", f"out_dir={out}"]
+        hosts = Hosts.up(3, NAME, rate=args.rate, cpus=1, head_cpus=0, object_store_mb=128)
+        try:
+            proc = hosts.exec(1, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            while not any(r["kind"] == "train" and r["step"] >= 30 for r in records(out)):
+                if proc.poll() is not None:
+                    raise RuntimeError(proc.communicate()[1][-2000:])
+                time.sleep(0.1)
+            hosts.kill(0)
+            t0 = time.perf_counter()
+            try:
+                _, err = proc.communicate(timeout=300)
+                exited = time.perf_counter() - t0
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+                exited = None
+        finally:
+            hosts.down()
+        last = [line for line in err.strip().splitlines() if line.strip()][-1:]
+        done = max(r["step"] for r in records(out) if r["kind"] == "train")
+        hosts = Hosts.up(3, NAME, rate=args.rate, cpus=1, head_cpus=0, object_store_mb=128)
+        try:
+            t0 = time.perf_counter()
+            run_app(hosts, argv[1:] + ["--resume"])
+            resumed = time.perf_counter() - t0
+        finally:
+            hosts.down()
+        recs = records(out)
+        emit({"what": "head", "driver_exit_s": exited and round(exited, 1),
+              "driver_returncode": proc.returncode, "driver_last_line": last[0] if last else "",
+              "lines_on_stderr": len(err.strip().splitlines()),
+              "steps_before": done, "resumed_s": round(resumed, 1),
+              "resumed_from": min(r["step"] for r in recs if r["kind"] == "train"
+                                  and r["step"] > 20 and recs.index(r) > 0),
+              "final_step": max(r["step"] for r in recs if r["kind"] == "train")})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", required=True,
+                   choices=["optimizers", "moe", "sync", "straggler", "loss", "head"])
+    p.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--loss", type=float, default=0.01)
+    args = p.parse_args()
+    try:
+        check_tools()
+    except HostsError as e:
+        emit({"what": args.what, "skipped": str(e)})
+        return
+    {"optimizers": optimizers, "moe": moe, "sync": sync, "straggler": straggler, "loss": loss,
+     "head": head}[args.what](args)
+
+
+if __name__ == "__main__":
+    import os
+    os.chdir(ROOT)  # the apps are run from the checkout
+    main()
