@@ -16,15 +16,17 @@ Run it alone: the hosts share this machine's cores, and their links are the kern
 optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
   window a rank a step: a gradient of 50 MB against 0.5 GFLOP of compute per rank, the regime
   where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
-  1-bit LAMB; each line: samples/s over the steps after the optimizer's warm-up (``steady``)
-  and over the run, the validation loss at the last step, and the bound the same run implies,
-  batch / (forward-backward seconds + the step's bytes per rank over the link's rate), and
-  the share of it reached. 1-bit Adam's and 0/1 Adam's lines carry their speed-up over Adam's
+  1-bit LAMB; each line: samples/s over the steps after the optimizer's warm-up and over the
+  run, the validation loss at the last step, and the bound the same run implies: batch /
+  (the slowest rank's seconds outside collectives, its compute alone: forward, backward and
+  the optimizer's own arithmetic, + the step's bytes per rank over the link's rate), and the
+  share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and 0/1 Adam's lines carry their speed-up over Adam's
   and the difference in validation loss, seed by seed.
 moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
   int8 (model.moe.dispatch): all-to-all bytes per step and validation loss.
-sync: GRPO with one rollout replica on a host of its own; each weight sync's seconds and bytes
-  (fp32, and bf16 replicas), against bytes over the link's rate.
+sync: GRPO (the sorting task's model widened to 7.2M parameters) with one rollout replica on
+  a host of its own; each weight sync's seconds and bytes (fp32, and bf16 replicas), against
+  bytes over the link's rate.
 straggler: pretraining with one host's link at a tenth of the others': the run's own
   ``links`` record (troupe.collectives.straggler.probe_links) names it.
 loss: pretraining and GRPO with every link dropping ``--loss`` of its packets: both complete,
@@ -101,16 +103,20 @@ def pretrain_figures(out: Path, rate: str, warmup: int) -> dict:
     batch = 4 * 1  # train.batch_size: samples a step over all ranks
     steady = steps[warmup:]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(steady, steady[1:])]
-    step_s = statistics.median(r["seconds"] for r in steady)
-    compute_s = statistics.median(r["compute_s"] for r in steady)
-    per_step = statistics.median(sent) if sent else 0
-    bound = batch / (compute_s + per_step / rate_bytes(rate))
+    # means: a throughput over the steps (0/1 Adam's steps differ: most skip the transfer)
+    step_s = statistics.mean(r["seconds"] for r in steady)
+    compute_s = statistics.mean(r["compute_s"] for r in steady)
+    alone_s = statistics.mean(r["busy_s"] for r in steady)  # the slowest rank, links aside
+    per_step = sum(sent) / len(sent) if sent else 0  # 0/1 Adam skips most steps' transfers
+    bound = batch / (alone_s + per_step / rate_bytes(rate))
     val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
     return {"samples_per_s": round(batch / step_s, 3),
             "samples_per_s_run": round(batch * len(steps) / sum(r["seconds"] for r in steps), 3),
             "bound_samples_per_s": round(bound, 3), "of_bound": round(batch / step_s / bound, 3),
-            "compute_s": round(compute_s, 4), "step_s": round(step_s, 4),
-            "bytes_per_step_per_rank": per_step, "val_loss": round(val, 4),
+            "compute_s": round(compute_s, 4), "optimizer_s": round(alone_s - compute_s, 4),
+            "comm_s": round(step_s - alone_s, 4), "link_s": round(per_step / rate_bytes(rate), 4),
+            "step_s": round(step_s, 4),
+            "bytes_per_step_per_rank": round(per_step), "val_loss": round(val, 4),
             "steps": len(steps)}
 
 
@@ -121,6 +127,8 @@ def optimizers(args) -> None:
             for seed in args.seeds:
                 base = None
                 for name, over in OPTIMIZERS.items():
+                    if args.only and name not in args.only and name != "adam":
+                        continue
                     with tempfile.TemporaryDirectory() as tmp:
                         out = Path(tmp) / name
                         run_app(hosts, ["apps/pretrain.py", *WIDE, *over, "workers=4",
@@ -185,6 +193,8 @@ def sync(args) -> None:
                 out = Path(tmp) / precision
                 run_app(hosts, ["apps/rlhf.py", "algorithm=grpo",
                                 "reward.function=apps.rewards:sort_digits", "sft.steps=20",
+                                "model.gpt.d_model=384", "model.gpt.n_layer=4",
+                                "model.gpt.n_head=6",  # 7.2M parameters: 29 MB in fp32
                                 f"step3.iterations={args.iterations}",
                                 "step3.prompts_per_iter=8", "step3.eval_every=1000",
                                 "step3.checkpoint_every=0", "task.eval_examples=8", "workers=1",
@@ -258,7 +268,7 @@ def head(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         argv = [sys.executable, "apps/pretrain.py", "--config", "dense-tiny", "workers=2",
-                "train.steps=80", "train.eval_every=0", "train.checkpoint_every=20",
+                "train.steps=600", "train.eval_every=0", "train.checkpoint_every=50",
                 "collective_timeout_s=10", f"out_dir={out}"]
         hosts = Hosts.up(3, NAME, rate=args.rate, cpus=1, head_cpus=0, object_store_mb=128)
         try:
@@ -283,17 +293,16 @@ def head(args) -> None:
         hosts = Hosts.up(3, NAME, rate=args.rate, cpus=1, head_cpus=0, object_store_mb=128)
         try:
             t0 = time.perf_counter()
-            run_app(hosts, argv[1:] + ["--resume"])
+            run_app(hosts, argv[1:])  # pretraining resumes from the newest checkpoint
             resumed = time.perf_counter() - t0
         finally:
             hosts.down()
         recs = records(out)
         emit({"what": "head", "driver_exit_s": exited and round(exited, 1),
               "driver_returncode": proc.returncode, "driver_last_line": last[0] if last else "",
-              "lines_on_stderr": len(err.strip().splitlines()),
+              "stderr_before_it": [line[:160] for line in err.strip().splitlines()[-4:-1]],
               "steps_before": done, "resumed_s": round(resumed, 1),
-              "resumed_from": min(r["step"] for r in recs if r["kind"] == "train"
-                                  and r["step"] > 20 and recs.index(r) > 0),
+              "resumed_from": [r for r in recs if r["kind"] == "placement"][-1]["step"],
               "final_step": max(r["step"] for r in recs if r["kind"] == "train")})
 
 
@@ -308,6 +317,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--loss", type=float, default=0.01)
+    p.add_argument("--only", nargs="*", default=None, help="optimizers: these alone")
     args = p.parse_args()
     try:
         check_tools()

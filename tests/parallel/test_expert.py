@@ -121,3 +121,14 @@ def test_int8_dispatch_sends_a_quarter_of_the_bytes_within_its_rounding(cluster)
         for name, grad in a["grads"].items():
             torch.testing.assert_close(b["grads"][name], grad, rtol=0.05,
                                        atol=0.05 * grad.abs().max().item())
+
+
+def test_int8_rows_round_trip_within_half_a_step_and_carry_no_rows():
+    from troupe.collectives.autograd import pack_int8_rows, unpack_int8_rows
+    x = torch.randn(5, 64) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 5.0])[:, None]
+    packed = pack_int8_rows(x)
+    assert packed.shape == (5, 68) and packed.dtype == torch.uint8
+    back = unpack_int8_rows(packed, torch.float32)
+    step = x.abs().amax(1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 + 1e-12) and torch.equal(back[3], x[3])
+    assert unpack_int8_rows(pack_int8_rows(torch.empty(0, 64)), torch.float32).shape == (0, 64)

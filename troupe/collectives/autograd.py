@@ -9,6 +9,7 @@ the bytes a rank sent to the others (its own rows stay home)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,11 +49,12 @@ def _exchange(x: torch.Tensor, group: Communicator, output_splits: list[int],
         if meter is not None:
             meter.add(group, input_splits, x[:1].numel() * x.element_size())
         return group.all_to_all(x, output_splits, input_splits)
-    packed = pack_int8_rows(x.reshape(x.shape[0], -1))
+    width = math.prod(x.shape[1:])  # a rank may send no rows at all
+    packed = pack_int8_rows(x.reshape(x.shape[0], width))
     if meter is not None:
         meter.add(group, input_splits, packed.shape[1])
     got = group.all_to_all(packed, output_splits, input_splits)
-    return unpack_int8_rows(got, x.dtype).view(-1, *x.shape[1:])
+    return unpack_int8_rows(got, x.dtype).view(got.shape[0], *x.shape[1:])
 
 
 class _AllToAll(torch.autograd.Function):

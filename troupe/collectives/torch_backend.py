@@ -6,6 +6,7 @@ groups without torch.distributed's global default group.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Sequence
 
@@ -65,6 +66,7 @@ class TorchCommunicator:
         self.seq = 0  # operations started on this group; equal on ranks at the same operation
         self.in_op: str | None = None
         self.timed_out_seq = -1  # the operation this rank gave up waiting in, if any
+        self.wait_s = 0.0  # seconds spent in operations since the start (their transfers)
 
     def _run(self, op: str, launch, peer: int | None = None) -> None:
         """Start one operation (``launch()`` returns its Work) and wait for it. A timeout
@@ -74,6 +76,7 @@ class TorchCommunicator:
         if peer is None:
             self.seq += 1
         self.in_op = op
+        t0 = time.perf_counter()
         try:
             launch().wait(self.timeout)
         except RuntimeError as e:
@@ -86,6 +89,7 @@ class TorchCommunicator:
             raise straggler.timeout_error(self, op, e, peer) from e
         finally:
             self.in_op = None
+            self.wait_s += time.perf_counter() - t0
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         opts = dist.AllreduceOptions()

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from troupe.collectives import (Communicator, OneBitState, compressed_allreduce,
-                                compressed_allreduce_packed, padded_numel)
+from troupe.collectives import (Communicator, OneBitState, compressed_allreduce_many,
+                                padded_numel, unpack_mean)
 from troupe.kernels.onebit import unpack_
 from troupe.optim.base import Optimizer
 from troupe.optim.chunks import ChunkLayout
@@ -110,10 +110,11 @@ class CompressedOptimizer(Optimizer):
         """``x`` (flat, whole) replaced by its 1-bit mean over the group, tensor by tensor."""
         if self.world == 1:
             return x
-        for (offset, n), state in zip(self.flat.segments, self.onebit[name]):
-            part = x[offset:offset + n]
-            part.copy_(compressed_allreduce(part, state, self.group))
-            self.comm.compressed(padded_numel(n, self.world), self.world)
+        parts = [x[offset:offset + n] for offset, n in self.flat.segments]
+        means = compressed_allreduce_many(zip(parts, self.onebit[name]), self.group)
+        for part, (signs, scales) in zip(parts, means):
+            part.copy_(unpack_mean(signs, scales, part.numel()))
+            self.comm.compressed(padded_numel(part.numel(), self.world), self.world)
         return x
 
     def _compress_momentum(self, local_update) -> None:
@@ -125,10 +126,15 @@ class CompressedOptimizer(Optimizer):
         if self.m_signs is None:
             self._alloc_packed()
         W, L = self.world, self.layout
-        for k, ((_, n), state) in enumerate(zip(self.flat.segments, self.onebit["m"])):
-            m_k = L.tensor_of(previous, k) if previous is not None else self._unpacked_tensor(k)
-            local_update(k, m_k)
-            signs, scales = compressed_allreduce_packed(m_k, state, self.group)
+
+        def momenta():  # each tensor's, made when the exchange asks for it and packed at once
+            for k, state in enumerate(self.onebit["m"]):
+                m_k = L.tensor_of(previous, k) if previous is not None else self._unpacked_tensor(k)
+                local_update(k, m_k)
+                yield m_k, state
+
+        means = compressed_allreduce_many(momenta(), self.group)  # one exchange for them all
+        for k, ((_, n), (signs, scales)) in enumerate(zip(self.flat.segments, means)):
             self.comm.compressed(padded_numel(n, W), W)
             s = L.starts[k] // 8
             self.m_signs[:, s:s + L.chunks[k] // 8].copy_(signs)

@@ -258,6 +258,9 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "a2a_bytes": sum(r.a2a_bytes for r in ranks),
             "seconds": max(r.seconds for r in ranks),
             "compute_s": max(r.compute_s for r in ranks),
+            "comm_s": max(r.comm_s for r in ranks),
+            # the slowest rank's seconds outside collectives: what the step is without links
+            "busy_s": max(r.seconds - r.comm_s for r in ranks),
             "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]
     if (T.eval_every and step % T.eval_every == 0) or step == T.steps:
         val = sum(graph[TRAINER].invoke(TrainerActor.evaluate)) / cfg.workers

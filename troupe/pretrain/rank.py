@@ -60,6 +60,7 @@ class StepStats:
     a2a_bytes: int = 0           # MoE token exchanges' bytes to other ranks, since the start
     compute_s: float = 0.0       # forward and backward (MoE's token exchanges and ZeRO-3's
     #                              gathers inside), before the gradient's reduction and step
+    comm_s: float = 0.0          # of the reduction and step: seconds in collectives (gloo)
 
 
 class Bucket:
@@ -251,6 +252,7 @@ class Trainer:
             loss = (lm_loss + coef * aux) * share
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         compute_s = time.perf_counter() - t0
+        waited = self._comm_wait_s()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered
             self.zero3.release()
@@ -269,7 +271,15 @@ class Trainer:
                          loss_scale=s.scale_value if s else 1.0,
                          skipped_steps=s.skipped if s else 0,
                          a2a_bytes=sum(m.meter.bytes for m in self.model.modules()
-                                       if isinstance(m, MoE)), compute_s=compute_s)
+                                       if isinstance(m, MoE)), compute_s=compute_s,
+                         comm_s=self._comm_wait_s() - waited)
+
+    def _comm_wait_s(self) -> float:
+        """Seconds this rank's data-parallel groups have spent in operations (gloo's count;
+        0 for communicators that keep none)."""
+        found = [self.dp] + [getattr(b, "group", None) for b in self.buckets]
+        groups = {id(g): g for g in found if g is not None}
+        return sum(getattr(g, "wait_s", 0.0) for g in groups.values())
 
     @torch.no_grad()
     def evaluate(self) -> float:

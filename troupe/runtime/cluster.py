@@ -6,12 +6,23 @@ address on purpose), and the token is what guards them. troupe's own sockets sta
 (see troupe.actors.store). Joining a cluster started with ``ray start`` first asks the cluster whether it
 wants a token, and then uses the token that Ray's client finds: ``RAY_AUTH_TOKEN``, the file named
 by ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``.
+
+A driver that joined a cluster watches its head: Ray's GCS keeps the cluster's state in the
+head's memory (without external storage), and when the head is lost the cluster is gone, while
+Ray's own clients retry for a minute and then end the process with their own fatal logs. When
+the GCS's port has refused or ignored connections for ``HEAD_TIMEOUT_S``, the driver prints
+one line saying so (run again on a new cluster: the last checkpoint resumes) and exits with
+status 1.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +35,7 @@ from troupe.errors import ClusterConnectionError
 log = logging.getLogger(__name__)
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+HEAD_TIMEOUT_S = 30.0  # the head's GCS unreachable this long: the cluster is gone (Ray: 60 s)
 
 
 @dataclass(frozen=True)
@@ -194,7 +206,40 @@ def _join(address: str, namespace: str, ray_kwargs: dict[str, Any]) -> ClusterIn
                     f"{AUTH_MODE_ENV}=token.")
         raise ClusterConnectionError(f"cannot join Ray cluster at {address!r}: {e}.{hint}") from e
     _embedded, _dashboard_url = False, ctx.dashboard_url or None
-    return _info(False)
+    info = _info(False)
+    _watch_head(info.address)
+    return info
+
+
+_watching: threading.Event | None = None
+
+
+def _watch_head(gcs_address: str, timeout_s: float = HEAD_TIMEOUT_S) -> None:
+    """A daemon thread that connects to the GCS's port every second and, once it has failed
+    for ``timeout_s`` in a row, prints one line and ends the process (status 1)."""
+    global _watching
+    host, _, port = gcs_address.rpartition(":")
+    stop = _watching = threading.Event()
+
+    def watch() -> None:
+        since = None
+        while not stop.wait(1.0):
+            try:
+                socket.create_connection((host, int(port)), timeout=2.0).close()
+                since = None
+                continue
+            except OSError:
+                since = since or time.monotonic()
+            if time.monotonic() - since >= timeout_s and not stop.is_set():
+                print(f"error: the Ray cluster's head at {gcs_address} has not answered for "
+                      f"{timeout_s:g}s: its GCS, and with it the cluster, is gone (Ray keeps "
+                      "the cluster's state there); the run stopped. Run it again on a new "
+                      "cluster to continue from its last checkpoint (pretraining resumes by "
+                      "itself, RLHF with --resume)",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="troupe-head-watch", daemon=True).start()
 
 
 def _start_embedded(num_cpus: float | None, num_gpus: float | None, namespace: str,
@@ -224,6 +269,9 @@ def _start_embedded(num_cpus: float | None, num_gpus: float | None, namespace: s
 
 def shutdown() -> None:
     """Disconnect from Ray, stopping the embedded cluster if troupe started it."""
-    global _embedded
+    global _embedded, _watching
+    if _watching is not None:
+        _watching.set()
+        _watching = None
     ray.shutdown()
     _embedded = False
