@@ -23,7 +23,8 @@ optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows
   share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and 0/1 Adam's lines carry their speed-up over Adam's
   and the difference in validation loss, seed by seed.
 moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
-  int8 (model.moe.dispatch): all-to-all bytes per step and validation loss.
+  int8 (model.moe.dispatch): all-to-all bytes and rows per step (the rows follow the gate,
+  which each run trains its own way) and validation loss.
 sync: GRPO (the sorting task's model widened to 7.2M parameters) with one rollout replica on
   a host of its own; each weight sync's seconds and bytes (fp32, and bf16 replicas), against
   bytes over the link's rate.
@@ -167,9 +168,11 @@ def moe(args) -> None:
                     recs = records(out)
                 steps = [r for r in recs if r["kind"] == "train"]
                 val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
+                row = 128 * 4 if dispatch == "model" else 128 + 4  # moe-tiny: d_model 128
                 line = {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed,
-                        "dispatch": dispatch, "steps": len(steps),
+                        "dispatch": dispatch, "steps": len(steps), "bytes_per_row": row,
                         "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
+                        "a2a_rows_per_step": steps[-1]["a2a_bytes"] // len(steps) // row,
                         "samples_per_s": round(16 * len(steps)
                                                / sum(r["seconds"] for r in steps), 3),
                         "val_loss": round(val, 4)}

@@ -216,7 +216,8 @@ _watching: threading.Event | None = None
 
 def _watch_head(gcs_address: str, timeout_s: float = HEAD_TIMEOUT_S) -> None:
     """A daemon thread that connects to the GCS's port every second and, once it has failed
-    for ``timeout_s`` in a row, prints one line and ends the process (status 1)."""
+    for ``timeout_s`` in a row, prints one line and ends the process (status 1). The line
+    starts on a line of its own (a progress bar may be drawing on stderr)."""
     global _watching
     host, _, port = gcs_address.rpartition(":")
     stop = _watching = threading.Event()
@@ -231,7 +232,7 @@ def _watch_head(gcs_address: str, timeout_s: float = HEAD_TIMEOUT_S) -> None:
             except OSError:
                 since = since or time.monotonic()
             if time.monotonic() - since >= timeout_s and not stop.is_set():
-                print(f"error: the Ray cluster's head at {gcs_address} has not answered for "
+                print(f"\nerror: the Ray cluster's head at {gcs_address} has not answered for "
                       f"{timeout_s:g}s: its GCS, and with it the cluster, is gone (Ray keeps "
                       "the cluster's state there); the run stopped. Run it again on a new "
                       "cluster to continue from its last checkpoint (pretraining resumes by "
