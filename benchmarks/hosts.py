@@ -14,14 +14,15 @@ numbers read back from its metrics.jsonl; the hosts are removed at the end, what
 Run it alone: the hosts share this machine's cores, and their links are the kernel's work.
 
 optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
-  window a rank a step: a gradient of 50 MB against 0.5 GFLOP of compute per rank, the regime
+  window a rank a step: a gradient of 51 MB against 4.9 GFLOP of compute per rank, the regime
   where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
   1-bit LAMB; each line: samples/s over the steps after the optimizer's warm-up and over the
   run, the validation loss at the last step, and the bound the same run implies: batch /
   (the slowest rank's seconds outside collectives, its compute alone: forward, backward and
   the optimizer's own arithmetic, + the step's bytes per rank over the link's rate), and the
-  share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and 0/1 Adam's lines carry their speed-up over Adam's
-  and the difference in validation loss, seed by seed.
+  share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and
+  0/1 Adam's lines carry their speed-up over Adam's and the difference in validation loss,
+  seed by seed.
 moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
   int8 (model.moe.dispatch): all-to-all bytes and rows per step (the rows follow the gate,
   which each run trains its own way) and validation loss.

@@ -88,18 +88,19 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
                                   stacks=reports, cause=str(cause).splitlines()[0])
 
 
-def probe_links(comm: Any, nbytes: int = 4 << 20) -> list[float]:
+def probe_links(comm: Any, nbytes: int = 4 << 20, device: Any = "cpu") -> list[float]:
     """Seconds for ``nbytes`` to go from each rank r to rank r + 1 (mod world), one pair at a
     time so that no two transfers share a link; every rank returns the same list (index r:
     the pair r -> r + 1). A host whose link is slow is in two slow pairs, as sender and as
-    receiver: ``slowest_rank`` finds it."""
+    receiver: ``slowest_rank`` finds it. ``device``: where the group's tensors live (cuda for
+    NCCL)."""
     import time
 
     import torch
 
     W, r = comm.world_size, comm.rank
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    mine = torch.zeros(W, dtype=torch.float64)
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    mine = torch.zeros(W, dtype=torch.float64, device=device)
     for k in range(W):
         comm.barrier()
         t0 = time.perf_counter()
@@ -108,7 +109,7 @@ def probe_links(comm: Any, nbytes: int = 4 << 20) -> list[float]:
         elif r == (k + 1) % W:
             comm.recv(buf, k)
             mine[k] = time.perf_counter() - t0  # the receiver times the transfer
-    return comm.all_reduce(mine).tolist()
+    return comm.all_reduce(mine).tolist()  # host: a list of floats
 
 
 def slowest_rank(seconds: list[float], factor: float = 2.0) -> int | None:

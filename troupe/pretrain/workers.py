@@ -72,7 +72,7 @@ class TrainerActor:
         """Each data-parallel pair's transfer of ``nbytes`` (troupe.collectives.straggler),
         with this rank's node address."""
         from troupe.collectives import straggler
-        return {"seconds": straggler.probe_links(self._w.dp, nbytes),
+        return {"seconds": straggler.probe_links(self._w.dp, nbytes, self._w.device),
                 "node": get_context().node_ip}
 
     @dispatch(Dispatch.ALL)
