@@ -2,6 +2,7 @@
 faults as verbs (``troupe hosts``).
 
     troupe hosts up --hosts 3 --rate 1gbit --cpus 2     # three hosts, a Ray node in each
+    troupe hosts up --hosts 4 --cpus 1 --head-cpus 0    # the head runs no workers
     troupe hosts exec 0 -- python apps/pretrain.py --config dense-tiny train.strategy=SPREAD
     troupe hosts shape 2 --rate 100mbit --loss 0.01     # host 2's link, while running
     troupe hosts cut 1 | restore 1 | kill 1 | restart 1
@@ -24,6 +25,11 @@ brings it back; ``kill`` kills every process in the host's namespace (``ip netns
 never ``ray stop``, which would end every Ray process of the machine) and ``restart`` starts
 its Ray node again. Ray declares a node dead after ``HEALTH_CHECK`` (period x failures) of
 missed health checks: a cut shorter than that is ridden out, a longer one loses the node.
+
+From Python, ``Hosts`` also says where things run and what crossed a link: ``find(text)``
+(the hosts with a process whose command line holds it, e.g. ``ray::ServeReplica``), ``at(ip)``
+(the host of an address, as a run's ``placement`` record gives them), ``tx_bytes(i)`` and
+``rx_bytes(i)`` (the veth's counters).
 
 The state (namespaces, addresses, shaping, processes) is kept in ``<state dir>/<name>/``
 (``/run/troupe-hosts``, else the temporary directory), so that each verb is its own command.
