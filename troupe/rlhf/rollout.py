@@ -20,7 +20,7 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.compression import quantize_model, requantize
-from troupe.devices import worker_device
+from troupe.devices import precision_dtype, worker_device
 from troupe.errors import TroupeError
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
@@ -155,8 +155,7 @@ class RolloutReplica:
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
                                      tools=cfg.env.tools)
         self.lm.eval().requires_grad_(False)
-        if cfg.step3.rollout.precision == "bf16":  # held and computed in bf16; synced so
-            self.lm.gpt.to(torch.bfloat16)
+        self.lm.gpt.to(precision_dtype(cfg.step3.rollout.precision))  # held, synced so
         self.engine = RolloutEngine(cfg, self.tok)
         self.version: int | None = None
 

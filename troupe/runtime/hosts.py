@@ -234,9 +234,15 @@ class Hosts:
 
     def tx_bytes(self, i: int) -> int:
         """Bytes host ``i`` has sent over its link (the veth's counter)."""
-        out = _run("ip", "netns", "exec", self.namespace(i), "cat",
-                   "/sys/class/net/eth0/statistics/tx_bytes")
-        return int(out)
+        return self._link_counter(i, "tx_bytes")
+
+    def rx_bytes(self, i: int) -> int:
+        """Bytes host ``i`` has received over its link (the veth's counter)."""
+        return self._link_counter(i, "rx_bytes")
+
+    def _link_counter(self, i: int, name: str) -> int:
+        return int(_run("ip", "netns", "exec", self.namespace(i), "cat",
+                        f"/sys/class/net/eth0/statistics/{name}"))
 
     # ---- processes ---------------------------------------------------------------------
     def _start_ray(self, h: Host) -> None:
@@ -330,12 +336,6 @@ class Hosts:
                     found.append(h.index)
                     break
         return found
-
-    def rx_bytes(self, i: int) -> int:
-        """Bytes host ``i`` has received over its link (the veth's counter)."""
-        out = _run("ip", "netns", "exec", self.namespace(i), "cat",
-                   "/sys/class/net/eth0/statistics/rx_bytes")
-        return int(out)
 
     def host(self, i: int) -> Host:
         if not 0 <= i < len(self.hosts):
