@@ -1,6 +1,7 @@
 """Hosts on one machine, end to end: the apps across emulated hosts (troupe.runtime.hosts),
 their links shaped with tbf, and what the links cost.
 
+    python benchmarks/hosts.py --what collectives [--rate 1gbit]
     python benchmarks/hosts.py --what optimizers [--rates 1gbit 10gbit] [--seeds 0 1]
     python benchmarks/hosts.py --what moe        [--rate 1gbit] [--seeds 0 1]
     python benchmarks/hosts.py --what sync       [--rate 1gbit]
@@ -13,6 +14,10 @@ line says so). Every run is one of the apps started in host 0 (``troupe hosts ex
 numbers read back from its metrics.jsonl; the hosts are removed at the end, whatever happened.
 Run it alone: the hosts share this machine's cores, and their links are the kernel's work.
 
+collectives: one gloo process a host (no Ray), a 51 MB buffer (WIDE's gradient): the
+  operations ZeRO-1 could be made of (gloo's alltoall, its reduce_scatter, troupe's
+  reduce_scatter, which is that alltoall and a sum in rank order, gloo's allgather and
+  allreduce), seconds (slowest rank, best of 3) and the share of the link's rate.
 optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
   window a rank a step: a gradient of 51 MB against 4.9 GFLOP of compute per rank, the regime
   where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
@@ -59,8 +64,10 @@ NAME = "trb"
 # 64-token window a rank a step (no curriculum or random-LTD: every step the same work)
 WIDE = ["--config", "dense-tiny", "model.d_model=512", "model.n_layer=4", "model.n_head=8",
         "model.seq_len=64", "curriculum.enabled=false", "random_ltd.enabled=false",
-        "train.batch_size=4", "train.eval_every=0", "train.checkpoint_every=0"]
-WARMUP = 10  # the 1-bit optimizers' full-precision steps (freeze_step, var_freeze_step)
+        "train.batch_size=4", "train.eval_every=0", "train.checkpoint_every=0",
+        "train.eval_batches=16", "optimizer.warmup_steps=10"]
+WARMUP = 10  # the 1-bit optimizers' full-precision steps (freeze_step, var_freeze_step), and
+# the learning rate's warmup: the variance freezes once the rate is up, as DeepSpeed advises
 OPTIMIZERS = {
     "adam": ["optimizer.name=adam"],
     "onebit_adam": ["optimizer.name=onebit_adam", f"optimizer.freeze_step={WARMUP}"],
@@ -95,6 +102,77 @@ def run_app(hosts: Hosts, argv: list[str], host: int = 0, timeout_s: float = 900
 
 def emit(line: dict) -> None:
     print(json.dumps({"bench": "hosts", "machine": machine(), **line}), flush=True)
+
+
+# ---- collectives ------------------------------------------------------------------------------
+COLLECTIVE_NUMEL = 12_800_000  # WIDE's parameters: a 51 MB fp32 gradient
+
+
+def collective_rank(rank: int, world: int, host: str, port: int) -> None:
+    """One rank of ``collectives`` (run in its host): a line per operation."""
+    import torch
+    import torch.distributed as dist
+
+    from troupe import collectives
+    from troupe.collectives.rendezvous import StoreAddress
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        collectives.create_store(host, port=port)
+    g = collectives.init_group("bench", "gloo", rank, world, StoreAddress(host, port),
+                               timeout_s=300)
+    x, part = torch.randn(COLLECTIVE_NUMEL), torch.randn(COLLECTIVE_NUMEL // world)
+    gathered, exchanged = torch.empty(world, part.numel()), torch.empty_like(x)
+    reduce_sum = dist.ReduceScatterOptions()
+    reduce_sum.reduceOp = dist.ReduceOp.SUM
+    ops = {  # name: (the operation, its bytes over what each rank sends in the others)
+        "gloo alltoall": (lambda: g.pg.alltoall_base(exchanged, x, [], [],
+                                                     dist.AllToAllOptions()).wait(), 1),
+        "gloo reduce_scatter": (lambda: g.pg.reduce_scatter(
+            [part], [list(x.tensor_split(world))], reduce_sum).wait(), 1),
+        "troupe reduce_scatter": (lambda: g.reduce_scatter(x), 1),
+        "gloo allgather": (lambda: g.pg.allgather([list(gathered.unbind(0))], [part]).wait(), 1),
+        "gloo allreduce": (lambda: g.pg.allreduce([x]).wait(), 2),
+    }
+    for name, (op, times) in ops.items():
+        best = float("inf")
+        for _ in range(3):
+            g.barrier()
+            t0 = time.perf_counter()
+            op()
+            best = min(best, time.perf_counter() - t0)
+        print(json.dumps({"op": name, "seconds": best, "times": times}), flush=True)
+    collectives.destroy_group("bench")
+
+
+def collectives_(args) -> None:
+    world = 4
+    hosts = Hosts.up(world, NAME, rate=args.rate, cpus=1, object_store_mb=128)
+    try:
+        head, port = hosts.hosts[0].address, 29611
+        code = ("import sys; sys.path.insert(0, 'benchmarks'); import hosts; "
+                "hosts.collective_rank({rank}, {world}, {head!r}, {port})")
+        procs = []
+        for rank in range(world):
+            procs.append(hosts.exec(rank, [sys.executable, "-c", code.format(
+                rank=rank, world=world, head=head, port=port)], stdout=subprocess.PIPE,
+                text=True))
+            if rank == 0:
+                time.sleep(1.0)  # rank 0 serves the store
+        lines = []
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            lines += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    finally:
+        hosts.down()
+    for op in dict.fromkeys(line["op"] for line in lines):
+        mine = [line for line in lines if line["op"] == op]
+        seconds = max(line["seconds"] for line in mine)
+        # what each rank sends: (W-1)/W of the buffer, twice for an allreduce
+        nbytes = mine[0]["times"] * (world - 1) * COLLECTIVE_NUMEL * 4 // world
+        emit({"what": "collectives", "rate": args.rate, "hosts": world, "op": op,
+              "bytes_per_rank": nbytes, "seconds": round(seconds, 4),
+              "of_rate": round(nbytes / rate_bytes(args.rate) / seconds, 3)})
 
 
 # ---- optimizers -------------------------------------------------------------------------------
@@ -135,7 +213,7 @@ def optimizers(args) -> None:
                         out = Path(tmp) / name
                         run_app(hosts, ["apps/pretrain.py", *WIDE, *over, "workers=4",
                                         "train.strategy=STRICT_SPREAD",
-                                        f"train.steps={args.steps}", f"seed={seed}",
+                                        f"train.steps={args.steps or 100}", f"seed={seed}",
                                         f"out_dir={out}"])
                         fig = pretrain_figures(out, rate, 0 if name == "adam" else WARMUP)
                     line = {"what": "optimizers", "rate": rate, "hosts": 4, "seed": seed,
@@ -163,9 +241,11 @@ def moe(args) -> None:
                     out = Path(tmp) / dispatch
                     run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
                                     "model.moe.ep_size=4", f"model.moe.dispatch={dispatch}",
-                                    "train.strategy=STRICT_SPREAD", f"train.steps={args.steps}",
+                                    "train.strategy=STRICT_SPREAD",
+                                    f"train.steps={args.steps or 200}",
                                     "train.eval_every=0", "train.checkpoint_every=0",
-                                    f"seed={seed}", f"out_dir={out}"])
+                                    "train.eval_batches=16", f"seed={seed}",
+                                    f"out_dir={out}"])
                     recs = records(out)
                 steps = [r for r in recs if r["kind"] == "train"]
                 val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
@@ -314,11 +394,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", required=True,
-                   choices=["optimizers", "moe", "sync", "straggler", "loss", "head"])
+                   choices=["collectives", "optimizers", "moe", "sync", "straggler", "loss", "head"])
     p.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (optimizers: 100, moe: 200)")
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--loss", type=float, default=0.01)
     p.add_argument("--only", nargs="*", default=None, help="optimizers: these alone")
@@ -328,8 +409,8 @@ def main() -> None:
     except HostsError as e:
         emit({"what": args.what, "skipped": str(e)})
         return
-    {"optimizers": optimizers, "moe": moe, "sync": sync, "straggler": straggler, "loss": loss,
-     "head": head}[args.what](args)
+    {"collectives": collectives_, "optimizers": optimizers, "moe": moe, "sync": sync,
+     "straggler": straggler, "loss": loss, "head": head}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,29 @@ def test_cuda_matches_the_cpu_bit_for_bit(n):
 
     for a, b in zip(run("cpu"), run("cuda")):
         assert torch.equal(a, b)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 3000), seed=st.integers(0, 1000), wd=st.booleans())
+def test_fused_optimizer_steps_match_torch_path(n, seed, wd):
+    """The 1-bit optimizers' packed-momentum steps: the C loops and the torch ops round each
+    operation alike."""
+    g = torch.Generator().manual_seed(seed)
+    e0, x, p0 = (torch.randn(n, generator=g) for _ in range(3))
+    v = torch.rand(n, generator=g) * 1e-3
+    v[::7] = 0.0  # eps alone below the update
+    packed = torch.randint(0, 256, ((n + 7) // 8 + 3,), generator=g, dtype=torch.uint8)
+
+    def run():
+        e = onebit.momentum_(e0.clone(), packed, x, 0.9 * 0.013, 0.1)
+        p = onebit.adam_apply_(p0.clone(), v, packed, 1e-3 * 0.013, 1 - 1e-3 * 0.01 * wd,
+                               1 / 0.999, 1e-8)
+        return e, p
+
+    (e, p), (e_ref, p_ref) = both_paths(run)
+    assert torch.equal(e, e_ref) and torch.equal(p, p_ref)
+    signs = torch.tensor([1.0 if packed[i // 8] >> (7 - i % 8) & 1 else -1.0 for i in range(n)])
+    expect = p0 * (1 - 1e-3 * 0.01 * wd) - signs * 1e-3 * 0.013 / ((v / 0.999).sqrt() + 1e-8)
+    torch.testing.assert_close(p, expect, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(e, e0 + signs * 0.9 * 0.013 + x * 0.1)

@@ -10,7 +10,7 @@ Inside a role worker, groups wired by ``ActorGraph.collective`` are found by nam
 
 from troupe.collectives.autograd import all_to_all
 from troupe.collectives.base import REDUCE_OPS, Communicator, ReduceOp
-from troupe.collectives.compressed import (OneBitState, compressed_allreduce,
+from troupe.collectives.compressed import (Folded, OneBitState, compressed_allreduce,
                                           compressed_allreduce_many,
                                           compressed_allreduce_packed, padded_numel,
                                           unpack_mean)
@@ -28,8 +28,8 @@ from troupe.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = [
     "BACKENDS", "REDUCE_OPS", "CollectiveError", "CollectiveTimeoutError", "Communicator",
-    "OneBitState", "ReduceOp", "StoreAddress", "all_to_all", "compressed_allreduce",
-    "compressed_allreduce_many", "compressed_allreduce_packed", "create_store", "destroy_group", "find_group", "get_group",
-    "init_group", "list_groups", "padded_numel", "release_store", "resolve_backend",
-    "unpack_mean",
+    "Folded", "OneBitState", "ReduceOp", "StoreAddress", "all_to_all", "compressed_allreduce",
+    "compressed_allreduce_many", "compressed_allreduce_packed", "create_store",
+    "destroy_group", "find_group", "get_group", "init_group", "list_groups", "padded_numel",
+    "release_store", "resolve_backend", "unpack_mean",
 ]

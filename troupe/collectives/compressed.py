@@ -16,7 +16,7 @@ all_to_all and one all_gather, moving about 2N/8 bytes per rank against 2N*4 for
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
@@ -74,6 +74,16 @@ class OneBitState:
 
 
 
+class Folded(NamedTuple):
+    """An input of ``numel`` elements that adds itself into the worker error buffer
+    (``fold(e)`` does e[:numel] += x) instead of being formed first: what the 1-bit
+    optimizers pass for a momentum step read from its packed form (kernels.onebit.momentum_)."""
+
+    numel: int
+    device: torch.device
+    fold: Callable[[torch.Tensor], None]
+
+
 def padded_numel(numel: int, world_size: int) -> int:
     """numel rounded up to a multiple of W * lcm(W, 8), so every chunk packs into whole bytes."""
     unit = world_size * math.lcm(world_size, 8)
@@ -114,20 +124,26 @@ def compressed_allreduce_packed(tensor: torch.Tensor, state: OneBitState, group:
     return compressed_allreduce_many([(tensor, state)], group)[0]
 
 
-def compressed_allreduce_many(items: Iterable[tuple[torch.Tensor, OneBitState]],
+def compressed_allreduce_many(items: Iterable[tuple[torch.Tensor | Folded, OneBitState]],
                               group: Communicator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``compressed_allreduce_packed`` of several tensors, each with its own state and scales
     (the same numbers as one call each), in one all_to_all and one all_gather: every rank's
     message to rank j is each tensor's chunk j in turn. A model's 50 tensors cost two
     operations, not 100, each of which pays the link's latency and waits for the slowest
     rank. ``items`` is read once, a tensor at a time: each is folded into its error buffer
-    and packed before the next is asked for (a generator may make each on the fly)."""
+    and packed before the next is asked for (a generator may make each on the fly, or pass a
+    ``Folded`` that adds itself into the error buffer)."""
     W = group.world_size
     packs, states = [], []
     for tensor, state in items:  # worker side: m = x + e_w, its signs and scale, e_w updated
-        N = padded_numel(tensor.numel(), W)
-        worker_error, _ = state._buffers(N, W, tensor.device)
-        scale = accumulate_(worker_error, tensor)
+        if isinstance(tensor, Folded):
+            worker_error, _ = state._buffers(padded_numel(tensor.numel, W), W, tensor.device)
+            tensor.fold(worker_error)
+            scale = accumulate_(worker_error)
+        else:
+            worker_error, _ = state._buffers(padded_numel(tensor.numel(), W), W, tensor.device)
+            scale = accumulate_(worker_error, tensor)
+        N = worker_error.numel()
         packs.append((pack_update_(worker_error, scale).view(W, N // W // 8), scale))
         states.append(state)
     # Rank j receives chunk j of every rank's signs, each followed by that rank's scale.

@@ -37,15 +37,18 @@ def load(name: str) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
+    # ISO C: no contraction of a * b + c into one rounding (the loops match torch's ops bit
+    # for bit); no errno from sqrtf, so that it vectorizes
+    flags = ["-O3", "-march=native", "-std=c99", "-ffp-contract=off", "-fno-math-errno"]
     source = (_CSRC / f"{name}.c").read_bytes()
-    digest = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c99",
-                   str(_CSRC / f"{name}.c"), "-o", str(out)]
+            cmd = [compiler, *flags, "-shared", "-fPIC", str(_CSRC / f"{name}.c"), "-o",
+                   str(out), "-lm"]
             if subprocess.run(cmd, capture_output=True).returncode != 0:
                 return None
             os.replace(out, target)  # atomic: concurrent builders never load half a file

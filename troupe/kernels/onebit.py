@@ -4,6 +4,11 @@
     packed = pack_update_(e, scale)      packed signs of e; e -= scale * sign(e)
     unpack_(packed, out, scale, acc)     out (+)= scale * sign
 
+and two steps of the 1-bit optimizers that read a packed momentum without unpacking it:
+
+    momentum_(e, packed, x, coef, c)     e += (sign * coef) + x * c
+    adam_apply_(p, v, packed, step, ...)  p = p * decay - (sign * step) / (sqrt(v * inv_bc2) + eps)
+
 On CPU, float32 buffers go through fused C loops (csrc/onebit.c, one pass each) when a C
 compiler is present; otherwise, and on CUDA, through torch ops (with the cupy bit-packing
 kernels of ``bitpack``). Both paths give the same packed bytes and errors; sign(0) = +1. The
@@ -34,6 +39,9 @@ def _lib(*tensors: torch.Tensor):
         lib.onebit_accumulate.restype = ctypes.c_double
         lib.onebit_pack_update.argtypes = [p, p, i64, ctypes.c_float]
         lib.onebit_unpack.argtypes = [p, p, i64, ctypes.c_float, ctypes.c_int]
+        f32 = ctypes.c_float
+        lib.onebit_momentum.argtypes = [p, p, p, i64, f32, f32]
+        lib.onebit_adam_apply.argtypes = [p, p, p, i64, f32, f32, f32, f32]
         lib._typed = True
     return lib
 
@@ -87,3 +95,36 @@ def unpack_(packed: torch.Tensor, out_n: torch.Tensor, scale: torch.Tensor | flo
     if accumulate:
         return out_n.add_(unpack_signs(packed, n, scale=scale))
     return unpack_signs(packed, n, scale=scale, out=out_n)
+
+
+def momentum_(e_n: torch.Tensor, packed: torch.Tensor, x_n: torch.Tensor, coef: float,
+              c: float) -> torch.Tensor:
+    """e += (sign * coef) + x * c over the n elements of e and x, the signs the first n of
+    ``packed``: a momentum step b1 * m + (1 - b1) * g folded into the error buffer that it is
+    compressed from, the last momentum m = sign * coef / b1 read packed. Returns e."""
+    packed = packed.contiguous()
+    lib = _lib(e_n, packed, x_n)
+    if lib is not None:
+        lib.onebit_momentum(e_n.data_ptr(), packed.data_ptr(), x_n.data_ptr(), e_n.numel(),
+                            coef, c)
+        return e_n
+    step = unpack_signs(packed, e_n.numel(), scale=coef)
+    return e_n.add_(step.add_(x_n * c))
+
+
+def adam_apply_(p_n: torch.Tensor, v_n: torch.Tensor, packed: torch.Tensor, step: float,
+                decay: float, inv_bc2: float, eps: float) -> torch.Tensor:
+    """p = p * decay - (sign * step) / (sqrt(v * inv_bc2) + eps) over the n elements of p and
+    v, the signs the first n of ``packed``: Adam's update (step = lr / bc1 times the
+    momentum's scale, decay = 1 - lr * weight_decay) from a packed momentum. Returns p."""
+    packed = packed.contiguous()
+    lib = _lib(p_n, v_n, packed)
+    if lib is not None:
+        lib.onebit_adam_apply(p_n.data_ptr(), v_n.data_ptr(), packed.data_ptr(), p_n.numel(),
+                              step, decay, inv_bc2, eps)
+        return p_n
+    update = unpack_signs(packed, p_n.numel(), scale=step)
+    # torch's float32 sqrt is not correctly rounded on every CPU (its vector path); the
+    # double's, rounded to float, is: the C loop's sqrtf
+    update.div_((v_n * inv_bc2).double().sqrt_().float().add_(eps))
+    return p_n.mul_(decay).sub_(update)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from troupe.collectives import Communicator
+from troupe.kernels.onebit import adam_apply_
 from troupe.optim.flat import FlatParams
 from troupe.optim.onebit_base import CompressedOptimizer
 from troupe.optim.sharded import trust_ratio
@@ -57,19 +58,32 @@ class OneBitAdam(CompressedOptimizer):
         elif self.world == 1:
             m = self.m.mul_(b1).add_(self.layout.gather(self._local_grad(), [0]), alpha=1 - b1)
         else:
-            segments, g = self.flat.segments, self._local_grad()
-
-            def local(k: int, m_k: torch.Tensor) -> None:
-                offset, n = segments[k]
-                m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1)
-
-            self._compress_momentum(local)
-            m = self._unpacked_rows()
+            self._compress_momentum(b1, self._local_grad())
+            m = None  # packed: read in place by the update
         bc1, bc2 = _corrections(self.bias_correction, self.betas, self.t,
                                 min(self.t, self.freeze_step))
-        p = self._params()
-        _adam_update(p, m, self.v, self.eps, self.wd, lr, bc1, bc2)
-        self._publish(p)
+        if m is None:
+            self._update_from_packed(lr, bc1, bc2)
+        else:
+            p = self._params()
+            _adam_update(p, m, self.v, self.eps, self.wd, lr, bc1, bc2)
+            self._publish(p)
+
+    def _update_from_packed(self, lr: float, bc1: float, bc2: float) -> None:
+        """_adam_update with the momentum read packed, chunk by chunk (kernels.onebit.
+        adam_apply_: one pass, nothing unpacked), into the flat parameters themselves when
+        this rank keeps every row."""
+        scales = self.m_scales.tolist()  # (W, T), on the host: one copy, not one per chunk
+        decay = 1 - lr * self.wd if self.wd else 1.0
+        p_RS = self._params() if self.sharded else None
+        for i, j in enumerate(self.rows):
+            for k, at, pos, n in self.layout.pieces(j):
+                if n:
+                    p = self.flat.data[at:at + n] if p_RS is None else p_RS[i, pos:pos + n]
+                    adam_apply_(p, self.v[i, pos:pos + n], self.m_signs[j, pos // 8:],
+                                lr / bc1 * scales[j][k], decay, 1 / bc2, self.eps)
+        if p_RS is not None:
+            self._publish(p_RS)
 
 
 class ZeroOneAdam(CompressedOptimizer):
@@ -277,13 +291,7 @@ class OneBitLamb(CompressedOptimizer):
             g = self.layout.gather(self._local_grad(), [0])
             m = self.m.mul_(b1).add_(g, alpha=1 - b1).mul_(scale).div_(scale)
         else:
-            segments, scaling, g = self.flat.segments, self.scaling, self._local_grad()
-
-            def local(k: int, m_k: torch.Tensor) -> None:
-                offset, n = segments[k]
-                m_k.mul_(b1).add_(g[offset:offset + n], alpha=1 - b1).mul_(scaling[k])
-
-            self._compress_momentum(local)
+            self._compress_momentum(b1, self._local_grad(), self.scaling)
             m = self._unpacked_rows()
         g_rec = (m - m_old * b1).div_(1 - b1)
         self.v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from troupe.collectives import (Communicator, OneBitState, compressed_allreduce_many,
+from troupe.collectives import (Communicator, Folded, OneBitState, compressed_allreduce_many,
                                 padded_numel, unpack_mean)
-from troupe.kernels.onebit import unpack_
+from troupe.kernels.onebit import momentum_, unpack_
 from troupe.optim.base import Optimizer
 from troupe.optim.chunks import ChunkLayout
 from troupe.optim.flat import FlatParams
@@ -117,24 +117,50 @@ class CompressedOptimizer(Optimizer):
             self.comm.compressed(padded_numel(part.numel(), self.world), self.world)
         return x
 
-    def _compress_momentum(self, local_update) -> None:
-        """One compressed momentum step, kept packed: for each tensor k, its last mean (the
-        fp32 rows ``m`` before the first such step, then the packed one) goes through
-        ``local_update(k, m_k)`` (in place) and its 1-bit mean over the group is stored;
-        ``m`` is gone afterwards."""
-        previous = self._whole(self.m) if self.m is not None else None
+    def _compress_momentum(self, b1: float, g: torch.Tensor,
+                           scaling: torch.Tensor | None = None) -> None:
+        """One compressed momentum step, kept packed: each tensor k's momentum becomes
+        (b1 * m_k + (1 - b1) * g_k) * scaling[k] and its 1-bit mean over the group is stored;
+        ``g`` is this rank's gradient, flat. Before the first such step the last momentum is
+        the fp32 rows ``m`` (gone afterwards); from then on it is the packed mean, read in
+        place: the step is folded into the error buffer it is compressed from, one pass over
+        each tensor (kernels.onebit.momentum_), the fp32 momentum never formed."""
+        W, L, segments = self.world, self.layout, self.flat.segments
         if self.m_signs is None:
             self._alloc_packed()
-        W, L = self.world, self.layout
+        if self.m is not None:
+            previous = self._whole(self.m)
 
-        def momenta():  # each tensor's, made when the exchange asks for it and packed at once
-            for k, state in enumerate(self.onebit["m"]):
-                m_k = L.tensor_of(previous, k) if previous is not None else self._unpacked_tensor(k)
-                local_update(k, m_k)
-                yield m_k, state
+            def momenta():  # each tensor's, made when the exchange asks for it
+                for k, state in enumerate(self.onebit["m"]):
+                    offset, n = segments[k]
+                    m_k = L.tensor_of(previous, k).mul_(b1).add_(g[offset:offset + n],
+                                                                 alpha=1 - b1)
+                    yield (m_k if scaling is None else m_k.mul_(scaling[k])), state
+        else:
+            # the last mean is sign * m_scales[j, k] / m_divisor[k] over chunk j of tensor k
+            scales = self.m_scales.tolist()  # (W, T), on the host: one copy, not one per chunk
+            divisors = self.m_divisor.tolist() if self.m_divisor is not None else [1.0] * L.T
+            factors = scaling.tolist() if scaling is not None else [1.0] * L.T
+
+            def fold(k: int, e: torch.Tensor) -> None:
+                offset, n = segments[k]
+                C, s = L.chunks[k], L.starts[k] // 8
+                for j in range(W):
+                    lo, length = j * C, max(min(C, n - j * C), 0)
+                    if length:
+                        momentum_(e[lo:lo + length], self.m_signs[j, s:s + C // 8],
+                                  g[offset + lo:offset + lo + length],
+                                  b1 * scales[j][k] / divisors[k] * factors[k],
+                                  (1 - b1) * factors[k])
+
+            def momenta():
+                for k, state in enumerate(self.onebit["m"]):
+                    yield Folded(segments[k][1], self.flat.device,
+                                 lambda e, k=k: fold(k, e)), state
 
         means = compressed_allreduce_many(momenta(), self.group)  # one exchange for them all
-        for k, ((_, n), (signs, scales)) in enumerate(zip(self.flat.segments, means)):
+        for k, ((_, n), (signs, scales)) in enumerate(zip(segments, means)):
             self.comm.compressed(padded_numel(n, W), W)
             s = L.starts[k] // 8
             self.m_signs[:, s:s + L.chunks[k] // 8].copy_(signs)
@@ -145,15 +171,6 @@ class CompressedOptimizer(Optimizer):
         dev = self.flat.device
         self.m_signs = torch.zeros(self.world, self.layout.S // 8, dtype=torch.uint8, device=dev)
         self.m_scales = torch.zeros(self.world, self.layout.T, device=dev)
-
-    def _unpacked_tensor(self, k: int) -> torch.Tensor:
-        """Tensor k's mean momentum, whole (n_k fp32 values, divided by m_divisor[k])."""
-        L = self.layout
-        s, C = L.starts[k] // 8, L.chunks[k]
-        out = torch.empty(self.world * C, device=self.flat.device)
-        unpack_(self.m_signs[:, s:s + C // 8], out, 1.0)  # signs; times the scales (exact)
-        out = out.view(self.world, C).mul_(self.m_scales[:, k:k + 1]).view(-1)[:L.segments[k][1]]
-        return out.div_(self.m_divisor[k]) if self.m_divisor is not None else out
 
     def _unpacked_rows(self) -> torch.Tensor:
         """Rows ``rows`` of the mean momentum (divided by m_divisor per tensor)."""

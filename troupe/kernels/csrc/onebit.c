@@ -1,6 +1,7 @@
 /* Fused CPU loops for 1-bit compression; each makes one pass over its data.
  * Signs are packed most significant bit first; a set bit is +1; sign(0) counts as +1. */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define LANES 16
@@ -63,4 +64,51 @@ void onebit_unpack(const uint8_t *packed, float *out, int64_t n, float scale, in
         float v = table[packed[full]][i - 8 * full];
         out[i] = accumulate ? out[i] + v : v;
     }
+}
+
+/* The fused steps of the 1-bit optimizers' compressed phase, over one piece of a chunk whose
+ * momentum is kept packed (its signs start at bit 0 of packed[0]). Each operation is rounded
+ * on its own, in the order written, as the torch path does it (the library is built with
+ * -ffp-contract=off): the two agree bit for bit. The buffers never overlap (restrict: what
+ * lets the loops vectorize). */
+
+/* table[b][k]: +v where bit k of byte b (most significant first) is set, else -v */
+static void sign_table(float table[256][8], float v) {
+    for (int b = 0; b < 256; ++b)
+        for (int k = 0; k < 8; ++k) table[b][k] = (b >> (7 - k)) & 1 ? v : -v;
+}
+
+/* e[i] += (sign_i * coef) + x[i] * c: the momentum step m = b1 * m_prev + (1 - b1) * g folded
+ * into the error buffer it is compressed from, m_prev = sign * coef / b1 never formed. Eight
+ * elements a byte, each byte's eight signed values from a table: the loop vectorizes. */
+void onebit_momentum(float *restrict e, const uint8_t *restrict packed,
+                     const float *restrict x, int64_t n, float coef, float c) {
+    float table[256][8];
+    sign_table(table, coef);
+    int64_t full = n / 8;
+    for (int64_t b = 0; b < full; ++b) {
+        const float *s = table[packed[b]];
+        float *eb = e + 8 * b;
+        const float *xb = x + 8 * b;
+        for (int k = 0; k < 8; ++k) eb[k] += s[k] + xb[k] * c;
+    }
+    for (int64_t i = 8 * full; i < n; ++i) e[i] += table[packed[full]][i - 8 * full] + x[i] * c;
+}
+
+/* p[i] = p[i] * decay - (sign_i * step) / (sqrt(v[i] * inv_bc2) + eps): Adam's update from
+ * the packed momentum (step = lr / bc1 times the chunk's scale) and the frozen variance. */
+void onebit_adam_apply(float *restrict p, const float *restrict v,
+                       const uint8_t *restrict packed, int64_t n, float step, float decay,
+                       float inv_bc2, float eps) {
+    float table[256][8];
+    sign_table(table, step);
+    int64_t full = n / 8;
+    for (int64_t b = 0; b < full; ++b) {
+        const float *s = table[packed[b]];
+        float *pb = p + 8 * b;
+        const float *vb = v + 8 * b;
+        for (int k = 0; k < 8; ++k) pb[k] = pb[k] * decay - s[k] / (sqrtf(vb[k] * inv_bc2) + eps);
+    }
+    for (int64_t i = 8 * full; i < n; ++i)
+        p[i] = p[i] * decay - table[packed[full]][i - 8 * full] / (sqrtf(v[i] * inv_bc2) + eps);
 }
