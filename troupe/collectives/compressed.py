@@ -136,14 +136,12 @@ def compressed_allreduce_many(items: Iterable[tuple[torch.Tensor | Folded, OneBi
     W = group.world_size
     packs, states = [], []
     for tensor, state in items:  # worker side: m = x + e_w, its signs and scale, e_w updated
-        if isinstance(tensor, Folded):
-            worker_error, _ = state._buffers(padded_numel(tensor.numel, W), W, tensor.device)
+        folded = isinstance(tensor, Folded)
+        N = padded_numel(tensor.numel if folded else tensor.numel(), W)
+        worker_error, _ = state._buffers(N, W, tensor.device)
+        if folded:
             tensor.fold(worker_error)
-            scale = accumulate_(worker_error)
-        else:
-            worker_error, _ = state._buffers(padded_numel(tensor.numel(), W), W, tensor.device)
-            scale = accumulate_(worker_error, tensor)
-        N = worker_error.numel()
+        scale = accumulate_(worker_error, None if folded else tensor)
         packs.append((pack_update_(worker_error, scale).view(W, N // W // 8), scale))
         states.append(state)
     # Rank j receives chunk j of every rank's signs, each followed by that rank's scale.

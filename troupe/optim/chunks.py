@@ -40,9 +40,14 @@ class ChunkLayout:
     def pieces(self, j: int):
         """(k, flat offset, row position, length) of each tensor's chunk j: its real elements,
         ``length`` <= C_k (0 when tensor k ends before chunk j)."""
-        for k, ((offset, n), C) in enumerate(zip(self.segments, self.chunks)):
-            lo = j * C
-            yield k, offset + lo, self.starts[k], max(min(C, n - lo), 0)
+        for k, (offset, _) in enumerate(self.segments):
+            lo, length = self.span(k, j)
+            yield k, offset + lo, self.starts[k], length
+
+    def span(self, k: int, j: int) -> tuple[int, int]:
+        """(start within tensor k, length) of its chunk j's real elements: 0 to C_k of them."""
+        C, n = self.chunks[k], self.segments[k][1]
+        return j * C, max(min(C, n - j * C), 0)
 
     def gather(self, flat: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """Rows ``rows`` of ``flat`` (anything indexed like the flat buffer) as a new

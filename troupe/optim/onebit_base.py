@@ -144,10 +144,9 @@ class CompressedOptimizer(Optimizer):
             factors = scaling.tolist() if scaling is not None else [1.0] * L.T
 
             def fold(k: int, e: torch.Tensor) -> None:
-                offset, n = segments[k]
-                C, s = L.chunks[k], L.starts[k] // 8
+                offset, C, s = segments[k][0], L.chunks[k], L.starts[k] // 8
                 for j in range(W):
-                    lo, length = j * C, max(min(C, n - j * C), 0)
+                    lo, length = L.span(k, j)
                     if length:
                         momentum_(e[lo:lo + length], self.m_signs[j, s:s + C // 8],
                                   g[offset + lo:offset + lo + length],

@@ -48,11 +48,16 @@ void onebit_pack_update(float *e, uint8_t *packed, int64_t N, float scale) {
     }
 }
 
+/* table[b][k]: +v where bit k of byte b (most significant first) is set, else -v */
+static void sign_table(float table[256][8], float v) {
+    for (int b = 0; b < 256; ++b)
+        for (int k = 0; k < 8; ++k) table[b][k] = (b >> (7 - k)) & 1 ? v : -v;
+}
+
 /* out[i] (+)= scale * sign_i for the n signs in packed, through a 256 x 8 table of +-scale. */
 void onebit_unpack(const uint8_t *packed, float *out, int64_t n, float scale, int accumulate) {
     float table[256][8];
-    for (int b = 0; b < 256; ++b)
-        for (int k = 0; k < 8; ++k) table[b][k] = (b >> (7 - k)) & 1 ? scale : -scale;
+    sign_table(table, scale);
     int64_t full = n / 8;
     if (accumulate) {
         for (int64_t b = 0; b < full; ++b)
@@ -71,12 +76,6 @@ void onebit_unpack(const uint8_t *packed, float *out, int64_t n, float scale, in
  * on its own, in the order written, as the torch path does it (the library is built with
  * -ffp-contract=off): the two agree bit for bit. The buffers never overlap (restrict: what
  * lets the loops vectorize). */
-
-/* table[b][k]: +v where bit k of byte b (most significant first) is set, else -v */
-static void sign_table(float table[256][8], float v) {
-    for (int b = 0; b < 256; ++b)
-        for (int k = 0; k < 8; ++k) table[b][k] = (b >> (7 - k)) & 1 ? v : -v;
-}
 
 /* e[i] += (sign_i * coef) + x[i] * c: the momentum step m = b1 * m_prev + (1 - b1) * g folded
  * into the error buffer it is compressed from, m_prev = sign * coef / b1 never formed. Eight
