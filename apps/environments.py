@@ -1,6 +1,6 @@
 """Environments for multi-turn RL, `env.function=apps.environments:NAME` (run from the
 repository root, or put your own module on PYTHONPATH). troupe constructs the class in its
-sandboxed environment processes (troupe.rlhf.environments), one instance per trajectory:
+sandboxed environment processes (troupe.rlhf.agents.environments), one instance per trajectory:
 ``reset(row)`` returns the opening messages, ``step(messages, assistant)`` the messages that
 follow the model's turn, a reward (or None) and whether the trajectory is over. ``row`` is the
 data row: its prompt and other fields.

@@ -18,7 +18,7 @@ def _text(prompt) -> str:
 
 
 def sort_digits(prompt, response: str, **fields) -> float:
-    """The bundled sorting task's gold reward (troupe.rlhf.data.SortTask.gold): 1 for the
+    """The bundled sorting task's gold reward (troupe.rlhf.data.datasets.SortTask.gold): 1 for the
     prompt's digits in ascending order, else the share of positions that match minus 0.25.
     The answer is ``fields["ground_truth"]`` when the row has one."""
     want = fields.get("ground_truth") or "".join(sorted(c for c in _text(prompt) if c.isdigit()))

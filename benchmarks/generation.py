@@ -20,10 +20,10 @@ import torch
 
 from troupe.config import load_config
 from troupe.generation import ContinuousBatcher, SamplingParams
-from troupe.rlhf.batch import prompts
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask
-from troupe.rlhf.lm import GPTLM, ByteTokens
+from troupe.rlhf.data.batch import prompts
+from troupe.rlhf.data.datasets import SortTask
+from troupe.rlhf.models.lm import GPTLM, ByteTokens
 from machine import machine  # benchmarks/machine.py, beside this script
 
 RECIPE = Path(__file__).resolve().parent.parent / "apps" / "configs" / "rlhf-sort.yaml"

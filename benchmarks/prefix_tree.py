@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from machine import machine  # benchmarks/machine.py, beside this script
-from troupe.rlhf.batch import split_completions
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask
-from troupe.rlhf.roles import Policy
+from troupe.rlhf.data.batch import split_completions
+from troupe.rlhf.data.datasets import SortTask
+from troupe.rlhf.roles.policy import Policy
 
 TEMPLATE = "Sort these digits from smallest to largest. Reply with the digits only: {digits}"
 

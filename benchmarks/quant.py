@@ -170,7 +170,7 @@ def scoring(a) -> None:
     S = min(a.score_len, base.cfg.seq_len)
     ids = torch.randint(0, base.cfg.vocab_size, (a.score_batch, S),
                         generator=torch.Generator().manual_seed(0))
-    w8a8 = copy.deepcopy(base)  # as troupe.rlhf.roles.quantize_frozen does it
+    w8a8 = copy.deepcopy(base)  # as troupe.rlhf.roles.reference.quantize_frozen does it
     quantize_model(w8a8, {"*": "w8a8"}, outliers=outlier_channels(
         base, [ids], max(1, base.cfg.d_model // 36)))
     ao = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base), {torch.nn.Linear},

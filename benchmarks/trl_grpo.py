@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from troupe.rlhf.data import SortTask  # noqa: E402
+from troupe.rlhf.data.datasets import SortTask  # noqa: E402
 
 TEMPLATE = "Sort these digits from smallest to largest. Reply with the digits only: {digits}"
 

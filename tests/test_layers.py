@@ -6,6 +6,12 @@ imports another:
     <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export; rlhf's
        agent mode speaks the server's OpenAI formats, serving.protocol)
     <- cli, __main__ (the `troupe` command over the applications)
+
+Inside troupe.rlhf, its rooms (troupe/rlhf/__init__.py) in the same way: a module imports from
+its own level or from the levels below it, never from above:
+
+    config, algorithms <- data <- sandbox <- models <- agents <- rollout <- roles <- pipeline
+    <- driver, plan, plots <- cli and the package itself
 """
 
 import ast
@@ -23,6 +29,21 @@ LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression"
           "pretrain": 7, "rlhf": 7, "serving": 7, "cli": 8, "__main__": 8}
 APPS = {"pretrain", "rlhf", "serving"}
 ALLOWED_ACROSS = {("serving", "troupe.pretrain.export"), ("rlhf", "troupe.serving.protocol")}
+
+
+ROOMS = {"config": 0, "sections": 0, "algorithms": 0, "data": 1, "sandbox": 2, "models": 3, "agents": 4,
+         "rollout": 5, "roles": 6, "pipeline": 7, "driver": 8, "plan": 8, "plots": 8, "cli": 9}
+
+
+def room(module: str) -> tuple[str, int]:
+    """The room of a module of troupe.rlhf and its level (the package itself on top)."""
+    parts = module.split(".")
+    if len(parts) == 2:
+        return "", max(ROOMS.values()) + 1
+    if parts[2] not in ROOMS:
+        raise AssertionError(f"{module}: troupe.rlhf.{parts[2]} has no room in "
+                             "tests/test_layers.py; give it one (see docs/architecture.md)")
+    return parts[2], ROOMS[parts[2]]
 
 
 def layer(module: str) -> int:
@@ -64,6 +85,11 @@ def violations(module: str, source: str) -> list[str]:
         elif (mine and theirs and mine != theirs and {mine[0], theirs[0]} <= APPS
               and not any(mine[0] == a and imported.startswith(b) for a, b in ALLOWED_ACROSS)):
             bad.append(f"application {module} imports another application: {imported}")
+        elif mine == theirs == ["rlhf"] and imported != "troupe.rlhf":
+            (here, mine_level), (there, theirs_level) = room(module), room(imported)
+            if theirs_level > mine_level:
+                bad.append(f"{module} (room {here or 'troupe.rlhf'}, level {mine_level}) "
+                           f"imports {imported} (room {there}, level {theirs_level})")
     return bad
 
 
@@ -83,12 +109,21 @@ def test_imports_point_down():
 @pytest.mark.parametrize("module,source", [
     ("troupe.models.gpt", "from troupe.runtime import ActorGraph"),          # upward
     ("troupe.actors.worker", "from troupe.runtime.graph import rewire"),     # upward
-    ("troupe.rlhf.step3", "from troupe.serving.model import load_source"),     # across apps
-    ("troupe.pretrain.driver", "import troupe.rlhf.data"),                   # across apps
+    ("troupe.rlhf.pipeline.step3", "from troupe.serving.model import load_source"),  # across apps
+    ("troupe.pretrain.driver", "import troupe.rlhf.data.datasets"),          # across apps
     ("troupe.context", "from troupe.collectives import get_group"),          # leaf
+    ("troupe.rlhf.rollout.engine", "from troupe.rlhf.roles.policy import Policy"),  # up a room
+    ("troupe.rlhf.sandbox.pool", "from troupe.rlhf.models.lm import GPTLM"),  # up a room
+    ("troupe.rlhf.data.batch", "import troupe.rlhf.pipeline.step3"),          # up a room
 ])
 def test_a_wrong_import_is_caught(module, source):
     assert violations(module, source)
+
+
+def test_a_room_of_rlhf_may_import_its_own_and_the_rooms_below():
+    assert not violations("troupe.rlhf.roles.value", "from troupe.rlhf.roles.reference import x")
+    assert not violations("troupe.rlhf.pipeline.step3", "from troupe.rlhf.data.batch import x")
+    assert not violations("troupe.rlhf.cli", "from troupe.rlhf import driver")
 
 
 def test_serving_may_use_pretrainings_export():

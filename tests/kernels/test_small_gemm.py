@@ -75,7 +75,7 @@ def test_kept_weights_refresh_in_place_after_a_change():
     """RLHF's policy keeps its packed weights between rollouts (step3.keep_decode_weights):
     after the weights change, a refresh packs them into the same buffers, and generation
     gives the tokens of freshly packed weights."""
-    from troupe.rlhf.lm import GPTLM
+    from troupe.rlhf.models.lm import GPTLM
     lm = GPTLM(GPT(GPTConfig(vocab_size=257, seq_len=64, n_layer=2, n_head=2, d_model=40),
                    seed=2))  # d_model 40: the qkv rows (120) are not a multiple of 16
     prompts = [list(b"sort 321:"), list(b"xy")]

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (troupe.rlhf.agent): a 4-turn trajectory runs only each turn's new tokens
+"""Multi-turn rollouts (troupe.rlhf.agents.loop): a 4-turn trajectory runs only each turn's new tokens
 through the model (the earlier turns' keys and values come from the prefix cache) and samples
 what it samples without the cache; the rollout marks only the model's tokens as actions, and
 the loss's gradient on the logits at the environment's tokens is exactly zero for every
@@ -15,8 +15,8 @@ from troupe.generation import ContinuousBatcher
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.models import GPT, GPTConfig
 from troupe.rlhf import algorithms
-from troupe.rlhf.agent import AgentLoop, Trajectory, rollout_of
-from troupe.rlhf.environments import EnvironmentPool
+from troupe.rlhf.agents.environments import EnvironmentPool
+from troupe.rlhf.agents.loop import AgentLoop, Trajectory, rollout_of
 
 MODULE = """
 class Echo:

@@ -1,4 +1,4 @@
-"""Agent mode (troupe.rlhf.agent_server): an unmodified openai-client agent loop runs against
+"""Agent mode (troupe.rlhf.agents.server): an unmodified openai-client agent loop runs against
 per-episode base URLs, its completions are recorded with the engine's log-probabilities, bad
 requests are refused by name, and one GRPO update on the recorded samples changes the
 policy's weights (and the server then answers from the new ones)."""
@@ -9,10 +9,10 @@ import torch
 from openai import OpenAI
 
 from troupe.rlhf import algorithms
-from troupe.rlhf.agent_server import RecordingServer
+from troupe.rlhf.agents.server import RecordingServer
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.experience import Experience
-from troupe.rlhf.roles import Policy
+from troupe.rlhf.data.experience import Experience
+from troupe.rlhf.roles.policy import Policy
 
 
 def agent(client: OpenAI, task: str) -> str:

@@ -16,10 +16,10 @@ from troupe.rlhf.algorithms import (
     spread_groups,
 )
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data
-from troupe.rlhf.experience import Rollout
-from troupe.rlhf.rewards import Rewards
-from troupe.rlhf.scoring import sample
+from troupe.rlhf.data.datasets import Data
+from troupe.rlhf.data.experience import Rollout
+from troupe.rlhf.pipeline.rewards import Rewards
+from troupe.rlhf.pipeline.scoring import sample
 
 FN = dict(reward=dict(function="apps.rewards:sort_digits"))
 

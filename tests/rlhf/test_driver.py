@@ -14,10 +14,10 @@ from troupe.errors import RunFailedError
 from troupe.models.io import read_module_file
 from troupe.rlhf import driver as rlhf
 from troupe.rlhf.algorithms import Advantages, Algorithm
-from troupe.rlhf.step3 import setup_roles
-from troupe.rlhf.topology import RLHFTopology
-from troupe.rlhf.workers import PolicyActor
 from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.pipeline.step3 import setup_roles
+from troupe.rlhf.roles.actors import PolicyActor
+from troupe.rlhf.roles.topology import RLHFTopology
 from troupe.runtime import checkpoint
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask
-from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.roles import Policy, _engine_correction, action_logprobs
+from troupe.rlhf.data.datasets import SortTask
+from troupe.rlhf.data.experience import RolloutRequest
+from troupe.rlhf.roles.policy import Policy, _engine_correction, action_logprobs
 
 
 def test_the_engine_reports_the_trainers_logprobs_of_what_it_sampled():

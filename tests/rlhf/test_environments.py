@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from troupe.rlhf.environments import EnvironmentPool
-from troupe.rlhf.rewards import RewardFunctionError
+from troupe.rlhf.agents.environments import EnvironmentPool
+from troupe.rlhf.sandbox.pool import SandboxError
 
 MODULE = """
 import os, time
@@ -118,9 +118,9 @@ def test_each_failure_ends_its_trajectory_with_its_cause(env_module):
 
 
 def test_a_class_that_cannot_serve_stops_at_once(env_module):
-    with pytest.raises(RewardFunctionError, match="env.function 'user_envs:NoStep'.*step"):
+    with pytest.raises(SandboxError, match="env.function 'user_envs:NoStep'.*step"):
         EnvironmentPool(f"{env_module}:NoStep", workers=1)
-    with pytest.raises(RewardFunctionError, match="env.function 'user_envs:Missing'"):
+    with pytest.raises(SandboxError, match="env.function 'user_envs:Missing'"):
         EnvironmentPool(f"{env_module}:Missing", workers=1)
 
 

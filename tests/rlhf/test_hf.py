@@ -10,9 +10,11 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from tests.models.tiny import save_tiny_llama  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
-from troupe.rlhf.data import SortTask  # noqa: E402
-from troupe.rlhf.experience import RolloutRequest  # noqa: E402
-from troupe.rlhf.roles import Critic, Policy, Reference, Reward  # noqa: E402
+from troupe.rlhf.data.datasets import SortTask  # noqa: E402
+from troupe.rlhf.data.experience import RolloutRequest  # noqa: E402
+from troupe.rlhf.roles.policy import Policy  # noqa: E402
+from troupe.rlhf.roles.reference import Reference  # noqa: E402
+from troupe.rlhf.roles.value import Critic, Reward  # noqa: E402
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_every_role_runs_on_the_pretrained_model(family, tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from troupe.models import GPT, GPTConfig
-from troupe.rlhf.lm import GPTLM, ValueModel
+from troupe.rlhf.models.lm import GPTLM, ValueModel
 
 
 def batch(lengths: list[int], S: int, vocab: int):

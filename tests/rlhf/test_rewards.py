@@ -11,8 +11,9 @@ import pytest
 
 from apps.rewards import sort_digits
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask, prompt_text, read_jsonl
-from troupe.rlhf.rewards import RewardFunction, RewardFunctionError
+from troupe.rlhf.data.datasets import SortTask, prompt_text, read_jsonl
+from troupe.rlhf.pipeline.rewards import RewardFunction
+from troupe.rlhf.sandbox.pool import SandboxError
 
 MODULE = """
 import os, subprocess, sys, time
@@ -108,7 +109,7 @@ def test_failures_are_per_sample_and_counted(rewards_module):
     ("os:sep", "not a function"),
 ])
 def test_unusable_function_fails_at_start(rewards_module, spec, message):
-    with pytest.raises(RewardFunctionError, match=message):
+    with pytest.raises(SandboxError, match=message):
         RewardFunction(spec)
 
 

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from troupe.models import GPT, GPTConfig
-from troupe.rlhf.batch import completions, left_pad, response_mask, split_completions
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask, read_jsonl
-from troupe.rlhf.experience import Experience, RolloutRequest
-from troupe.rlhf.lm import GPTLM, ValueModel
-from troupe.rlhf.roles import Critic, Policy, Reference, Reward
+from troupe.rlhf.data.batch import completions, left_pad, response_mask, split_completions
+from troupe.rlhf.data.datasets import SortTask, read_jsonl
+from troupe.rlhf.data.experience import Experience, RolloutRequest
+from troupe.rlhf.models.lm import GPTLM, ValueModel
+from troupe.rlhf.roles.policy import Policy
+from troupe.rlhf.roles.reference import Reference
+from troupe.rlhf.roles.value import Critic, Reward
 
 SMALL = dict(model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=2, d_model=32)),
              sft=dict(steps=30), reward=dict(steps=30), step3=dict(iterations=5, max_new_tokens=6))
@@ -65,7 +67,7 @@ def test_dpo_log_probabilities_run_each_prompt_once_and_match_whole_rows():
     """pair_logprobs (chosen and rejected side by side, their prompt and the prompts' shared
     opening computed once) gives each response's summed log-probability as the plain
     left-padded batch does, and its gradients."""
-    from troupe.rlhf.roles import pair_logprobs
+    from troupe.rlhf.roles.policy import pair_logprobs
     cfg = RLHFConfig(**SMALL)
     policy = Policy(cfg, None, 0)
     pairs = [(e.prompt, e.chosen, e.rejected) for e in SortTask().preferences(6, 3)]
@@ -113,7 +115,7 @@ def test_generation_with_cache_matches_recompute():
 def _greedy_recompute(policy, texts, n):
     """Greedy decoding by running the whole left-padded batch again for every token (no
     cache), eos repeated after a sequence's end: the reference."""
-    from troupe.rlhf.batch import prompts
+    from troupe.rlhf.data.batch import prompts
     ids, valid = prompts(policy.tok, texts)
     eos = policy.tok.eos_id
     done = torch.zeros(len(texts), dtype=torch.bool)
@@ -224,7 +226,7 @@ def test_frozen_roles_in_w8a8(tmp_path):
     """step3.quantize_frozen=w8a8: the reference and reward models load as W8A8 (the value head
     fp32) and score close to their fp32 selves."""
     from troupe.compression import QuantizedLinear
-    from troupe.rlhf.roles import Reference
+    from troupe.rlhf.roles.reference import Reference
 
     fp32, w8a8 = RLHFConfig(**SMALL), RLHFConfig(**{**SMALL, "step3": {"quantize_frozen": "w8a8"}})
     policy = Policy(fp32, None, 0)

@@ -7,9 +7,9 @@ import torch
 from troupe.data import ByteTokens
 from troupe.models import GPT
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.lm import GPTLM
-from troupe.rlhf.rollout import RolloutEngine
+from troupe.rlhf.data.experience import RolloutRequest
+from troupe.rlhf.models.lm import GPTLM
+from troupe.rlhf.rollout.engine import RolloutEngine
 
 
 def test_each_prompt_of_a_group_runs_once():

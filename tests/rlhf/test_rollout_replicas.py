@@ -11,10 +11,10 @@ import pytest
 
 from tests.runtime.helpers import kill_worker
 from troupe.rlhf import driver as rlhf
-from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.topology import RLHFTopology
-from troupe.rlhf.workers import PolicyActor, RolloutActor
 from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.data.experience import RolloutRequest
+from troupe.rlhf.roles.actors import PolicyActor, RolloutActor
+from troupe.rlhf.roles.topology import RLHFTopology
 
 _TIMINGS = ("generate_s", "score_s", "train_s", "generated_tokens_per_s")
 

@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import SortTask
-from troupe.rlhf.experience import RolloutRequest
-from troupe.rlhf.roles import Policy
+from troupe.rlhf.data.datasets import SortTask
+from troupe.rlhf.data.experience import RolloutRequest
+from troupe.rlhf.roles.policy import Policy
 from troupe.serving import deploy as serve
 from troupe.serving.model import save_model
 from troupe.serving.protocol import ServeConfig

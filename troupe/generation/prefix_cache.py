@@ -7,7 +7,7 @@ before it with its own tokens, so a key names the whole prefix up to the block's
 starts from ``namespace`` (the weights' version, the adapter's name): nothing computed under
 other weights is ever reused. What is left after the last whole block is kept too, as a
 shorter "tail" block under the key of the prefix before it: a multi-turn conversation whose
-next turn continues the tokens of the last (troupe.rlhf.agent keeps each finished turn) then
+next turn continues the tokens of the last (troupe.rlhf.agents.loop keeps each finished turn) then
 runs only its new tokens, not up to a block of the old ones again. Each block holds its keys and values for every layer, (kv_heads,
 block, head_dim) each; blocks are evicted least recently used first once their bytes pass
 ``budget_bytes``. A hit is copied into the newcomer's cache at admission (the batch's cache

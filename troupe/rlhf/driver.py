@@ -1,8 +1,8 @@
 """Driver of the three-step RLHF pipeline: one graph holding the roles the recipe's algorithm
 needs (policy always; reference when there is a KL term or DPO; a reward model when the
 reward is learned; a critic for PPO), colocated on the same bundles by default; then step 1
-(SFT) and step 2 (reward model) from troupe.rlhf.stages and step 3 from troupe.rlhf.step3 (PPO,
-GRPO, RLOO, REINFORCE++) or troupe.rlhf.dpo. Metrics go to JSON lines, plots to rlhf.png,
+(SFT) and step 2 (reward model) from troupe.rlhf.pipeline.stages and step 3 from troupe.rlhf.pipeline.step3 (PPO,
+GRPO, RLOO, REINFORCE++) or troupe.rlhf.pipeline.dpo. Metrics go to JSON lines, plots to rlhf.png,
 weights after each step and every ``step3.checkpoint_every`` iterations, and the final policy to
 out_dir/policy-hf as a Hugging Face directory."""
 
@@ -14,20 +14,20 @@ from pathlib import Path
 
 from troupe.devices import cluster_device
 from troupe.rlhf.config import STEP3, RLHFConfig
-from troupe.rlhf.data import Data, prepare_data
-from troupe.rlhf.dpo import run_dpo
+from troupe.rlhf.data.datasets import Data, prepare_data
+from troupe.rlhf.pipeline.dpo import run_dpo
+from troupe.rlhf.pipeline.stages import evaluate_policy, run_reward, run_sft
+from troupe.rlhf.pipeline.step3 import run_step3, setup_roles
 from troupe.rlhf.plan import Plan, plan
 from troupe.rlhf.plots import plot
-from troupe.rlhf.step3 import run_step3, setup_roles
-from troupe.rlhf.topology import RLHFTopology
-from troupe.rlhf.stages import evaluate_policy, run_reward, run_sft
-from troupe.rlhf.workers import (
+from troupe.rlhf.roles.actors import (
     CriticActor,
     PolicyActor,
     ReferenceActor,
     RewardActor,
     RolloutActor,
 )
+from troupe.rlhf.roles.topology import RLHFTopology
 from troupe.runtime.cluster import init
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph

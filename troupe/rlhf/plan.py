@@ -13,7 +13,7 @@ from what fits), and counted in the run's ``plan`` record of metrics.jsonl. The 
 roles' memory (parameters, gradients, optimizer state: troupe.parallel.memory) is planned from
 the model's shapes and held against ``memory_per_worker``. What only the run decides (an
 environment that answers at length) ends its trajectory with the ``context`` cause
-(troupe.rlhf.agent).
+(troupe.rlhf.agents.loop).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from troupe.errors import DataError
 from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import context_length, read_config
 from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
-from troupe.rlhf.common import recipe_tokenizer
 from troupe.rlhf.config import STEP3, RLHFConfig
-from troupe.rlhf.data import Data, check_sizes, prepare_data
+from troupe.rlhf.data.datasets import Data, check_sizes, prepare_data
+from troupe.rlhf.models.build import recipe_tokenizer
 from troupe.runtime.cluster import check_local_capacity
 
 

@@ -1,6 +1,6 @@
 """The offline algorithm: DPO learns the preference pairs directly, against the frozen SFT
 policy (the reference); no rollouts, reward model or critic. Its loss is
-troupe.rlhf.algorithms.functions.dpo_loss, its step 3 troupe.rlhf.dpo."""
+troupe.rlhf.algorithms.functions.dpo_loss, its step 3 troupe.rlhf.pipeline.dpo."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The four RLHF roles as graph workers: thin shells that build the plain role classes of
-troupe.rlhf.roles once their data-parallel groups are wired ("policy", "critic", "reward"),
+troupe.rlhf.roles.policy once their data-parallel groups are wired ("policy", "critic", "reward"),
 and declare how the driver's calls are dispatched (troupe.actors.dispatch). Batches the driver
 sends arrive in host memory and are moved to the worker's device here (``_here``); what a call
 returns goes back to host memory in troupe.actors.worker."""
@@ -14,7 +14,7 @@ from troupe.config import validate
 from troupe.context import get_context
 from troupe.devices import move, worker_device
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.experience import (
+from troupe.rlhf.data.experience import (
     CriticStats,
     DPOStats,
     Experience,
@@ -26,11 +26,13 @@ from troupe.rlhf.experience import (
     RolloutRequest,
     SFTStats,
 )
-from troupe.rlhf.roles import Critic, Policy, Reference, Reward
-from troupe.rlhf.rollout import ReplicaRestarted, RolloutReplica
-from troupe.rlhf.topology import RLHFTopology
-from troupe.runtime.topology import communicator
+from troupe.rlhf.roles.policy import Policy
+from troupe.rlhf.roles.reference import Reference
+from troupe.rlhf.roles.topology import RLHFTopology
+from troupe.rlhf.roles.value import Critic, Reward
+from troupe.rlhf.rollout.engine import ReplicaRestarted, RolloutReplica
 from troupe.runtime.metrics import peak_memory_mb
+from troupe.runtime.topology import communicator
 
 
 def _config(config: dict | RLHFConfig) -> RLHFConfig:

@@ -15,10 +15,10 @@ import torch
 from tqdm import tqdm
 
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data
-from troupe.rlhf.experience import PreferenceBatch
-from troupe.rlhf.stages import batches, evaluate_policy
-from troupe.rlhf.workers import PolicyActor, ReferenceCalls, reference_of
+from troupe.rlhf.data.datasets import Data
+from troupe.rlhf.data.experience import PreferenceBatch
+from troupe.rlhf.pipeline.stages import batches, evaluate_policy
+from troupe.rlhf.roles.actors import PolicyActor, ReferenceCalls, reference_of
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 

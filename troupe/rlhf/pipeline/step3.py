@@ -28,14 +28,13 @@ from tqdm import tqdm
 from troupe.actors import PerRank
 from troupe.checkpoint import read_manifest
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data
-from troupe.rlhf.experience import merged_agent
-from troupe.rlhf.rewards import RewardFunction
-from troupe.rlhf.replicas import Replicas, per_rank
-from troupe.rlhf.scoring import Batch, draw, make_experience, sample
-from troupe.rlhf.stages import evaluate_policy
-from troupe.rlhf.topology import RLHFTopology
-from troupe.rlhf.workers import (
+from troupe.rlhf.data.datasets import Data
+from troupe.rlhf.data.experience import merged_agent
+from troupe.rlhf.pipeline.replicas import Replicas, per_rank
+from troupe.rlhf.pipeline.rewards import RewardFunction
+from troupe.rlhf.pipeline.scoring import Batch, draw, make_experience, sample
+from troupe.rlhf.pipeline.stages import evaluate_policy
+from troupe.rlhf.roles.actors import (
     CriticActor,
     PolicyActor,
     ReferenceActor,
@@ -46,6 +45,7 @@ from troupe.rlhf.workers import (
     reference_of,
     reward_of,
 )
+from troupe.rlhf.roles.topology import RLHFTopology
 from troupe.runtime import checkpoint
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
@@ -142,7 +142,7 @@ def run_iteration(graph: Graph, cfg: RLHFConfig, data: Data, it: int, rng: rando
     if prompt_tokens:  # what the rollout engine ran of the prompts (its prefix cache)
         rec["prompt_tokens"], rec["prefill_tokens"] = prompt_tokens, prefill_tokens
     agent = merged_agent([ro.agent for ro in rollouts])
-    if agent:  # multi-turn rollouts: how the trajectories went (troupe.rlhf.agent)
+    if agent:  # multi-turn rollouts: how the trajectories went (troupe.rlhf.agents.loop)
         failures = agent["env_failures"]
         causes: dict[str, int] = {}
         for why in failures:

@@ -21,11 +21,11 @@ import torch
 from troupe.actors import PerRank
 from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data
-from troupe.rlhf.experience import Experience, Rollout, RolloutRequest
-from troupe.rlhf.rewards import RewardFunction
-from troupe.rlhf.stages import seeds
-from troupe.rlhf.workers import (
+from troupe.rlhf.data.datasets import Data
+from troupe.rlhf.data.experience import Experience, Rollout, RolloutRequest
+from troupe.rlhf.pipeline.rewards import RewardFunction
+from troupe.rlhf.pipeline.stages import seeds
+from troupe.rlhf.roles.actors import (
     CriticActor,
     PolicyActor,
     ReferenceCalls,

@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from troupe.collectives import Communicator
+from troupe.data import ByteTokens, Tokenizer, load_tokenizer
 from troupe.devices import precision_dtype
+from troupe.generation.tools import template_text
+from troupe.models import GPT, from_pretrained
 from troupe.optim import (
     FlatParams,
     LossScaler,
@@ -21,11 +24,9 @@ from troupe.optim import (
 )
 from troupe.parallel import Zero3
 from troupe.parallel.memory import check_budget, device_budget_gib, plan
-from troupe.data import ByteTokens, Tokenizer, load_tokenizer
-from troupe.models import GPT, from_pretrained
-from troupe.rlhf.config import ModelConfig, RLHFConfig
-from troupe.rlhf.lm import GPTLM
-from troupe.generation.tools import template_text
+from troupe.rlhf.config import RLHFConfig
+from troupe.rlhf.models.lm import GPTLM
+from troupe.rlhf.sections import ModelConfig
 
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
@@ -34,7 +35,7 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     """The language model and tokenizer a recipe names: the Hugging Face directory
     ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
     the host, so that every device starts from the same weights), on ``device``, computing in
-    ``precision`` (the recipe's; troupe.rlhf.lm.GPTLM). Roles
+    ``precision`` (the recipe's; troupe.rlhf.models.lm.GPTLM). Roles
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
     tokenizer costs a process more than 100 MB). ``tools``: OpenAI tool specs every chat prompt
     is rendered with (the recipe's env.tools: SFT's demonstrations, the reward model's pairs

@@ -1,5 +1,5 @@
 """Programmatic rewards: the user's ``module:function`` run in a pool of separate processes
-(troupe/rlhf/sandbox_child.py), so that a call can be time-limited and a hung one killed.
+(troupe.rlhf.sandbox), so that a call can be time-limited and a hung one killed.
 
 A call that raises, runs past the time limit, kills its process or returns something other
 than a finite number is a per-sample failure: it scores ``failure_score``, is counted and
@@ -18,28 +18,11 @@ Error texts come back cut to ``MAX_ERROR`` characters.
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
 import selectors
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-_CHILD = Path(__file__).with_name("sandbox_child.py")
-MAX_REPLY = 1 << 16   # bytes of one reply line
-MAX_ERROR = 1000      # characters of an error text kept
-
-
-class _Breach(Exception):
-    """A reward process broke the reply protocol."""
-
-
-class RewardFunctionError(RuntimeError):
-    """The reward function cannot be used at all (not importable, or its processes exit)."""
+from troupe.rlhf.sandbox.pool import MAX_ERROR, ProtocolBreach, SandboxProcess
 
 
 @dataclass
@@ -48,71 +31,6 @@ class Rewards:
 
     values: list[float]
     failures: list[tuple[int, str]] = field(default_factory=list)
-
-
-class _Worker:
-    """One sandboxed process (troupe/rlhf/sandbox_child.py) serving ``spec`` as ``kind``
-    ("function" or "environment", constructed with ``kwargs``); ``setting`` names the
-    config key in errors."""
-
-    def __init__(self, spec: str, start_timeout_s: float, memory_mb: int,
-                 kind: str = "function", kwargs: dict | None = None,
-                 setting: str = "reward.function"):
-        self.proc = subprocess.Popen([sys.executable, str(_CHILD), spec, str(memory_mb), kind,
-                                      json.dumps(kwargs or {})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=os.getcwd(), start_new_session=True)
-        self.buf, self.task, self.started, self.eof = b"", None, 0.0, False
-        self.task_id = ""
-        try:
-            reply = self.read_line(start_timeout_s)
-        except _Breach as e:
-            reply = {"fatal": f"protocol breach at start: {e}"}
-        if reply is None or "fatal" in reply:
-            self.kill()
-            why = reply["fatal"] if reply else f"no answer within {start_timeout_s:.0f} s"
-            raise RewardFunctionError(f"{setting} {spec!r}: {str(why)[:MAX_ERROR]}")
-
-    def read_line(self, timeout_s: float) -> dict | None:
-        """The next reply, or None after ``timeout_s`` (0: what has arrived) or at the end of
-        the process's output (then ``eof`` is set)."""
-        deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in self.buf:
-                if len(self.buf) > MAX_REPLY:
-                    raise _Breach(f"a reply longer than {MAX_REPLY} bytes")
-                if not sel.select(max(deadline - time.monotonic(), 0)):
-                    return None
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    self.eof = True
-                    return None
-                self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        if len(line) > MAX_REPLY:
-            raise _Breach(f"a reply longer than {MAX_REPLY} bytes")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            raise _Breach(f"a line that is not JSON: {line[:80]!r}") from None
-        if not isinstance(reply, dict):
-            raise _Breach(f"a reply that is not an object: {line[:80]!r}")
-        return reply
-
-    def send(self, request: dict) -> None:
-        self.task, self.started = request["i"], time.monotonic()
-        self.task_id = request["id"] = secrets.token_hex(8)
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        """Kill the process and everything it started (its process group)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            self.proc.kill()
-        self.proc.wait()
 
 
 class RewardFunction:
@@ -124,7 +42,7 @@ class RewardFunction:
                  memory_mb: int = 4096):
         self.spec, self.timeout_s, self.failure_score = spec, timeout_s, failure_score
         self.start_timeout_s, self.memory_mb = start_timeout_s, memory_mb
-        self.workers = [_Worker(spec, start_timeout_s, memory_mb) for _ in range(workers)]
+        self.workers = [SandboxProcess(spec, start_timeout_s, memory_mb) for _ in range(workers)]
         self.failures = 0  # over the pool's life
 
     def __call__(self, prompts: list, responses: list[str],
@@ -156,7 +74,7 @@ class RewardFunction:
         self.failures += len(out.failures)
         return out
 
-    def _send(self, w: _Worker, request: dict, out: Rewards, values: list, sel) -> None:
+    def _send(self, w: SandboxProcess, request: dict, out: Rewards, values: list, sel) -> None:
         try:
             w.send(request)
         except (BrokenPipeError, OSError):
@@ -164,15 +82,15 @@ class RewardFunction:
             self._fail(w, f"the reward process had exited (code {w.proc.poll()})", out,
                        values, sel)
 
-    def _receive(self, w: _Worker, out: Rewards, values: list, sel) -> None:
+    def _receive(self, w: SandboxProcess, out: Rewards, values: list, sel) -> None:
         try:
             reply = w.read_line(0.0)
             if reply is not None and reply.get("id") != w.task_id:
-                raise _Breach(f"a reply to another request ({str(reply.get('id'))[:40]!r})")
+                raise ProtocolBreach(f"a reply to another request ({str(reply.get('id'))[:40]!r})")
             if reply is not None and "error" not in reply and not isinstance(
                     reply.get("value"), float):
-                raise _Breach(f"a reply without a value: {str(reply)[:80]!r}")
-        except _Breach as e:
+                raise ProtocolBreach(f"a reply without a value: {str(reply)[:80]!r}")
+        except ProtocolBreach as e:
             self._fail(w, f"protocol breach by the reward process: {e}", out, values, sel)
             return
         if reply is None:
@@ -186,12 +104,12 @@ class RewardFunction:
         else:
             values[i] = reply["value"]
 
-    def _fail(self, w: _Worker, why: str, out: Rewards, values: list, sel) -> None:
+    def _fail(self, w: SandboxProcess, why: str, out: Rewards, values: list, sel) -> None:
         """The sample ``w`` was scoring fails; ``w``'s process is replaced by a fresh one."""
         out.failures.append((w.task, why))
         sel.unregister(w.proc.stdout)
         w.kill()
-        fresh = _Worker(self.spec, self.start_timeout_s, self.memory_mb)
+        fresh = SandboxProcess(self.spec, self.start_timeout_s, self.memory_mb)
         self.workers[self.workers.index(w)] = fresh
         sel.register(fresh.proc.stdout, selectors.EVENT_READ, fresh)
 

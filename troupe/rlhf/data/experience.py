@@ -31,13 +31,13 @@ class RolloutRequest:
     depend on which rank or batch it lands in) and its group id (the samples of one prompt
     draw share one; group estimators compare within it). temperature None: the recipe's."""
 
-    prompts: list        # text, or chat messages (troupe.rlhf.data.Prompt)
+    prompts: list        # text, or chat messages (troupe.rlhf.data.datasets.Prompt)
     seeds: list[int]
     temperature: float | None = None
     use_ema: bool = False
     groups: list[int] | None = None
     fields: list[dict] | None = None  # each prompt's data row's other fields (an
-    # environment's reset gets them: troupe.rlhf.agent)
+    # environment's reset gets them: troupe.rlhf.agents.loop)
 
     def split(self, n: int) -> list[RolloutRequest]:
         return _split_rows(self, n)
@@ -62,9 +62,9 @@ class Rollout:
     prompt_tokens: tuple[int, int] = (0, 0)  # (the rows' prompt tokens, those the engine ran;
     # not kept by ``rows``: a subset's share of what the engine ran is not known)
     env_reward: torch.Tensor | None = None  # (B,) multi-turn rollouts: each trajectory's
-    # reward from its environment (troupe.rlhf.agent)
+    # reward from its environment (troupe.rlhf.agents.loop)
     agent: dict | None = None  # multi-turn rollouts: turns, tool-call turns, how they ended,
-    # environment failures (troupe.rlhf.agent.rollout_of; not kept by ``rows``)
+    # environment failures (troupe.rlhf.agents.loop.rollout_of; not kept by ``rows``)
 
     def split(self, n: int) -> list[Rollout]:
         parts = _split_rows(self, n)

@@ -10,9 +10,9 @@ import torch
 from tqdm import tqdm
 
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.data import Data
-from troupe.rlhf.experience import RolloutRequest, merged_agent
-from troupe.rlhf.workers import PolicyActor, RewardCalls, reward_of
+from troupe.rlhf.data.datasets import Data
+from troupe.rlhf.data.experience import RolloutRequest, merged_agent
+from troupe.rlhf.roles.actors import PolicyActor, RewardCalls, reward_of
 from troupe.runtime.handle import Graph
 from troupe.runtime.metrics import MetricsLog
 

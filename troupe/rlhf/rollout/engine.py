@@ -2,7 +2,7 @@
 the inference layout (eval mode, no autograd, KV cache, LoRA adapters fused into the weights,
 INT8 weights when the recipe asks), through troupe.generation's continuous batcher and sampler.
 
-The trained model (troupe.rlhf.roles.Policy) owns the weights and hands them to the engine at
+The trained model (troupe.rlhf.roles.policy.Policy) owns the weights and hands them to the engine at
 each rollout; the engine owns what only sampling needs (the tokenizer's prompt rendering, the
 INT8 copy, the sampling settings), as verl separates an actor from its rollout. By default both
 live in the policy's worker processes. With ``step3.rollout.replicas``, engines run on actors
@@ -26,12 +26,12 @@ from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.models.lora import fuse_lora, unfuse_lora
 from troupe.parallel import weight_sync
-from troupe.rlhf.agent import AgentLoop, rollout_of
-from troupe.rlhf.batch import prompts, response_mask
-from troupe.rlhf.common import build_lm
+from troupe.rlhf.agents.environments import EnvironmentPool
+from troupe.rlhf.agents.loop import AgentLoop, rollout_of
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.environments import EnvironmentPool
-from troupe.rlhf.experience import Rollout, RolloutRequest
+from troupe.rlhf.data.batch import prompts, response_mask
+from troupe.rlhf.data.experience import Rollout, RolloutRequest
+from troupe.rlhf.models.build import build_lm
 
 
 class RolloutEngine:
@@ -43,7 +43,7 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, model: torch.nn.Module, request: RolloutRequest) -> Rollout:
         """Sample responses to the request's prompts from ``model``'s weights, one seed per
-        prompt (with ``env.function``, multi-turn trajectories: troupe.rlhf.agent); the model
+        prompt (with ``env.function``, multi-turn trajectories: troupe.rlhf.agents.loop); the model
         is left as it came (adapters unfused) whatever happens."""
         t0, p = time.perf_counter(), self.cfg.step3
         if not request.prompts:  # a rank with none of a small batch (held-out prompts)

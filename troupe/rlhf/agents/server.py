@@ -31,10 +31,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from troupe.generation import ContinuousBatcher
-from troupe.generation.prefix_cache import PrefixCache
-from troupe.rlhf.agent import lay_out
-from troupe.rlhf.experience import Rollout
 from troupe.generation import tools as tool_calls
+from troupe.generation.prefix_cache import PrefixCache
+from troupe.rlhf.agents.loop import lay_out
+from troupe.rlhf.data.experience import Rollout
 from troupe.serving.protocol import (ChatRequest, Choice, Limits, RequestError, completion,
                                      completion_id, parse)
 

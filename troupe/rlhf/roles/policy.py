@@ -10,18 +10,15 @@ initialised from the reward model, trained with the clipped value loss.
 
 Each role computes on ``worker_device(cfg.device)`` (its Ray GPU, or the CPU): its model lives
 there, and so do the batches it tokenizes itself; tensors handed to it arrive there through the
-role shells (troupe.rlhf.workers)."""
+role shells (troupe.rlhf.roles.actors)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
 
 from troupe.collectives import Communicator
-from troupe.compression import quantize_model
-from troupe.compression.quantize import outlier_channels
 from troupe.data import micro_batches
 from troupe.devices import move, precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
@@ -29,23 +26,21 @@ from troupe.models.io import load_module, save_module
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
 from troupe.parallel import weight_sync
 from troupe.rlhf import algorithms
-from troupe.rlhf.batch import completions, split_completions
-from troupe.rlhf.common import Trainable, build_lm, build_trainable
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.experience import (
-    CriticStats,
+from troupe.rlhf.data.batch import split_completions
+from troupe.rlhf.data.experience import (
     DPOStats,
     Experience,
     PolicyStats,
     PreferenceBatch,
-    RewardEval,
-    RewardStats,
     Rollout,
     RolloutRequest,
     SFTStats,
 )
-from troupe.rlhf.lm import GPTLM, ValueModel
-from troupe.rlhf.rollout import RolloutEngine
+from troupe.rlhf.models.build import Trainable, build_lm, build_trainable
+from troupe.rlhf.models.lm import GPTLM
+from troupe.rlhf.rollout.engine import RolloutEngine
+
 
 
 class Policy:
@@ -259,205 +254,6 @@ class Policy:
             load_module(path, self.lm)
 
 
-def quantize_frozen(gpt: torch.nn.Module, ids: torch.Tensor) -> None:
-    """A frozen role's model in W8A8 (step3.quantize_frozen), at its first scoring call: each
-    layer keeps 1 in 36 of its input channels in fp32 (16 for SmolLM2's 576), those with the
-    largest activations on this first batch of rollouts (prompts and responses: the data the
-    role will score), which is what keeps a real LLM's INT8 error small
-    (troupe.compression.quantize)."""
-    with torch.no_grad():
-        outliers = outlier_channels(gpt, [ids], max(1, gpt.cfg.d_model // 36))
-    quantize_model(gpt, {"*": "w8a8"}, outliers=outliers)
-
-
-class Reference:
-    """The frozen SFT policy, for the KL penalty (and DPO's reference log-probabilities: only
-    then does it tokenize text)."""
-
-    def __init__(self, cfg: RLHFConfig, rank: int, group: Communicator | None = None):
-        """``group``: with zero_stage 3, the ranks the frozen weights are partitioned over
-        (its own role's, or the policy's when it lives in the policy's processes)."""
-        self.device = worker_device(cfg.device)
-        self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision,
-                                     tokenizer=not cfg.algo().online,  # DPO's pairs are text
-                                     device=self.device, tools=cfg.env.tools)
-        self.parts = None
-        if cfg.zero_stage == 3 and group is not None:
-            self.parts = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
-            self.parts.release()
-        self.lm.requires_grad_(False)
-        self.micro = cfg.step3.micro_batch_size
-        self.dpo_micro = cfg.dpo.micro_batch_size
-        self.quantize, self.to_quantize = cfg.step3.quantize_frozen, False
-
-    def load(self, path: str) -> None:
-        with self.parts.writable() if self.parts is not None else contextlib.nullcontext():
-            load_module(path, self.lm)
-        self.to_quantize = self.quantize == "w8a8"  # at the first scoring call
-
-    def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
-                 prompt_len: int = 0) -> torch.Tensor:
-        if self.to_quantize:
-            quantize_frozen(self.lm.gpt, ids)
-            self.to_quantize = False
-        out = action_logprobs(self.lm, ids, valid, action, self.micro, prompt_len)
-        if self.parts is not None:
-            self.parts.settle()
-        return out
-
-    @torch.no_grad()
-    def pair_logprobs(self, pairs: list) -> torch.Tensor:
-        """(B, 2): the summed log-probabilities of each pair's chosen and rejected response."""
-        self.lm.eval()
-        out = [torch.stack(pair_logprobs(self.lm, self.tok, pairs[s])[:2], 1)
-               for s in micro_batches(len(pairs), self.dpo_micro)]
-        return torch.cat(out) if out else torch.zeros(0, 2, device=self.device)
-
-
-class Reward:
-    """The reward model: a value head on a language model, scored at the last real token."""
-
-    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
-        self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed * 1000 + 500 + rank)
-        self.device = worker_device(cfg.device)
-        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tools=cfg.env.tools)
-        self.model = ValueModel(lm).to(self.device)
-        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
-        self.to_quantize = False  # set when load() freezes the model
-
-    def _pairs(self, examples: list[tuple[str, str, str]]):
-        P = [e[0] for e in examples]
-        ids, valid, _ = completions(self.tok, P + P, [e[1] for e in examples]
-                                    + [e[2] for e in examples])
-        return ids.to(self.device), valid.to(self.device)
-
-    def _loss(self, examples, backward: bool) -> tuple[float, int]:
-        """The mean pairwise loss over ``examples`` (and its backward, micro-batch by
-        micro-batch, when asked) and how many pairs the model ranks right."""
-        loss, right = 0.0, 0
-        for s in micro_batches(len(examples), self.cfg.reward.micro_batch_size):
-            part = examples[s]
-            ids, valid = self._pairs(part)
-            values, B, end = self.model(ids, valid), len(part), last_real(valid)
-            lo, sc, sr = algorithms.pairwise_loss(values[:B], values[B:], ids[:B], ids[B:],
-                                                  end[:B], end[B:])
-            lo = lo * B / len(examples)
-            if backward:
-                self.train.backward(lo)
-            loss, right = loss + lo.item(), right + int((sc > sr).sum())
-        return loss, right
-
-    def rm_step(self, examples: list[tuple[str, str, str]], step: int) -> RewardStats:
-        self.model.train()
-        loss, right = self._loss(examples, backward=True)
-        return RewardStats(loss, right / len(examples), self.train.step(step))
-
-    @torch.no_grad()
-    def evaluate(self, examples: list[tuple[str, str, str]]) -> RewardEval:
-        self.model.eval()
-        loss, right = self._loss(examples, backward=False)
-        return RewardEval(loss, right, len(examples))
-
-    @torch.no_grad()
-    def score(self, ids: torch.Tensor, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor:
-        self.model.eval()
-        if self.to_quantize:
-            quantize_frozen(self.model.lm.gpt, ids)  # the value head stays fp32
-            self.to_quantize = False
-        out = []
-        for s in self.model.lm.micro_batches(valid, self.cfg.step3.micro_batch_size):
-            values = self.model(ids[s], valid[s], prompt_len)
-            out.append(values[torch.arange(len(values), device=values.device),
-                              last_real(valid[s])])
-        self.train.settle()
-        return torch.cat(out)
-
-    def init_from_policy(self, path: str) -> None:
-        """Start the body from a policy checkpoint (the value head stays at zero)."""
-        with self.train.writable():
-            load_module(path, self.model.lm)
-
-    def save(self, path: str) -> str:
-        """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
-        with self.train.gathered():
-            if self.rank == 0:
-                save_module(path, self.model, kind="reward")
-        return path
-
-    def load(self, path: str) -> None:
-        """The trained reward model, frozen from here on (its gradients and optimizer state
-        are freed first)."""
-        self.train.release()
-        with self.train.writable():
-            load_module(path, self.model)
-        self.to_quantize = self.cfg.step3.quantize_frozen == "w8a8"  # at the first score call
-
-
-class Critic:
-    """The value function, started from the reward model's weights (or, without one, from the
-    SFT policy's body and a fresh head: ``begin_step3``)."""
-
-    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
-        self.cfg, self.rank = cfg, rank
-        self.device = worker_device(cfg.device)
-        lm, _ = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tokenizer=False)
-        self.model = ValueModel(lm).to(self.device)
-        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
-
-    def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:
-        """Step 3 starts from the reward model's weights, head included; without a learned
-        reward model, from the SFT policy's body (None: the model's own) and a fresh value
-        head (zero: every value starts at 0)."""
-        with self.train.writable():
-            if reward_path is not None:
-                load_module(reward_path, self.model)
-            elif sft_path is not None:
-                load_module(sft_path, self.model.lm)
-        self.train.use_optimizer(self.cfg.step3.critic,
-                                 self.cfg.step3.iterations * self.cfg.step3.ppo_epochs)
-
-    @torch.no_grad()
-    def values(self, ids: torch.Tensor, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor:
-        self.model.eval()
-        out = torch.cat([self.model(ids[s], valid[s], prompt_len)[:, :-1]  # before each target
-                         for s in self.model.lm.micro_batches(
-                             valid, self.cfg.step3.micro_batch_size)])
-        self.train.settle()
-        return out
-
-    def critic_step(self, exp: Experience, iteration: int) -> CriticStats:
-        self.model.train()
-        p = self.cfg.step3
-        total, value_loss = exp.action.sum().clamp_min(1), 0.0
-        for s in self.model.lm.micro_batches(exp.valid, p.micro_batch_size):
-            values = self.model(exp.ids[s], exp.valid[s], exp.prompt_len)[:, :-1]
-            loss = exp.action[s].sum() / total * algorithms.value_loss(
-                values, exp.old_values[s], exp.returns[s], exp.action[s], p.value_clip)
-            self.train.backward(loss)
-            value_loss += loss.item()
-        self.train.step(iteration)
-        return CriticStats(value_loss)
-
-    def save(self, path: str) -> str:
-        """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
-        with self.train.gathered():
-            if self.rank == 0:
-                save_module(path, self.model, kind="critic")
-        return path
-
-    def state_dict(self) -> dict:
-        """Weights, this rank's optimizer state and the torch RNG (after ``begin_step3``)."""
-        return {"train": self.train.state_dict(), **rng_state(self.device)}
-
-    def load_state_dict(self, state: dict, where: str) -> None:
-        self.train.load_state_dict(state["train"], where)
-        set_rng_state(state, self.device)
-
-    def load(self, path: str) -> None:
-        with self.train.writable():
-            load_module(path, self.model)
-
 
 @torch.no_grad()
 def _engine_correction(trainer_logp: torch.Tensor, engine_logp: torch.Tensor,
@@ -498,9 +294,3 @@ def pair_logprobs(lm: GPTLM, tok, pairs: list):
     ids, valid, mask = move(batch, lm.device)
     total = (lm.token_logprobs(ids, valid, mask, prompt_len=P) * mask).sum(1)
     return total[0::2], total[1::2], mask[0::2].sum(1)
-
-
-def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
-    """Index of the last real token of each (left-padded, possibly right-padded) row."""
-    return algorithms.last_index(valid_BS)
-

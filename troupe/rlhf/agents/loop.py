@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: the policy talks with an environment (troupe.rlhf.environments) until it
+"""Multi-turn rollouts: the policy talks with an environment (troupe.rlhf.agents.environments) until it
 is done, and the trajectory is trained on as one sequence whose loss covers only what the model
 wrote.
 
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from troupe.generation import ContinuousBatcher, SamplingParams
-from troupe.rlhf.environments import EnvironmentPool
-from troupe.rlhf.experience import Rollout
 from troupe.generation import tools as tool_calls
+from troupe.rlhf.agents.environments import EnvironmentPool
+from troupe.rlhf.data.experience import Rollout
 
 
 @dataclass

@@ -12,9 +12,9 @@ with the messages that follow (tool results, a user's reply), a reward (a number
 this turn) and whether the trajectory is over. An instance keeps its state between turns: every
 request of a trajectory goes to the one process that holds it, from reset to close.
 
-The pool is the reward functions' (troupe.rlhf.rewards): processes of their own, each under an
+The pool is the one reward functions use (troupe.rlhf.sandbox): processes of their own, each under an
 address-space limit, killed with whatever they started when a request runs past ``timeout_s``,
-JSON lines both ways (troupe/rlhf/sandbox_child.py; no pickle). A request that raises, returns
+JSON lines both ways (troupe/rlhf/sandbox/child.py; no pickle). A request that raises, returns
 something malformed, runs out of time or kills its process ends its trajectory as a failure
 with its cause, counted by kind. The other trajectories of a process that had to be replaced
 are replayed on the new one: their reset and every step so far sent again in order, the
@@ -34,7 +34,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from troupe.rlhf.rewards import MAX_ERROR, _Breach, _Worker
+from troupe.rlhf.sandbox.pool import MAX_ERROR, ProtocolBreach, SandboxProcess
 
 
 @dataclass
@@ -68,8 +68,8 @@ class EnvironmentPool:
         self.failures: Counter = Counter()    # cause -> failed trajectories
         self._numbers = itertools.count()
 
-    def _start(self) -> _Worker:
-        return _Worker(self.spec, self.start_timeout_s, self.memory_mb, "environment",
+    def _start(self) -> SandboxProcess:
+        return SandboxProcess(self.spec, self.start_timeout_s, self.memory_mb, "environment",
                        self.kwargs, setting="env.function")
 
     # ---- requests ---------------------------------------------------------------------------
@@ -149,12 +149,12 @@ class EnvironmentPool:
                     self._replace(w, f"its process had exited (code {w.proc.poll()})",
                                   "exited")
 
-    def _receive(self, w: _Worker) -> None:
+    def _receive(self, w: SandboxProcess) -> None:
         try:
             reply = w.read_line(0.0)
             if reply is not None and reply.get("id") != w.task_id:
-                raise _Breach(f"a reply to another request ({str(reply.get('id'))[:40]!r})")
-        except _Breach as e:
+                raise ProtocolBreach(f"a reply to another request ({str(reply.get('id'))[:40]!r})")
+        except ProtocolBreach as e:
             self._replace(w, f"protocol breach by the environment process: {e}", "protocol")
             return
         if reply is None:
@@ -186,7 +186,7 @@ class EnvironmentPool:
             self.ready.append(EnvReply(traj, op, reply["messages"], reply["reward"],
                                        reply["done"]))
 
-    def _replace(self, w: _Worker, why: str, cause: str) -> None:
+    def _replace(self, w: SandboxProcess, why: str, cause: str) -> None:
         """``w``'s request fails with ``why``; its process is killed and replaced, and the
         other trajectories it held are replayed on the new one before their queued requests
         (a queued reset just moves: nothing of its trajectory was there yet)."""

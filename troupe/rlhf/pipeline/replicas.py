@@ -37,10 +37,10 @@ from typing import Any, Callable
 from troupe.errors import WorkerCallError, WorkerDiedError, WorkerError
 from troupe.parallel.weight_sync import WeightSyncError
 from troupe.rlhf.config import RLHFConfig
-from troupe.rlhf.experience import Rollout, RolloutRequest
-from troupe.rlhf.rollout import ReplicaRestarted
-from troupe.rlhf.topology import RLHFTopology
-from troupe.rlhf.workers import PolicyActor, RolloutActor
+from troupe.rlhf.data.experience import Rollout, RolloutRequest
+from troupe.rlhf.roles.actors import PolicyActor, RolloutActor
+from troupe.rlhf.roles.topology import RLHFTopology
+from troupe.rlhf.rollout.engine import ReplicaRestarted
 from troupe.runtime.graph import rewire
 from troupe.runtime.handle import Call, Graph
 from troupe.runtime.metrics import MetricsLog
