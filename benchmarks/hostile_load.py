@@ -46,8 +46,8 @@ from troupe.data.tokenizer import ByteTokens
 from troupe.models import GPT, GPTConfig
 from troupe.models.hf import save_pretrained
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import save_model
-from troupe.serving.protocol import ServeConfig
 
 from machine import machine  # benchmarks/machine.py, beside this script
 

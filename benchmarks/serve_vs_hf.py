@@ -31,7 +31,7 @@ import transformers
 import troupe
 from troupe.models import smollm2
 from troupe.serving import deploy as serve
-from troupe.serving.protocol import ServeConfig
+from troupe.serving.config import ServeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import QUESTIONS, generate_theirs, prompts  # noqa: E402

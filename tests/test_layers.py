@@ -4,7 +4,7 @@ imports another:
     leaves (context, devices, errors, config, wire) <- kernels <- collectives
     <- models, optim, compression, data, checkpoint <- parallel, generation
     <- actors <- runtime <- pretrain, rlhf, serving (serving may use pretrain.export; rlhf's
-       agent mode speaks the server's OpenAI formats, serving.protocol)
+       agent mode speaks the server's OpenAI formats and checks its key: ALLOWED_ACROSS)
     <- cli, __main__ (the `troupe` command over the applications)
 
 Inside troupe.rlhf, its rooms (troupe/rlhf/__init__.py) in the same way: a module imports from
@@ -28,11 +28,16 @@ LAYERS = {"kernels": 1, "collectives": 2, "models": 3, "optim": 3, "compression"
           "checkpoint": 3, "parallel": 4, "generation": 4, "actors": 5, "runtime": 6,
           "pretrain": 7, "rlhf": 7, "serving": 7, "cli": 8, "__main__": 8}
 APPS = {"pretrain", "rlhf", "serving"}
-ALLOWED_ACROSS = {("serving", "troupe.pretrain.export"), ("rlhf", "troupe.serving.protocol")}
+# what one application may take from another: serving, pretraining's export; rlhf's agent mode,
+# the server's OpenAI formats and its key check (not its replicas or deployment)
+ALLOWED_ACROSS = {("serving", "troupe.pretrain.export"), ("rlhf", "troupe.serving.protocol"),
+                  ("rlhf", "troupe.serving.config"), ("rlhf", "troupe.serving.responses"),
+                  ("rlhf", "troupe.serving.endpoints"), ("rlhf", "troupe.serving.auth")}
 
 
-ROOMS = {"config": 0, "sections": 0, "algorithms": 0, "data": 1, "sandbox": 2, "models": 3, "agents": 4,
-         "rollout": 5, "roles": 6, "pipeline": 7, "driver": 8, "plan": 8, "plots": 8, "cli": 9}
+ROOMS = {"config": 0, "sections": 0, "algorithms": 0, "data": 1, "sandbox": 2, "models": 3,
+         "agents": 4, "rollout": 5, "roles": 6, "pipeline": 7, "driver": 8, "plan": 8,
+         "plots": 8, "cli": 9}
 
 
 def room(module: str) -> tuple[str, int]:
@@ -83,7 +88,8 @@ def violations(module: str, source: str) -> list[str]:
             bad.append(f"{module} (layer {layer(module)}) imports {imported} "
                        f"(layer {layer(imported)})")
         elif (mine and theirs and mine != theirs and {mine[0], theirs[0]} <= APPS
-              and not any(mine[0] == a and imported.startswith(b) for a, b in ALLOWED_ACROSS)):
+              and not any(mine[0] == a and (imported == b or imported.startswith(b + "."))
+                          for a, b in ALLOWED_ACROSS)):
             bad.append(f"application {module} imports another application: {imported}")
         elif mine == theirs == ["rlhf"] and imported != "troupe.rlhf":
             (here, mine_level), (there, theirs_level) = room(module), room(imported)

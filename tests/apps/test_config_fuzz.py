@@ -95,7 +95,7 @@ SMALL = settings(FUZZ, max_examples=60)
 @given(overrides=strategy(SERVE))
 def test_serving_recipes_are_refused_in_one_line_or_planned(models, overrides):
     from troupe.serving.model import check_source
-    from troupe.serving.protocol import ServeConfig
+    from troupe.serving.config import ServeConfig
     served, _ = models
     got = _planned(ServeConfig, None, [f"model.file={served}", *overrides], check_source)
     if got is not None:

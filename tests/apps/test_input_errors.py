@@ -87,7 +87,7 @@ def served_file(tmp_path):
 @pytest.mark.parametrize("app,config_cls,default", [
     ("pretrain", "troupe.pretrain.config.PretrainConfig", "moe-tiny.yaml"),
     ("rlhf", "troupe.rlhf.config.RLHFConfig", "rlhf-sort.yaml"),
-    ("serve", "troupe.serving.protocol.ServeConfig", "serve-tiny.yaml")])
+    ("serve", "troupe.serving.config.ServeConfig", "serve-tiny.yaml")])
 def test_print_config_prints_what_would_run_and_starts_nothing(capsys, monkeypatch, tmp_path,
                                                                served_file, app, config_cls,
                                                                default):

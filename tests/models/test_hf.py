@@ -126,7 +126,7 @@ def test_same_logits_on_cuda(name, tmp_path):
 def test_left_padded_batches_and_the_cache_agree_with_a_plain_forward(hf_dir):
     """Positions count real tokens only (rotary too), and decoding with the KV cache gives
     the logits of recomputing the whole sequence."""
-    from troupe.models.gpt import KVCache
+    from troupe.models.attention import KVCache
     path, _ = hf_dir
     model = from_pretrained(path)
     ids = _ids()[:1, :12]

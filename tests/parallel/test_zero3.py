@@ -11,7 +11,7 @@ from troupe.runtime import checkpoint
 from tests.pretrain.test_driver import _cfg
 from troupe.models import GPT, GPTConfig
 from troupe.optim import OptimizerConfig
-from troupe.parallel.zero3 import assemble
+from troupe.parallel.reshard import assemble
 from troupe.parallel.memory import GIB, MemoryBudgetError, check_budget, plan
 from troupe.pretrain import driver as pretrain
 from troupe.pretrain.export import load_full_model

@@ -147,7 +147,7 @@ def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
     assert sum(losses) / len(losses) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
     if root:  # what apps/serve.py loads for model.checkpoint=<the URL>
         from troupe.serving.model import load_source
-        from troupe.serving.protocol import ModelSource
+        from troupe.serving.config import ModelSource
         served = load_source(ModelSource(checkpoint=root, name="m"))
         x = torch.randint(0, 256, (2, cfg.model.seq_len))
         assert torch.equal(served(x)[0], model.eval()(x)[0])
@@ -207,7 +207,7 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     from troupe.models.record import architecture_hash
     from troupe.pretrain.export import load_full_model
     from troupe.serving.model import load_source
-    from troupe.serving.protocol import ModelSource
+    from troupe.serving.config import ModelSource
 
     cfg = _cfg(tmp_path, "lie", model__moe=None, train__steps=3, train__checkpoint_every=1,
                train__eval_every=0)

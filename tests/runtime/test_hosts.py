@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 
-from troupe.runtime.hosts import Hosts, HostsError, _namespaces, _pids, check_tools, main
+from troupe.runtime import netns
+from troupe.runtime.hosts import Hosts, HostsError, check_tools, main
 
 try:
     check_tools()
@@ -59,7 +60,7 @@ def hosts():
     four = Hosts.up(4, name="trt", rate="1gbit", cpus=1, head_cpus=0, object_store_mb=128)
     yield four
     four.down()
-    assert not [ns for ns in _namespaces() if ns.startswith("trt-")]
+    assert not [ns for ns in netns.namespaces() if ns.startswith("trt-")]
 
 
 def test_a_job_from_host_0_spans_the_hosts_and_their_links(hosts):
@@ -198,7 +199,7 @@ def test_a_killed_host_is_a_lost_node_and_the_run_resumes_on_the_hosts_left(host
     try:
         victim = _rank_host(hosts, _wait(out, proc, _step("train", 50), "step 50"), "trainer", 1)
         hosts.kill(victim)
-        assert _pids(hosts.namespace(victim)) == []
+        assert netns.pids(hosts.namespace(victim)) == []
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:

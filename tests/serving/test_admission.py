@@ -13,8 +13,9 @@ import torch
 from troupe.models import GPT, GPTConfig
 from troupe.serving import admission
 from troupe.serving.admission import Admission
+from troupe.serving.config import Limits
 from troupe.serving.model import save_model
-from troupe.serving.protocol import Limits, RequestError
+from troupe.serving.protocol import RequestError
 from troupe.serving.replica import ServeReplica
 
 
@@ -193,8 +194,9 @@ def test_a_template_kwarg_that_spells_a_control_token_is_a_400_naming_it(replica
     token into the template's text is refused as a 400 naming chat_template_kwargs."""
     from troupe.data import ByteTokens, HFTokens
     ByteTokens().save_pretrained(tmp_path / "tok")  # a directory it makes
-    replica.tok = HFTokens(tmp_path / "tok", template="{{ bos_token }}{% for m in messages %}"
-                                                      "{{ m['content'] }}{% endfor %}")
+    replica.tok = replica.prompts.tok = HFTokens(
+        tmp_path / "tok", template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                                   "{% endfor %}")
     answers = []
     for bos in ("plain ", "<|endoftext|>"):
         body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],

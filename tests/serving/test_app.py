@@ -13,8 +13,8 @@ import pytest
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
-from troupe.serving.protocol import ServeConfig
 
 KEY_ENV, KEY = "TROUPE_TEST_API_KEY", "sk-test-4f9a"
 NAME = "tiny-w8a8"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from troupe.config import ConfigError, validate
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import locate
-from troupe.serving.protocol import ServeConfig
 
 ROOT = Path(__file__).parents[2]
 
@@ -54,8 +54,8 @@ def test_the_key_leaves_the_environment_before_ray_starts(tmp_path):
     key = "sk-environ-probe-9c1d7e"
     script = f"""
 import os, pathlib
-from troupe.serving.auth import take_key
 import troupe
+from troupe.serving.auth import take_key
 key, digest = take_key("TROUPE_TEST_PROBE_KEY")
 assert key == {key!r} and digest.matches(key) and "TROUPE_TEST_PROBE_KEY" not in os.environ
 troupe.init(num_cpus=1)

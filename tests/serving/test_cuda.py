@@ -10,8 +10,8 @@ import torch
 from tests.serving.test_app import alone, post
 from troupe.models import GPT, GPTConfig
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
-from troupe.serving.protocol import ServeConfig
 
 pytestmark = pytest.mark.gpu
 

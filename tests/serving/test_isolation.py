@@ -17,8 +17,8 @@ import torch
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
-from troupe.serving.protocol import ServeConfig
 
 N = 10
 

@@ -9,8 +9,8 @@ import pytest
 from tests.serving.test_app import alone
 from troupe.models import GPT, GPTConfig
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
-from troupe.serving.protocol import ServeConfig
 
 MOE = dict(num_experts=4, expert_interval=1, top_k=2, capacity_factor=1.0)
 

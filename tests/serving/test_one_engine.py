@@ -13,8 +13,8 @@ from troupe.rlhf.data.datasets import SortTask
 from troupe.rlhf.data.experience import RolloutRequest
 from troupe.rlhf.roles.policy import Policy
 from troupe.serving import deploy as serve
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import save_model
-from troupe.serving.protocol import ServeConfig
 
 N, TEMPERATURE, TOP_P, SFT = 10, 0.9, 0.95, 60
 

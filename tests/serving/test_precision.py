@@ -6,8 +6,8 @@ import torch
 from troupe.compression import QuantizedLinear
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.models import GPT, GPTConfig
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
-from troupe.serving.protocol import ServeConfig
 
 
 def test_bf16_serving_holds_bf16_weights_and_decodes_like_fp32(tmp_path):

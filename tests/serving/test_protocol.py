@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from troupe.serving.protocol import ChatRequest, CompletionRequest, Limits, RequestError, parse
+from troupe.serving.config import Limits
+from troupe.serving.protocol import ChatRequest, CompletionRequest, RequestError, parse
 
 HI = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -9,7 +9,7 @@ import pytest
 from troupe.config import load_app_config
 from troupe.pretrain.compress import CompressConfig, run
 from troupe.serving import deploy as serve
-from troupe.serving.protocol import ServeConfig
+from troupe.serving.config import ServeConfig
 
 pytestmark = pytest.mark.slow
 

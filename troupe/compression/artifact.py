@@ -111,62 +111,17 @@ def load_quantized(directory: str | Path) -> tuple[GPT, dict[str, str]]:
     group_size, layers = manifest.get("group_size"), manifest.get("layers")
     if not isinstance(group_size, int) or group_size < 1 or not isinstance(layers, dict):
         raise ValueError(f"{where}: needs an integer group_size and a layers object")
-    cfg = read_config(directory)
     with torch.device("meta"):
-        model = GPT(cfg)
-    file = _SafetensorsFile(directory / TENSORS)
-
-    def tensor(name: str) -> torch.Tensor:
-        if name not in file.keys():
-            raise ValueError(f"{directory / TENSORS}: no tensor {name!r}")
-        return file.get(name)
-
-    modes: dict[str, str] = {}
-    for name, info in layers.items():
-        mode, shape = info.get("mode") if isinstance(info, dict) else None, None
-        try:
-            shape = tuple(int(v) for v in info["shape"])
-            # a tied model has no lm_head module: its quantized head is made here
-            module = None if name == "lm_head" and cfg.tie_embeddings else \
-                model.get_submodule(name)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise ValueError(f"{where}: layer {name!r}: not a layer of the model with a shape "
-                             "[O, I]") from None
-        source = info.get("tied", name)
-        if name == "tok_emb":
-            if mode not in ("int8", "int4") or shape != tuple(module.weight.shape):
-                raise ValueError(f"{where}: tok_emb: mode int8 or int4 and shape "
-                                 f"{list(module.weight.shape)} expected, got {mode}, {shape}")
-            qw = _grouped(tensor(f"{source}.q"), tensor(f"{source}.scales"), _BITS[mode],
-                          group_size, shape, where, name)
-            model.tok_emb = QuantizedEmbedding(qw)
-        else:
-            expected = (module.out_features, module.in_features) if isinstance(
-                module, nn.Linear) else (cfg.vocab_size, cfg.d_model) if module is None \
-                else None
-            if mode not in _BITS and mode not in LOWBIT or shape != expected:
-                raise ValueError(f"{where}: layer {name!r}: mode {mode!r} with shape {shape}; "
-                                 f"expected a quantized mode and {expected}")
-            if mode in LOWBIT:
-                qw = LowbitWeight(tensor(f"{source}.q"), tensor(f"{source}.scales").float(),
-                                  mode, shape)
-                want = (shape[0], row_bytes(shape[1], mode))
-                if tuple(qw.packed.shape) != want or qw.packed.dtype != torch.uint8:
-                    raise ValueError(f"{directory / TENSORS}: {source}.q must be uint8 {want}")
-            else:
-                qw = _grouped(tensor(f"{source}.q"), tensor(f"{source}.scales"), _BITS[mode],
-                              group_size, shape, where, name, per_row=mode == "w8a8")
-            bias = tensor(f"{name}.bias") if f"{name}.bias" in file.keys() else None
-            layer = QuantizedLinear.from_quantized(qw, mode, bias, group_size)
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, layer)
-        modes[name] = mode
-    for name, p in list(model.named_parameters()):
+        model = GPT(read_config(directory))
+    tensors = _Tensors(directory / TENSORS)
+    modes = {name: _load_layer(model, tensors, name, info, group_size, where)
+             for name, info in layers.items()}
+    for name, p in list(model.named_parameters()):  # what stays unquantized
         if p.device.type != "meta":
             continue
-        value = tensor(name)
+        value = tensors[name]
         if value.shape != p.shape:
-            raise ValueError(f"{directory / TENSORS}: {name} has shape {tuple(value.shape)}, "
+            raise ValueError(f"{tensors.path}: {name} has shape {tuple(value.shape)}, "
                              f"the model needs {tuple(p.shape)}")
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, nn.Parameter(value, requires_grad=False))
@@ -176,6 +131,65 @@ def load_quantized(directory: str | Path) -> tuple[GPT, dict[str, str]]:
                 m._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
     model.reset_buffers()
     return model.eval(), modes
+
+
+class _Tensors:
+    """The directory's safetensors file, read by name; a missing tensor is an error naming
+    the file."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, _SafetensorsFile(path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file.keys()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise ValueError(f"{self.path}: no tensor {name!r}")
+        return self.file.get(name)
+
+
+def _load_layer(model: GPT, tensors: _Tensors, name: str, info, group_size: int,
+                where: Path) -> str:
+    """Layer ``name`` of the manifest put in place in ``model`` (the token embedding, or a
+    Linear: the output head of a tied model is made here); its mode."""
+    cfg = model.cfg
+    mode, shape = info.get("mode") if isinstance(info, dict) else None, None
+    try:
+        shape = tuple(int(v) for v in info["shape"])
+        # a tied model has no lm_head module: its quantized head is made here
+        module = None if name == "lm_head" and cfg.tie_embeddings else model.get_submodule(name)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ValueError(f"{where}: layer {name!r}: not a layer of the model with a shape "
+                         "[O, I]") from None
+    source = info.get("tied", name)
+    if name == "tok_emb":
+        if mode not in ("int8", "int4") or shape != tuple(module.weight.shape):
+            raise ValueError(f"{where}: tok_emb: mode int8 or int4 and shape "
+                             f"{list(module.weight.shape)} expected, got {mode}, {shape}")
+        model.tok_emb = QuantizedEmbedding(_grouped(
+            tensors[f"{source}.q"], tensors[f"{source}.scales"], _BITS[mode], group_size, shape,
+            where, name))
+        return mode
+    expected = (module.out_features, module.in_features) if isinstance(module, nn.Linear) \
+        else (cfg.vocab_size, cfg.d_model) if module is None else None
+    if mode not in _BITS and mode not in LOWBIT or shape != expected:
+        raise ValueError(f"{where}: layer {name!r}: mode {mode!r} with shape {shape}; "
+                         f"expected a quantized mode and {expected}")
+    if mode in LOWBIT:
+        qw = LowbitWeight(tensors[f"{source}.q"], tensors[f"{source}.scales"].float(), mode,
+                          shape)
+        want = (shape[0], row_bytes(shape[1], mode))
+        if tuple(qw.packed.shape) != want or qw.packed.dtype != torch.uint8:
+            raise ValueError(f"{tensors.path}: {source}.q must be uint8 {want}")
+    else:
+        qw = _grouped(tensors[f"{source}.q"], tensors[f"{source}.scales"], _BITS[mode],
+                      group_size, shape, where, name, per_row=mode == "w8a8")
+    bias = tensors[f"{name}.bias"] if f"{name}.bias" in tensors else None
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr,
+            QuantizedLinear.from_quantized(qw, mode, bias, group_size))
+    return mode
 
 
 def _grouped(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,

@@ -45,8 +45,6 @@ class DecodeLayers:
 
     @classmethod
     def of(cls, model: nn.Module, packed: "small_gemm.DecodeWeights | None") -> "DecodeLayers | None":
-        from troupe.compression.quantize import QuantizedLinear
-        from troupe.models.adapters import AdaptedLinear
         from troupe.models.gpt import Block
         from troupe.models.layers import MLP, RMSNorm
         cfg = getattr(model, "cfg", None)
@@ -58,30 +56,7 @@ class DecodeLayers:
         if native is None or attention is None or not attention.supports(D) \
                 or model.ln_f.weight.dtype != torch.float32 or model.device.type != "cpu":
             return None
-
-        def kernel(module: nn.Module):
-            """The packed kernel, a W8A8 layer's kernel or MKL's; None: no native one."""
-            if packed and module in packed.layers:
-                few, more = packed.uses[module]
-                return native.packed(packed.layers[module], module.weight.detach(),
-                                     _detached(module.bias), module.out_features, few, more)
-            if type(module) is nn.Linear and module.weight.dtype == torch.float32:
-                return native.torch(module.weight.detach(), _detached(module.bias))
-            int8 = module.int8_operands() if isinstance(module, QuantizedLinear) else None
-            return None if int8 is None else native.int8(*int8)
-
-        def product(module: nn.Module):
-            """A native kernel, with the adapters' pairs on a layer that has them (the rows'
-            slots given to each step), or else the module called back."""
-            if isinstance(module, AdaptedLinear):
-                base = kernel(module.base)
-                if base is not None and module.packed is not None:
-                    return native.lora(base, *module.packed, module.R)
-                routed.append(module)
-            return kernel(module) or native.python(module.forward, module.out_features)
-
-        routed: list[nn.Module] = []
-
+        products = _Products(native, packed)
         layers = []
         for block in blocks:
             if not (type(block) is Block and type(block.ffn) is MLP and block.ffn.kind == "swiglu"
@@ -91,27 +66,19 @@ class DecodeLayers:
             norms = ((attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
                      if attn.qk_norm else (None, None))
             layers.append((block.ln1.weight.detach(), block.ln2.weight.detach(),
-                           product(attn.qkv), product(attn.proj), product(mlp.fc),
-                           product(mlp.proj), *norms, attn.window is not None))
+                           products.of(attn.qkv), products.of(attn.proj), products.of(mlp.fc),
+                           products.of(mlp.proj), *norms, attn.window is not None))
         emb = model.tok_emb
         embedding = (emb.weight.detach() if type(emb) is nn.Embedding
                      and emb.weight.dtype == torch.float32 else None)
-        head = getattr(model, "lm_head", None)
-        if head is not None:
-            logits = product(head)
-        elif packed and packed.logits_weight is not None:
-            logits = native.packed(packed.logits_weight, emb.weight.detach(), None,
-                                   cfg.vocab_size, *packed.uses[None])
-        elif embedding is not None:
-            logits = native.torch(embedding, None)
-        else:
-            logits = None
+        logits = products.logits(model, embedding)
         attn = blocks[0].attn
         step = native.Step(layers, model.ln_f.weight.detach(), cfg.d_model, cfg.n_head,
                            cfg.kv_heads, D, float(model.ln_f.eps), embedding,
                            attn.inv_freq.float(), attn.rope_scale, cfg.sliding_window or 0,
                            logits)
-        return cls(model, step, embedding is not None, logits is not None, bool(routed))
+        return cls(model, step, embedding is not None, logits is not None,
+                   bool(products.routed))
 
     def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,
                slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,6 +106,52 @@ class DecodeLayers:
             x = self.model.embed(idx_B1, pos)[:, 0].float()
         return tokens, x, valid_BS.contiguous(), cache.k, cache.v, cache.length
 
+
+
+class _Products:
+    """The native product of each Linear of a model for the one-call step: its packed kernel,
+    a W8A8 layer's kernel or MKL's, with the adapters' pairs on a layer that has them, or
+    else the module called back (``routed``: the adapted layers called back, which read the
+    rows' masks)."""
+
+    def __init__(self, native, packed: "small_gemm.DecodeWeights | None"):
+        self.native, self.packed = native, packed
+        self.routed: list[nn.Module] = []
+
+    def kernel(self, module: nn.Module):
+        """The packed kernel, a W8A8 layer's kernel or MKL's; None: no native one."""
+        from troupe.compression.quantize import QuantizedLinear
+        native, packed = self.native, self.packed
+        if packed and module in packed.layers:
+            few, more = packed.uses[module]
+            return native.packed(packed.layers[module], module.weight.detach(),
+                                 _detached(module.bias), module.out_features, few, more)
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32:
+            return native.torch(module.weight.detach(), _detached(module.bias))
+        int8 = module.int8_operands() if isinstance(module, QuantizedLinear) else None
+        return None if int8 is None else native.int8(*int8)
+
+    def of(self, module: nn.Module):
+        from troupe.models.adapters import AdaptedLinear
+        if isinstance(module, AdaptedLinear):
+            base = self.kernel(module.base)
+            if base is not None and module.packed is not None:
+                return self.native.lora(base, *module.packed, module.R)
+            self.routed.append(module)
+        return self.kernel(module) or self.native.python(module.forward, module.out_features)
+
+    def logits(self, model: nn.Module, embedding: torch.Tensor | None):
+        """The output projection: the model's head, the packed tied embedding, the fp32
+        embedding through MKL, or None (the engine's own)."""
+        head = getattr(model, "lm_head", None)
+        if head is not None:
+            return self.of(head)
+        if self.packed and self.packed.logits_weight is not None:
+            return self.native.packed(self.packed.logits_weight, model.tok_emb.weight.detach(),
+                                      None, model.cfg.vocab_size, *self.packed.uses[None])
+        if embedding is not None:
+            return self.native.torch(embedding, None)
+        return None
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()

@@ -17,16 +17,15 @@ import contextlib
 import os
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
-from troupe.generation.grammar import Grammars, Matcher
-from troupe.generation.prefix_cache import PrefixCache
-from troupe.generation.sampling import (NON_FINITE, LogitAdjust, SamplingParams, check_tokens,
-                                        checked, draw, finite_rows)
+from troupe.generation.batch_cache import merged, select_rows, with_room
 from troupe.generation.decode_layers import DecodeLayers
+from troupe.generation.grammar import Grammars
+from troupe.generation.prefix_cache import PrefixCache
+from troupe.generation.sampling import SamplingParams
+from troupe.generation.sequence import Event, Sequence, choose
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT, KVCache
 from troupe.models.adapters import Adapters
@@ -38,39 +37,6 @@ SHARED_OPENING = 16  # tokens: a shorter opening shared by a prefill's prompts r
 def shared_opening(prompts: list[list[int]]) -> int:
     """How many first tokens all ``prompts`` share, leaving each at least one of its own."""
     return min(len(os.path.commonprefix(prompts)), min(len(x) for x in prompts) - 1)
-
-
-@dataclass
-class Event:
-    """What one step did for one sequence: the token it chose, the text that is now final
-    (``delta``), and why it finished (None while it goes on): "stop", "length", or "error"
-    (``error`` says what; the sequence alone ends, the batch goes on)."""
-
-    seq_id: str
-    token: int | None
-    delta: str
-    finish_reason: str | None = None
-    error: str | None = None
-    logprob: float | None = None  # of ``token``, when the sequence asked for logprobs
-    top_logprobs: list[tuple[int, float]] | None = None  # (token, log-probability), likeliest first
-    sampled_logprob: float | None = None  # of ``token`` in the distribution it was sampled
-    # from (before temperature, top-k and top-p), when that is not the model's own
-    # (``logprob``): under a constraint's mask, a logit_bias or penalties
-
-
-@dataclass
-class _Sequence:
-    seq_id: str
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    detok: Detokenizer
-    out: list[int] = field(default_factory=list)
-    text: str = ""      # decoded output so far
-    sent: int = 0       # characters of ``text`` already handed out
-    searched: int = 0   # characters of ``text`` already searched for stop strings
-    matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
-    adjust: LogitAdjust | None = None  # its logit_bias, penalties and min_tokens
 
 
 class ContinuousBatcher:
@@ -101,6 +67,8 @@ class ContinuousBatcher:
     a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
     whose MoE layers exchange tokens with all_to_all, must all run the same passes.
     """
+
+    structured_outputs = True  # constraints are sampled here (the serving Batcher protocol)
 
     def __init__(self, model: GPT, eos_id: int | None, max_batch: int = 16,
                  lockstep: bool = False, tokenizer=None,
@@ -134,10 +102,10 @@ class ContinuousBatcher:
         self.device = model.device
         self.eos_id = eos_id
         self.max_batch = max_batch
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting: deque[Sequence] = deque()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
-        self.active: list[_Sequence] = []
+        self.active: list[Sequence] = []
         self.cache: KVCache | None = None
         self.valid: torch.Tensor | None = None  # (B, S): which columns hold real tokens
 
@@ -154,38 +122,11 @@ class ContinuousBatcher:
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Queue a sequence; it joins the batch at the next step with room for it. ValueError
         (naming the field) for a request that cannot be served."""
-        params = checked(params)
-        if not prompt:
-            raise ValueError("prompt: at least one token is needed")
-        if len(prompt) + params.max_tokens > self.cfg.seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens "
-                             f"({params.max_tokens}) exceed the model's context of "
-                             f"{self.cfg.seq_len} tokens")
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                else torch.seed())
-        detok = (ByteDetokenizer() if self.tokenizer is None
-                 else TextDetokenizer(self.tokenizer, list(prompt)))
-        if params.adapter is not None and (self.adapters is None
-                                           or params.adapter not in self.adapters.slots):
-            raise ValueError(f"adapter: {params.adapter!r} is not loaded"
-                             + (f" (loaded: {sorted(self.adapters.slots)})" if self.adapters
-                                else ""))
-        matcher = None
-        if params.constraint is not None:
-            if self.grammars is None:
-                raise ValueError("constraint: this engine has no grammar support (it needs "
-                                 "the model's Hugging Face tokenizer)")
-            matcher = self.grammars.matcher(params.constraint)  # GrammarError, a ValueError
-        check_tokens(params, self.cfg.vocab_size)
-        enders = list(params.stop_token_ids) + (
-            [self.eos_id] if self.eos_id is not None and not params.ignore_eos else [])
-        adjust = LogitAdjust(params, prompt, self.cfg.vocab_size, enders) \
-            if LogitAdjust.wanted(params) else None
+        seq = Sequence.begin(seq_id, prompt, params, self.cfg, self.eos_id,
+                             tokenizer=self.tokenizer, grammars=self.grammars,
+                             adapters=self.adapters)
         with self._lock:
-            self._waiting.append(_Sequence(seq_id, list(prompt), params, gen, detok,
-                                           matcher=matcher, adjust=adjust))
+            self._waiting.append(seq)
 
     def cancel(self, seq_id: str) -> None:
         """Drop a sequence (its client went away); it frees its slot at the next step."""
@@ -296,7 +237,7 @@ class ContinuousBatcher:
         """A one-token forward pass whose result is thrown away (see ``lockstep``)."""
         self.model.hidden(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[Sequence]:
         with self._lock:
             room = self.max_batch - len(self.active)
             taken = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
@@ -309,7 +250,7 @@ class ContinuousBatcher:
         if gone:
             self._retire(gone)
 
-    def _prefill(self, seqs: list[_Sequence]) -> list[Event]:
+    def _prefill(self, seqs: list[Sequence]) -> list[Event]:
         """Run the newcomers' prompts and choose their first tokens. A prompt that several of
         them share (GRPO's samples, a request's n choices) runs once; with a prefix cache, a
         prompt whose start is cached runs from there (``_prefill_hit``); the others run
@@ -319,7 +260,7 @@ class ContinuousBatcher:
         cache = self.prefix_cache
         if cache is None:
             return self._prefill_cold(seqs)
-        groups: dict[tuple, list[_Sequence]] = {}
+        groups: dict[tuple, list[Sequence]] = {}
         for s in seqs:
             groups.setdefault((tuple(s.prompt), s.params.adapter), []).append(s)
         events, starts = [], {}
@@ -348,7 +289,7 @@ class ContinuousBatcher:
             events += self._prefill_cold(alone)
         return events
 
-    def _prefill_cold(self, seqs: list[_Sequence]) -> list[Event]:
+    def _prefill_cold(self, seqs: list[Sequence]) -> list[Event]:
         """Prompts run together (left-padded), their keys and values merged into the batch's
         cache (and kept in the prefix cache). An opening that every prompt shares (a chat
         template's system prompt: SHARED_OPENING tokens or more, under one adapter) runs once,
@@ -395,7 +336,7 @@ class ContinuousBatcher:
                                          self._namespace(adapters[i]))
         return self._admit_rows(cache, valid, logits, rows, seqs)
 
-    def _prefill_hit(self, prompt: list[int], n: int, blocks: list, seqs: list[_Sequence]
+    def _prefill_hit(self, prompt: list[int], n: int, blocks: list, seqs: list[Sequence]
                      ) -> list[Event]:
         """A prompt whose first ``n`` tokens' keys and values are cached (``blocks``): those
         copied in, the rest run, for ``seqs`` (the sequences of this prompt)."""
@@ -421,18 +362,16 @@ class ContinuousBatcher:
         return self._admit_rows(cache, valid, logits, [0] * len(seqs), seqs)
 
     def _admit_rows(self, cache: KVCache, valid: torch.Tensor, logits: torch.Tensor,
-                    rows: list[int], seqs: list[_Sequence]) -> list[Event]:
+                    rows: list[int], seqs: list[Sequence]) -> list[Event]:
         """Sequence i takes row ``rows[i]`` of a prefill's cache, valid mask and logits (its
         own copy, when prompts were shared): merged into the batch, first tokens chosen."""
         if len(rows) > cache.k[0].shape[0]:
-            index = torch.tensor(rows, device=self.device)
-            cache = KVCache([t.index_select(0, index) for t in cache.k],
-                            [t.index_select(0, index) for t in cache.v], cache.length)
-            valid, logits = valid.index_select(0, index), logits.index_select(0, index)
+            cache, valid = select_rows(cache, valid, rows)
+            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
         self._merge(cache, valid, seqs)
-        return self._choose(seqs, logits)
+        return choose(seqs, self.eos_id, logits)
 
-    def _decode(self, seqs: list[_Sequence]) -> list[Event]:
+    def _decode(self, seqs: list[Sequence]) -> list[Event]:
         self._make_room()
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
@@ -442,12 +381,13 @@ class ContinuousBatcher:
             slots = self.adapters.slot_ids(names) if self._adapted() else None
             with self._routed(names) if fused.routed else contextlib.nullcontext():
                 if fused.has_logits:
-                    return self._choose(seqs, *fused.logits(idx, self.valid, self.cache, slots))
+                    return choose(seqs, self.eos_id,
+                                  *fused.logits(idx, self.valid, self.cache, slots))
                 h = fused.hidden(idx, self.valid, self.cache, slots)
-            return self._choose(seqs, self._logits(h))
+            return choose(seqs, self.eos_id, self._logits(h))
         with self._routed(names), self._products():
             h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
-        return self._choose(seqs, self._logits(h[:, -1]))
+        return choose(seqs, self.eos_id, self._logits(h[:, -1]))
 
     def _products(self):
         """The packed products for the enclosed forwards, when the engine holds them."""
@@ -482,126 +422,21 @@ class ContinuousBatcher:
         """The prefix cache's namespace for a sequence: the weights' and its adapter's."""
         return self.cache_namespace if adapter is None else f"{self.cache_namespace}|{adapter}"
 
-    def _choose(self, seqs: list[_Sequence], logits_BV: torch.Tensor,
-                greedy: list[int] | None = None, finite: list[bool] | None = None
-                ) -> list[Event]:
-        """Each sequence's next token from its row of logits; ``greedy`` and ``finite``: each
-        row's argmax and finiteness when the step computed them (the fused one does)."""
-        events = []
-        logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
-        # the finiteness test and the greedy choices of the whole batch at once
-        if finite is None:
-            finite = finite_rows(logits_BV).tolist()
-        if greedy is None:
-            greedy = logits_BV.argmax(-1).tolist()
-        for i, (s, logits) in enumerate(zip(seqs, logits_BV)):
-            sampled = None  # the logits sampled from, where they are not the model's
-            try:
-                if not finite[i]:
-                    raise FloatingPointError(NON_FINITE)
-                if s.adjust is not None:
-                    sampled = s.adjust.apply(logits)
-                if s.matcher is not None:  # only what the grammar allows
-                    sampled = (logits if sampled is None else sampled).masked_fill(
-                        ~s.matcher.allowed(), float("-inf"))
-                if sampled is not None and s.params.temperature <= 0:
-                    greedy[i] = int(sampled.argmax())
-                token = greedy[i] if s.params.temperature <= 0 else \
-                    draw(logits if sampled is None else sampled, s.params, s.generator)
-                if s.matcher is not None:
-                    s.matcher.accept(token)
-                if s.adjust is not None:
-                    s.adjust.accept(token)
-            except Exception as e:  # this sequence ends; the others go on
-                events.append(Event(s.seq_id, None, "", "error", f"{type(e).__name__}: {e}"))
-                continue
-            s.out.append(token)
-            ev = self._advance(s, token)
-            if s.params.logprobs is not None:
-                logp = torch.log_softmax(logits, -1)
-                ev.logprob = float(logp[token])
-                if sampled is not None:
-                    ev.sampled_logprob = float(torch.log_softmax(sampled, -1)[token])
-                if s.params.logprobs:
-                    top = logp.topk(s.params.logprobs)
-                    ev.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
-            events.append(ev)
-        return events
-
-    def _advance(self, s: _Sequence, token: int) -> Event:
-        """Account for ``token``: extend the text, check stop strings and limits, and say how
-        much text is final (text that could still become a stop string is held back)."""
-        finish, p = None, s.params
-        if (token == self.eos_id and not p.ignore_eos) or token in p.stop_token_ids:
-            finish = "stop"
-        else:
-            s.text += s.detok.add(token)
-            if s.matcher is not None and s.matcher.done:  # the grammar's output is complete
-                finish = "stop"
-        # a stop string counts where it ends in this token's text (none before min_tokens)
-        longest = max((len(x) for x in p.stop), default=0)
-        cut, stop = -1, ""
-        if len(s.out) >= p.min_tokens:
-            start = max(0, s.searched - longest + 1)
-            cut, stop = min(((i, x) for x in p.stop if (i := s.text.find(x, start)) >= 0),
-                            default=(-1, ""))
-        s.searched = len(s.text)
-        if cut >= 0:
-            cut += len(stop) if p.include_stop_str_in_output else 0
-            s.text, finish = s.text[:cut], "stop"
-        elif finish is None and len(s.out) >= p.max_tokens:
-            finish = "length"
-        if finish is not None:
-            s.text += s.detok.finish() if cut < 0 else ""
-            ready = len(s.text)
-        else:
-            ready = len(s.text) - max(longest - 1, 0)
-        delta = s.text[s.sent:max(ready, s.sent)]
-        s.sent += len(delta)
-        return Event(s.seq_id, token, delta, finish)
-
-    # ---- the shared cache -------------------------------------------------------------------
+    # ---- the shared cache (troupe.generation.batch_cache) ------------------------------------
     def _dtype(self) -> torch.dtype:
         return self.model.dtype
 
     def _make_room(self) -> None:
-        """A free column for the next token: the cache doubles its columns (up to the
-        model's context), and at the context drops the columns no sequence uses any more.
-        The cache holds as many columns as the batch needs, not the whole context: copying
-        it (retiring, merging) costs what the sequences use."""
-        capacity = self.cache.k[0].shape[2]
-        if self.cache.length + 1 <= capacity:
-            return
-        if capacity < self.cfg.seq_len:
-            grown = min(max(2 * capacity, self.cache.length + 1), self.cfg.seq_len)
-            self.cache, self.valid = _placed(self.cache, self.valid, self.cache.length, grown)
-        else:
-            self._compact()
+        """A free column for the next token (troupe.generation.batch_cache.with_room)."""
+        self.cache, self.valid = with_room(self.cache, self.valid, self.cfg.seq_len)
 
-    def _merge(self, cache: KVCache, valid: torch.Tensor, seqs: list[_Sequence]) -> None:
+    def _merge(self, cache: KVCache, valid: torch.Tensor, seqs: list[Sequence]) -> None:
         if self.cache is None or not self.active:
             self.cache, self.valid = cache, valid
             self.active = list(seqs)
             return
-        L = max(self.cache.length, cache.length)
-        C = max(self.cache.k[0].shape[2], cache.k[0].shape[2], L)
-        old, old_valid = _placed(self.cache, self.valid, L, C)
-        new, new_valid = _placed(cache, valid, L, C)
-        self.cache = KVCache([torch.cat([a, b]) for a, b in zip(old.k, new.k)],
-                             [torch.cat([a, b]) for a, b in zip(old.v, new.v)], L)
-        self.valid = torch.cat([old_valid, new_valid])
+        self.cache, self.valid = merged(self.cache, self.valid, cache, valid)
         self.active += seqs
-
-    def _compact(self) -> None:
-        """Drop leading columns that no sequence of the batch uses any more."""
-        first = int(self.valid.float().argmax(1).min())  # earliest real column of any row
-        if first == 0:
-            raise RuntimeError("KV cache is full: a sequence reached the model's context")
-        L = self.cache.length - first
-        for t in self.cache.k + self.cache.v:
-            t[:, :, :L] = t[:, :, first:first + L].clone()
-        self.cache.length = L
-        self.valid = self.valid[:, first:]
 
     def _retire(self, seq_ids: set[str]) -> None:
         keep = [i for i, s in enumerate(self.active) if s.seq_id not in seq_ids]
@@ -611,24 +446,4 @@ class ContinuousBatcher:
         if not keep:
             self.cache, self.valid = None, None
             return
-        index = torch.tensor(keep, device=self.device)
-        self.cache = KVCache([t.index_select(0, index) for t in self.cache.k],
-                             [t.index_select(0, index) for t in self.cache.v], self.cache.length)
-        self.valid = self.valid.index_select(0, index)
-
-
-def _placed(cache: KVCache, valid: torch.Tensor, L: int, C: int) -> tuple[KVCache, torch.Tensor]:
-    """The cache with C columns, its filled ones moved right to end at column L; the columns
-    before them are invalid (and zero: masked columns still enter the product, no NaN)."""
-    d = L - cache.length
-    if d == 0 and C == cache.k[0].shape[2]:
-        return cache, valid
-    k, v = [], []
-    for src, dst in ((cache.k, k), (cache.v, v)):
-        for t in src:
-            B, H, _, D = t.shape
-            moved = t.new_zeros(B, H, C, D)
-            moved[:, :, d:L] = t[:, :, :cache.length]
-            dst.append(moved)
-    pad = valid.new_zeros(valid.shape[0], d)
-    return KVCache(k, v, L), torch.cat([pad, valid], 1)
+        self.cache, self.valid = select_rows(self.cache, self.valid, keep)

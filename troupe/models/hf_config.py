@@ -61,20 +61,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> GPTConfig:
 def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{where}: activation_function {act!r} is not supported")
-        # attention scaled otherwise than by 1 / sqrt(head size) would load without a word
-        # and give other logits
-        for key, usual in (("scale_attn_weights", True),
-                           ("scale_attn_by_inverse_layer_idx", False)):
-            if bool(hf.get(key, usual)) != usual:
-                raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (troupe scales "
-                                 "attention by 1 / sqrt(head size) in every layer)")
-        return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
-                         n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
-                         d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                         mlp="gelu" if act == "gelu" else "gelu_tanh", qkv_bias=True)
+        return _gpt2_config(hf, where)
     if kind not in LLAMA_FAMILY:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; troupe loads "
                          f"{', '.join(SUPPORTED)}")
@@ -86,36 +73,11 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (silu is)")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
-                                         else None)
     seq_len = hf.get("max_position_embeddings", 2048)
-    if rope_type(scaling) == "yarn":
-        # as transformers reads YaRN: the original context defaults to this one, and the
-        # factor to their ratio
-        scaling = dict(scaling)
-        scaling.setdefault("original_max_position_embeddings", seq_len)
-        old = scaling["original_max_position_embeddings"]
-        if scaling.get("factor") is None and type(old) is int and old > 0:
-            scaling["factor"] = seq_len / old
+    scaling = _rope_scaling(hf, rope, seq_len)
     window, sliding = _sliding(hf, kind, where) if kind != "llama" else (None, None)
     bias = hf.get("attention_bias", False)
-    moe = None
-    if kind == "mixtral":
-        jitter = hf.get("router_jitter_noise") or 0.0
-        moe = MoEConfig(num_experts=hf["num_local_experts"], expert_interval=1,
-                        top_k=hf["num_experts_per_tok"], dropless=True,
-                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                        noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
-    elif kind in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: Qwen2-MoE without a shared expert
-        experts = hf["num_experts"] if "num_experts" in hf or kind == "qwen2_moe" \
-            else hf["num_local_experts"]
-        moe = MoEConfig(num_experts=experts, expert_interval=hf.get("decoder_sparse_step", 1),
-                        top_k=hf["num_experts_per_tok"], dropless=True,
-                        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
-                        dense_layers=hf.get("mlp_only_layers") or [],
-                        expert_d_ff=hf["moe_intermediate_size"],
-                        normalize_top_k=hf.get("norm_topk_prob", kind == "qwen3_moe"),
-                        shared_expert_d_ff=hf.get("shared_expert_intermediate_size") or None)
+    moe = _moe_config(hf, kind)
     return GPTConfig(
         vocab_size=hf["vocab_size"], seq_len=seq_len, n_layer=hf["num_hidden_layers"],
         n_head=heads, d_model=d, d_ff=hf["intermediate_size"],
@@ -128,6 +90,60 @@ def _config_from_hf(hf: dict[str, Any], where: str) -> GPTConfig:
         out_bias=bias, mlp_bias=hf.get("mlp_bias", False),
         qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_embeddings=hf.get("tie_word_embeddings", kind == "gpt2"), moe=moe)
+
+
+def _gpt2_config(hf: dict[str, Any], where: str) -> GPTConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{where}: activation_function {act!r} is not supported")
+    # attention scaled otherwise than by 1 / sqrt(head size) would load without a word
+    # and give other logits
+    for key, usual in (("scale_attn_weights", True),
+                       ("scale_attn_by_inverse_layer_idx", False)):
+        if bool(hf.get(key, usual)) != usual:
+            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported (troupe scales "
+                             "attention by 1 / sqrt(head size) in every layer)")
+    return GPTConfig(vocab_size=hf["vocab_size"], seq_len=hf["n_positions"],
+                     n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
+                     d_ff=hf.get("n_inner"), norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                     mlp="gelu" if act == "gelu" else "gelu_tanh", qkv_bias=True)
+
+
+def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], seq_len: int) -> dict | None:
+    """The rotary scaling of a config (``rope_scaling``, or transformers 5's
+    ``rope_parameters`` when it scales), YaRN's defaults filled as transformers reads them."""
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default")
+                                         else None)
+    if rope_type(scaling) == "yarn":
+        # as transformers reads YaRN: the original context defaults to this one, and the
+        # factor to their ratio
+        scaling = dict(scaling)
+        scaling.setdefault("original_max_position_embeddings", seq_len)
+        old = scaling["original_max_position_embeddings"]
+        if scaling.get("factor") is None and type(old) is int and old > 0:
+            scaling["factor"] = seq_len / old
+    return scaling
+
+
+def _moe_config(hf: dict[str, Any], kind: str) -> MoEConfig | None:
+    """Mixtral's and the Qwen MoEs' expert layers (None for a dense model)."""
+    if kind == "mixtral":
+        jitter = hf.get("router_jitter_noise") or 0.0
+        return MoEConfig(num_experts=hf["num_local_experts"], expert_interval=1,
+                         top_k=hf["num_experts_per_tok"], dropless=True,
+                         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                         noisy_gate="jitter" if jitter else "none", jitter_eps=jitter)
+    if kind in ("qwen2_moe", "qwen3_moe"):  # Qwen3-MoE: Qwen2-MoE without a shared expert
+        experts = hf["num_experts"] if "num_experts" in hf or kind == "qwen2_moe" \
+            else hf["num_local_experts"]
+        return MoEConfig(num_experts=experts, expert_interval=hf.get("decoder_sparse_step", 1),
+                         top_k=hf["num_experts_per_tok"], dropless=True,
+                         aux_loss_coef=hf.get("router_aux_loss_coef", 0.001),
+                         dense_layers=hf.get("mlp_only_layers") or [],
+                         expert_d_ff=hf["moe_intermediate_size"],
+                         normalize_top_k=hf.get("norm_topk_prob", kind == "qwen3_moe"),
+                         shared_expert_d_ff=hf.get("shared_expert_intermediate_size") or None)
+    return None
 
 
 def _sliding(hf: dict[str, Any], kind: str, where: str) -> tuple[int | None, list[int] | None]:
@@ -200,19 +216,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         raise ValueError("save_pretrained: MoE models export as Mixtral, which needs rotary "
                          "positions, RMSNorm and SwiGLU experts (troupe's PR-MoE GPT has none)")
     if cfg.positions == "learned":
-        if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
-                cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias) or \
-                cfg.sliding_window is not None or cfg.head_size * cfg.n_head != cfg.d_model:
-            raise ValueError("save_pretrained: learned positions export as GPT-2, which needs "
-                             "LayerNorm, a GELU MLP with biases, tied embeddings, no GQA, no "
-                             "sliding window, and heads that span the width")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.d_model,
-                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
-                "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": True,
-                "activation_function": "gelu" if cfg.mlp == "gelu" else "gelu_new",
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "torch_dtype": "float32"}
+        return _gpt2_to_hf(cfg)
     if cfg.norm != "rmsnorm" or cfg.mlp != "swiglu":
         raise ValueError("save_pretrained: rotary positions export as Llama, which needs "
                          "RMSNorm and a SwiGLU MLP")
@@ -242,7 +246,31 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
     if kind in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = cfg.qkv_bias
-    moe = cfg.moe
+    if cfg.moe is not None:
+        out.update(_moe_to_hf(cfg, kind, out["intermediate_size"]))
+    return out
+
+
+def _gpt2_to_hf(cfg: GPTConfig) -> dict[str, Any]:
+    """GPT-2's config.json, for a model with learned positions."""
+    if cfg.norm != "layernorm" or cfg.mlp == "swiglu" or not cfg.tie_embeddings or \
+            cfg.kv_heads != cfg.n_head or not (cfg.out_bias and cfg.mlp_bias) or \
+            cfg.sliding_window is not None or cfg.head_size * cfg.n_head != cfg.d_model:
+        raise ValueError("save_pretrained: learned positions export as GPT-2, which needs "
+                         "LayerNorm, a GELU MLP with biases, tied embeddings, no GQA, no "
+                         "sliding window, and heads that span the width")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": cfg.d_ff,
+            "layer_norm_epsilon": cfg.norm_eps, "tie_word_embeddings": True,
+            "activation_function": "gelu" if cfg.mlp == "gelu" else "gelu_new",
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "torch_dtype": "float32"}
+
+
+def _moe_to_hf(cfg: GPTConfig, kind: str, d_ff: int) -> dict[str, Any]:
+    """The expert settings of Mixtral's or a Qwen MoE's config.json."""
+    moe, out = cfg.moe, {}
     if kind == "mixtral":
         out.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                    router_aux_loss_coef=moe.aux_loss_coef,
@@ -251,7 +279,7 @@ def config_to_hf(cfg: GPTConfig) -> dict[str, Any]:
         out.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                    router_aux_loss_coef=moe.aux_loss_coef, decoder_sparse_step=moe.expert_interval,
                    mlp_only_layers=moe.dense_layers, norm_topk_prob=moe.normalize_top_k,
-                   moe_intermediate_size=moe.expert_d_ff or out["intermediate_size"])
+                   moe_intermediate_size=moe.expert_d_ff or d_ff)
     if kind == "qwen2_moe":
         out.update(shared_expert_intermediate_size=moe.shared_expert_d_ff, qkv_bias=cfg.qkv_bias)
     return out

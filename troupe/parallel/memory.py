@@ -16,7 +16,7 @@ from torch import nn
 
 from troupe.config import ConfigError
 from troupe.optim import OptimizerConfig, padded_size
-from troupe.parallel.zero3 import transient_bytes, unit_parameters
+from troupe.parallel.partition import transient_bytes, unit_parameters
 
 GIB = 1 << 30
 

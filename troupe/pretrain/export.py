@@ -16,7 +16,8 @@ from troupe.models import GPT, expert_parameters
 from troupe.models.record import ModelRecord
 from troupe.optim import padded_size
 from troupe.parallel import expert_layout
-from troupe.parallel.zero3 import assemble, unit_parameters
+from troupe.parallel.partition import unit_parameters
+from troupe.parallel.reshard import assemble
 from troupe.pretrain.config import PretrainConfig
 
 

@@ -42,13 +42,16 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+
 from pathlib import Path
+
+from troupe.runtime import netns
+from troupe.runtime.netns import HostsError, check_tools
 
 SUBNET = "198.18.0"
 RAY_PORT = 6379
@@ -57,11 +60,6 @@ DASHBOARD_PORT = 8265
 # dead, so a link cut for less than PERIOD x FAILURES (10 s) is ridden out
 HEALTH_CHECK = {"RAY_health_check_initial_delay_ms": "2000", "RAY_health_check_period_ms": "1000",
                 "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "10"}
-
-
-class HostsError(RuntimeError):
-    """The emulator cannot do what was asked (no root, no ``ip``/``tc``/``nft``, a name in
-    use, a host that does not exist); the message says which, in one line."""
 
 
 @dataclass
@@ -138,16 +136,16 @@ class Hosts:
         self = cls(name, [Host(i, f"{SUBNET}.{i + 1}", rate, loss, False,
                                cpus if i or head_cpus is None else head_cpus, gpus,
                                object_store_mb) for i in range(n)])
-        if self.dir.exists() or set(_namespaces()) & {self.hub, self.namespace(0)}:
+        if self.dir.exists() or set(netns.namespaces()) & {self.hub, self.namespace(0)}:
             raise HostsError(f"hosts {name!r} are up already: `troupe hosts down --name "
                              f"{name}` first")
         self.dir.mkdir(parents=True)
         try:
             (self.dir / "token").write_text(secrets.token_hex(32))
             os.chmod(self.dir / "token", 0o600)
-            _ip("netns", "add", self.hub)
-            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.hub, "link", "set", "br0", "up")
+            netns.ip("netns", "add", self.hub)
+            netns.ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            netns.ip("-n", self.hub, "link", "set", "br0", "up")
             for h in self.hosts:
                 self._make_host(h)
             self.save()
@@ -162,21 +160,21 @@ class Hosts:
 
     def _make_host(self, h: Host) -> None:
         ns = self.namespace(h.index)
-        _ip("netns", "add", ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"h{h.index}",
-            "netns", self.hub)
-        _ip("-n", ns, "addr", "add", f"{h.address}/24", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
-        _ip("-n", self.hub, "link", "set", f"h{h.index}", "master", "br0")
-        _ip("-n", self.hub, "link", "set", f"h{h.index}", "up")
+        netns.ip("netns", "add", ns)
+        netns.ip("-n", ns, "link", "set", "lo", "up")
+        netns.ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name",
+                 f"h{h.index}", "netns", self.hub)
+        netns.ip("-n", ns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+        netns.ip("-n", ns, "link", "set", "eth0", "up")
+        netns.ip("-n", self.hub, "link", "set", f"h{h.index}", "master", "br0")
+        netns.ip("-n", self.hub, "link", "set", f"h{h.index}", "up")
         self._shape(h)
 
     def down(self) -> None:
         """Every process, namespace, link and rule of the cluster gone (the links and rules
         live in the namespaces), and its state directory."""
         for ns in [self.namespace(i) for i in range(len(self.hosts))] + [self.hub]:
-            _kill_namespace(ns)
+            netns.kill_namespace(ns)
         for ns in [self.namespace(i) for i in range(len(self.hosts))] + [self.hub]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -212,8 +210,9 @@ class Hosts:
             subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev,
                             "root"], capture_output=True)
             if h.rate is not None:
-                _run("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
-                     "tbf", "rate", h.rate, "burst", _burst(h.rate), "latency", "50ms")
+                netns.run("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev,
+                          "root", "tbf", "rate", h.rate, "burst", netns.burst(h.rate),
+                          "latency", "50ms")
         subprocess.run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "troupe"],
                        capture_output=True)
         if h.loss > 0:
@@ -223,12 +222,12 @@ class Hosts:
                      f"numgen random mod 100000 < {per} drop; }}\n"
                      " chain out { type filter hook output priority 0; "
                      f"numgen random mod 100000 < {per} drop; }}\n}}\n")
-            _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=rules)
+            netns.run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=rules)
 
     def set_cut(self, i: int, cut: bool) -> None:
         """Take host ``i``'s link down at the bridge (``cut``) or bring it back."""
         h = self.host(i)
-        _ip("-n", self.hub, "link", "set", f"h{i}", "down" if cut else "up")
+        netns.ip("-n", self.hub, "link", "set", f"h{i}", "down" if cut else "up")
         h.cut = cut
         self.save()
 
@@ -241,8 +240,8 @@ class Hosts:
         return self._link_counter(i, "rx_bytes")
 
     def _link_counter(self, i: int, name: str) -> int:
-        return int(_run("ip", "netns", "exec", self.namespace(i), "cat",
-                        f"/sys/class/net/eth0/statistics/{name}"))
+        return int(netns.run("ip", "netns", "exec", self.namespace(i), "cat",
+                             f"/sys/class/net/eth0/statistics/{name}"))
 
     # ---- processes ---------------------------------------------------------------------
     def _start_ray(self, h: Host) -> None:
@@ -266,14 +265,14 @@ class Hosts:
     def kill(self, i: int) -> None:
         """Every process of host ``i`` killed at once, as a machine that loses power."""
         self.host(i)
-        _kill_namespace(self.namespace(i))
+        netns.kill_namespace(self.namespace(i))
         self.host(i).pid = None
         self.save()
 
     def restart(self, i: int) -> None:
         """Host ``i``'s Ray node started again (after ``kill``)."""
         h = self.host(i)
-        _kill_namespace(self.namespace(i))
+        netns.kill_namespace(self.namespace(i))
         self._start_ray(h)
         self.save()
 
@@ -327,7 +326,7 @@ class Hosts:
         ``ray::<its class>``: ``find("ray::ServeReplica")``)."""
         found = []
         for h in self.hosts:
-            for pid in _pids(self.namespace(h.index)):
+            for pid in netns.pids(self.namespace(h.index)):
                 try:
                     line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
                 except OSError:  # gone meanwhile
@@ -343,87 +342,15 @@ class Hosts:
         return self.hosts[i]
 
     def status(self) -> list[dict]:
-        present = set(_namespaces())
+        present = set(netns.namespaces())
         rows = []
         for h in self.hosts:
             ns = self.namespace(h.index)
             rows.append({"host": h.index, "namespace": ns, "address": h.address,
                          "up": ns in present, "link": "cut" if h.cut else "up",
                          "rate": h.rate or "unshaped", "loss": h.loss,
-                         "processes": len(_pids(ns)) if ns in present else 0})
+                         "processes": len(netns.pids(ns)) if ns in present else 0})
         return rows
-
-
-# ---- the system's tools ---------------------------------------------------------------------
-def check_tools(loss: bool = False, delay: bool = False) -> None:
-    """HostsError in one line when the emulator cannot run here (root, ``ip``, ``tc``; ``nft``
-    for loss; netem for delay, which this kernel lacks)."""
-    if os.geteuid() != 0:
-        raise HostsError("troupe hosts makes network namespaces: it needs root")
-    for tool in ("ip", "tc") + (("nft",) if loss else ()):
-        if shutil.which(tool) is None:
-            package = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}[tool]
-            raise HostsError(f"troupe hosts needs `{tool}` (Debian's {package} package: "
-                             f"apt-get install {package})")
-    if delay and not _netem():
-        raise HostsError("delay and jitter need the kernel's netem (sch_netem), which this "
-                         "kernel lacks: rate (--rate), loss (--loss), cut and kill are "
-                         "what can be emulated here")
-
-
-def _netem() -> bool:
-    ns = f"trh-probe-{os.getpid()}"
-    try:
-        _ip("netns", "add", ns)
-        return subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo",
-                               "root", "netem", "delay", "1ms"], capture_output=True
-                              ).returncode == 0
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def _run(*cmd: str, stdin: str | None = None) -> str:
-    p = subprocess.run(cmd, capture_output=True, text=True, input=stdin)
-    if p.returncode != 0:
-        raise HostsError(f"{' '.join(cmd)}: {p.stderr.strip() or p.stdout.strip()}")
-    return p.stdout
-
-
-def _ip(*args: str) -> str:
-    return _run("ip", *args)
-
-
-def _namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def _pids(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _kill_namespace(ns: str, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process in ``ns`` until none is left."""
-    deadline = time.monotonic() + timeout_s
-    while (pids := _pids(ns)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
-def _burst(rate: str) -> str:
-    """tbf's bucket: a few milliseconds of the rate, and at least 64 KiB (a GSO segment)."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    text = rate.lower()
-    for unit, scale in units.items():
-        if text.endswith(unit) and text[:-len(unit)].replace(".", "").isdigit():
-            bits = float(text[:-len(unit)]) * scale
-            return f"{max(int(bits / 8 / 250), 64 << 10)}b"
-    raise HostsError(f"--rate {rate!r}: a rate such as 100mbit, 1gbit or 10gbit")
 
 
 # ---- the command -----------------------------------------------------------------------------
@@ -476,9 +403,9 @@ def _verb(args: argparse.Namespace) -> int:
         try:
             Hosts.load(args.name).down()
         except HostsError:  # nothing recorded: remove whatever carries the name
-            for ns in _namespaces():
+            for ns in netns.namespaces():
                 if ns.startswith(f"{args.name}-h"):
-                    _kill_namespace(ns)
+                    netns.kill_namespace(ns)
                     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         return 0
     hosts = Hosts.load(args.name)

@@ -27,10 +27,13 @@ cannot all pass a check before any of them is counted."""
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from collections import deque
 
-from troupe.serving.protocol import Limits, RequestError
+from troupe.serving.config import Limits
+from troupe.serving.protocol import RequestError
 
 GRACE_S = 3.0  # a body's first seconds are not held to limits.min_body_rate
 
@@ -165,3 +168,12 @@ class Place:
         if self._held and (final or not self.handed_over):
             self._held = False
             self._admission._give_back()
+
+
+def lower_priority(niceness: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux schedules threads apart; elsewhere this
+    does nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass

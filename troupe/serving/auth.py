@@ -11,6 +11,8 @@ import os
 import secrets
 from dataclasses import dataclass
 
+from troupe.serving.protocol import RequestError
+
 
 @dataclass(frozen=True)
 class KeyDigest:
@@ -24,6 +26,17 @@ class KeyDigest:
 
     def matches(self, token: str) -> bool:
         return hmac.compare_digest(_digest(self.salt, token), self.sha256)
+
+
+def authorize(header: str | None, key: KeyDigest | None) -> None:
+    """Let a request through when its ``Authorization`` header is ``Bearer <key>`` (or the
+    server has no key); else a 401 (the replicas' and agent mode's servers both check here)."""
+    if key is None:
+        return
+    scheme, _, token = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.matches(token.strip()):
+        raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error")
 
 
 def take_key(env: str) -> tuple[str | None, KeyDigest | None]:

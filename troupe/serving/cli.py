@@ -22,8 +22,8 @@ from troupe.config import app_parser, errors_reported, load_app_config
 from troupe.runtime import cluster
 from troupe.serving import deploy as serve
 from troupe.serving.auth import take_key
+from troupe.serving.config import ServeConfig
 from troupe.serving.model import check_source
-from troupe.serving.protocol import ServeConfig
 
 
 def check(url: str, cfg: ServeConfig, prompt: str, key: str | None) -> dict:

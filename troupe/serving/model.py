@@ -19,12 +19,12 @@ from troupe.compression.quantize import check_patterns, outlier_channels
 from troupe.config import ConfigError, validate
 from troupe.data import DataConfig, HFTokens, Tokenizer, TokenDataset, load_tokenizer
 from troupe.devices import precision_dtype, worker_device
+from troupe.generation.tools import template_text
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf_config import read_config
 from troupe.models.io import load_state, read_module_file, save_module
 from troupe.pretrain.export import checkpoint_model, load_full_model
-from troupe.serving.protocol import ModelSource, ServeConfig
-from troupe.generation.tools import template_text
+from troupe.serving.config import ModelSource, ServeConfig
 
 FORMAT = "troupe-model/1"
 

@@ -13,11 +13,34 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
-from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation import Event, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class Batcher(Protocol):
+    """What a replica decodes with: troupe.generation.ContinuousBatcher, or the expert-parallel
+    batcher over rank actors (troupe.serving.expert_parallel). The attributes say what the
+    engine offers beyond decoding: per-row LoRA adapters (``adapters``, None: none), a prefix
+    cache (``prefix_cache``, None: none), structured outputs (``structured_outputs``; then
+    ``grammars`` is made at the first constrained request)."""
+
+    adapters: Any
+    prefix_cache: Any
+    grammars: Any
+    structured_outputs: bool
+    prefill_tokens: int
+
+    def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None: ...
+    def cancel(self, seq_id: str) -> None: ...
+    def step(self) -> list[Event]: ...
+    def has_work(self) -> bool: ...
+    def reset(self) -> list[str]: ...
+    def active_ids(self) -> list[str]: ...
+    def waiting(self) -> int: ...
+    def kv_usage(self) -> tuple[int, int]: ...
 
 
 class SequenceFailed(RuntimeError):
@@ -28,7 +51,7 @@ class AsyncBatcher:
     """``generate`` yields a sequence's Events as the shared decode loop produces them; a
     caller that stops listening (client gone) cancels its sequence."""
 
-    def __init__(self, batcher: ContinuousBatcher):
+    def __init__(self, batcher: Batcher):
         self.batcher = batcher
         self._queues: dict[str, asyncio.Queue] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="decode")

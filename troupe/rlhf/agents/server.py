@@ -21,7 +21,6 @@ one thread of its own; nothing is pickled.
 
 from __future__ import annotations
 
-import hmac
 import json
 import queue
 import threading
@@ -31,12 +30,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from troupe.generation import ContinuousBatcher
-from troupe.generation import tools as tool_calls
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.rlhf.agents.loop import lay_out
 from troupe.rlhf.data.experience import Rollout
-from troupe.serving.protocol import (ChatRequest, Choice, Limits, RequestError, completion,
-                                     completion_id, parse)
+from troupe.serving.auth import KeyDigest, authorize
+from troupe.serving.config import Limits
+from troupe.serving.endpoints import Chat
+from troupe.serving.protocol import ChatRequest, RequestError, parse
+from troupe.serving.responses import Choice
+
+
+_CHAT = Chat()
 
 
 @dataclass
@@ -58,7 +62,8 @@ class RecordingServer:
     def __init__(self, model, tok, name: str = "policy", host: str = "127.0.0.1",
                  port: int = 0, max_batch: int = 8, api_key: str | None = None,
                  limits: Limits | None = None):
-        self.tok, self.name, self.key = tok, name, api_key
+        self.tok, self.name = tok, name
+        self.key = KeyDigest.of(api_key) if api_key else None
         self.limits = limits or Limits()
         self.engine = ContinuousBatcher(model, tok.eos_id, max_batch, tokenizer=tok.hf,
                                         prefix_cache=PrefixCache(64 << 20), keep_outputs=True)
@@ -120,7 +125,7 @@ class RecordingServer:
         params = req.sampling(room, self.limits)
         params = replace(params, max_tokens=min(params.max_tokens, room),
                          logprobs=params.logprobs or 0)  # the engine's log-probs: recorded
-        seq_id = completion_id(True)
+        seq_id = _CHAT.new_id()
         q: queue.Queue = queue.Queue()
         with self._lock:
             self._waiting[seq_id] = q
@@ -140,12 +145,10 @@ class RecordingServer:
             with self._lock:
                 self._waiting.pop(seq_id, None)
         choice = Choice(text=text, finish=finish, tokens=len(tokens))
-        if req.uses_tools():
-            choice.text, choice.tool_calls = tool_calls.parse(text)
-            choice.finish = "tool_calls" if choice.tool_calls else finish
+        _CHAT.finish(req, [choice])  # the model's <tool_call> blocks become tool_calls
         with self._lock:
             self.calls.append(Call(session, ids, tokens, logprobs, req.conversation()))
-        return completion(seq_id, self.name, [choice], len(ids), True)
+        return _CHAT.answer(seq_id, self.name, [choice], len(ids)).body()
 
     def weights_updated(self) -> None:
         """The model was trained: decode from its new weights (the packed copy refreshed) and
@@ -214,11 +217,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         s = self.server_
         try:
-            if s.key is not None:
-                scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), s.key):
-                    raise RequestError(401, "missing or wrong API key: send 'Authorization: "
-                                       "Bearer <key>'", type="authentication_error")
+            authorize(self.headers.get("Authorization"), s.key)
             parts = self.path.rstrip("/").split("/")  # "", sessions, id, v1, chat, completions
             length = int(self.headers.get("Content-Length") or 0)
             if length > s.limits.max_body_bytes:
