@@ -15,7 +15,9 @@ of C cores (--cores, default 2; names below for C = 2):
 
 Prints one JSON line per run (samples per second over the iterations after the first two,
 while the pipeline fills; each phase's median seconds; held-out gold at the end; weight-sync
-seconds and bytes per version; padding shares) and one summary line: each run's samples per
+seconds and bytes per version; padding shares; with zero_stage=3, the MB of weights the
+policy held whole at once while syncing and while training, and its plan's bound) and one
+summary line: each run's samples per
 second against sync-2t's, the bound one-step-off has on this machine (max of the 1-thread
 generation, after an overlapped sync's transfer, and the 1-thread score + train, plus what
 the driver waits for the sync: the two sides each get half the cores), one-step-off's share
@@ -82,7 +84,22 @@ def run(a, name: str, extra: list[str], seed: int, tmp: Path) -> dict:
             "logprob_mismatch_mean": med("logprob_mismatch_mean"),
             "tis_truncated": med("tis_truncated"),
             "reward": [round(r["reward"], 3) for r in steps],
+            **_gathered(syncs),
             "gold": [r for r in recs if r["kind"] == "step3_eval"][-1].get("gold")}
+
+
+def _gathered(syncs: list[dict]) -> dict:
+    """A zero_stage=3 policy's full buffers at their most (MB): while it synced (streamed
+    unit by unit), while it trained since the sync before (the first sync's left out: it
+    follows the load of the starting weights), and the bound its memory plan allows a
+    training step; the whole model, what a sync gathered before streaming, is sync_mb."""
+    later = [r for r in syncs[1:] if "sync_gathered_peak_bytes" in r]
+    if not later:
+        return {}
+    most = lambda key: round(max(r[key] for r in later) / 2**20, 1)
+    return {"sync_gathered_mb": most("sync_gathered_peak_bytes"),
+            "train_gathered_mb": most("train_gathered_peak_bytes"),
+            "planned_gathered_mb": most("planned_gathered_bytes")}
 
 
 def main() -> None:

@@ -195,7 +195,7 @@ def test_a_corrupted_bucket_is_caught_and_not_applied(members):
     new, (good, bad) = trainer.call("state")[0], replicas.call("state")
     assert all(torch.equal(good[k], new[k]) for k in new)
     tensors = weight_sync.sync_tensors(_model(0))
-    layout = weight_sync.Layout.of(tensors, 1024)
+    layout = weight_sync.Layout.of(weight_sync.specs_of(tensors), 1024)
     in_bucket_1 = {name for (name, _), (b, _, _) in zip(tensors, layout.places) if b == 1}
     assert in_bucket_1
     for name in new:

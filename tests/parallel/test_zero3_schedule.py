@@ -94,3 +94,19 @@ def test_the_backward_prefetches_in_the_forwards_recorded_order():
     gathered.clear()
     model(torch.randn(2, WIDTH)).backward()
     assert gathered == order + order[::-1]    # then each forward in the order recorded
+
+
+def test_the_stream_gives_every_parameter_whole_with_a_block_or_two_gathered():
+    """Zero3.stream (what a stage-3 policy's weight sync reads): every parameter in the order
+    of named_parameters, with its values, while no more than the root and two blocks (the
+    one read, the next prefetched) are whole; everything sharded again at its end."""
+    ref, model = Toy(scaled=True), Toy(scaled=True)
+    z = Zero3(model, None, prefetch=1)
+    want = dict(ref.named_parameters())
+    seen, most = [], 0
+    for name, p in z.stream():
+        most = max(most, sum(u.state is not UnitState.SHARDED for u in z.units))
+        torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=0)
+        seen.append(name)
+    assert seen == list(want) and most <= 2, (seen, most)
+    assert all(u.state is UnitState.SHARDED for u in [z.root, *z.units])

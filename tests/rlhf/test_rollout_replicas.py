@@ -55,7 +55,8 @@ def _step3(base: Path, out: Path, **over) -> list[dict]:
 def _numbers(records: list[dict]) -> list[dict]:
     """The records without timings and without what only replicas report."""
     skip = {"sync_s", "sync_bytes", "sync_buckets", "weight_version", "staleness_mean",
-            "staleness_max", "rollout_s", "rollout_restarts", "peak_memory_mb", *_TIMINGS}
+            "staleness_max", "rollout_s", "rollout_restarts", "peak_memory_mb", *_TIMINGS,
+            "sync_gathered_peak_bytes", "train_gathered_peak_bytes", "planned_gathered_bytes"}
     return [{k: v for k, v in r.items() if k not in skip and not k.endswith("_s")}
             for r in records]
 
@@ -63,7 +64,8 @@ def _numbers(records: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("algorithm,zero_stage", [("grpo", 1), ("ppo", 3)])
 def test_synchronous_replicas_give_todays_run_to_every_digit(base, tmp_path, algorithm,
                                                              zero_stage):
-    """PPO with a stage-3 policy: its partitioned weights gathered once per sync."""
+    """PPO with a stage-3 policy: its partitioned weights streamed into the sync unit by unit,
+    never more of them whole than its plan allows a training step."""
     today = _step3(base, tmp_path / "today", algorithm=algorithm, zero_stage=zero_stage,
                    step3=dict(iterations=2))
     got = _step3(base, tmp_path / "replicas", algorithm=algorithm, zero_stage=zero_stage,
@@ -72,6 +74,10 @@ def test_synchronous_replicas_give_todays_run_to_every_digit(base, tmp_path, alg
     steps = [r for r in got if r["kind"] == "step3"]
     assert steps[0]["staleness_max"] == 0 and steps[0]["weight_version"] == 1
     assert steps[0]["sync_bytes"] > 0 and steps[0]["logprob_mismatch_max"] < 1e-4
+    if zero_stage == 3:
+        synced = [r for r in steps if "sync_bytes" in r]
+        assert synced and all(0 < r["sync_gathered_peak_bytes"] <= r["planned_gathered_bytes"]
+                              for r in synced)
 
 
 def test_an_overlapped_sync_gives_the_inline_syncs_numbers(base, tmp_path):

@@ -9,6 +9,8 @@ bucket saved by another number of ranks."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -237,3 +239,18 @@ def materialize_buffers(model: nn.Module, device: torch.device) -> None:
                 meta = True
     if meta and hasattr(model, "reset_buffers"):
         model.reset_buffers()
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def comm_thread() -> ThreadPoolExecutor:
+    """The one thread that runs every partitioned model's collectives in this process, in
+    the order they were issued: two models on one group (a critic and the reward model in
+    the same worker) can never interleave their operations differently on two ranks."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="zero3")
+        return _POOL

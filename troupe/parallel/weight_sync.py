@@ -25,9 +25,16 @@ the first; two different words swapped change the second (other rows) or the thi
 row). Three memory-bound reductions, where the bucket lives (host or GPU): 0.03 s for
 512 MB on one core here, where a position-weighted sum over every word took 0.7 s.
 
+The trainer's side reads its tensors as a stream (``send_stream``): the layout is made from
+their names, shapes and dtypes alone (``sync_specs``), and the bytes are taken as each bucket
+is packed, the next bucket packed while a thread broadcasts the one before it. A partitioned
+(ZeRO-3) trainer streams its parameters unit by unit (``Zero3.stream``): no rank ever holds
+the whole model, only what a training step gathers anyway.
+
 A trainer that goes on computing while its weights travel (one-step-off rollouts) ``stage``s
 them first, every bucket packed into a copy of its own, and a ``BackgroundSend`` broadcasts
-that copy from a thread; the replicas' side does not change.
+that copy from a thread; the replicas' side does not change. (A partitioned trainer does not
+stage: the copy would be the whole model on rank 0; it streams instead.)
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import contextlib
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -70,14 +79,34 @@ def sync_tensors(model: nn.Module, dtype: torch.dtype | None = None
     caller folds the adapters in first: troupe.models.lora.fuse_lora). ``dtype``: each cast
     to it (a copy) where it differs, for replicas that hold their weights so (bf16: half the
     bytes, and the same bits as an fp32 sync cast on arrival)."""
-    out = []
-    for name, p in model.named_parameters():
-        if ".lora_a" in name or ".lora_b" in name:
-            continue
-        t = p.detach()
-        out.append((name.replace(".base.", "."),
-                    t if dtype is None or t.dtype == dtype else t.to(dtype)))
-    return out
+    return list(sync_stream(model.named_parameters(), dtype))
+
+
+def sync_specs(model: nn.Module, dtype: torch.dtype | None = None
+               ) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """What ``sync_tensors`` would give, as (name, shape, dtype), read from the parameters'
+    shapes alone (a partitioned model's need not be gathered)."""
+    return [(name, t.shape, dtype or t.dtype) for name, t in _named(model.named_parameters())]
+
+
+def sync_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``sync_tensors`` one at a time from ``named`` (a model's ``named_parameters()``, or a
+    partitioned model's stream that gathers unit by unit: troupe.parallel.zero3)."""
+    for name, t in _named(named):
+        yield name, t.detach() if dtype is None or t.dtype == dtype else t.detach().to(dtype)
+
+
+def _named(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The synced parameters of ``named``: LoRA's pairs left out, an adapted layer under its
+    plain name."""
+    for name, t in named:
+        if ".lora_a" not in name and ".lora_b" not in name:
+            yield name.replace(".base.", "."), t
+
+
+def specs_of(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Size, torch.dtype]]:
+    return [(name, t.shape, t.dtype) for name, t in tensors]
 
 
 @dataclass
@@ -89,11 +118,12 @@ class Layout:
     signature: int                           # crc32 of the names, shapes and dtypes
 
     @classmethod
-    def of(cls, tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> "Layout":
+    def of(cls, specs: list[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int) -> "Layout":
+        """The layout of tensors given as (name, shape, dtype), from their shapes alone."""
         buckets, places, used = [], [], None
         sig = zlib.crc32(b"")
-        for name, t in tensors:
-            n = t.numel() * t.element_size()
+        for name, shape, dtype in specs:
+            n = shape.numel() * dtype.itemsize
             step = -(-n // _ALIGN) * _ALIGN
             if used is None or (used + step > bucket_bytes and used > 0):
                 buckets.append(0)
@@ -101,7 +131,7 @@ class Layout:
             places.append((len(buckets) - 1, used, n))
             used += step
             buckets[-1] = used
-            sig = zlib.crc32(f"{name}:{tuple(t.shape)}:{t.dtype};".encode(), sig)
+            sig = zlib.crc32(f"{name}:{tuple(shape)}:{dtype};".encode(), sig)
         row = _ROW * 8  # whole rows of the checksum's grid, the tail zeros
         return cls([-(-b // row) * row for b in buckets], places, sig)
 
@@ -156,15 +186,25 @@ class SyncReport:
 
 def send(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version: int,
          bucket_bytes: int, timeout_s: float) -> SyncReport:
-    """The trainer's side (group rank 0): every tensor to every replica of ``comm``, one
-    bucket packed at a time into a buffer of the largest bucket's size."""
+    """The trainer's side (group rank 0): every tensor to every replica of ``comm``."""
+    return send_stream(comm, specs_of(tensors), iter(tensors), version, bucket_bytes,
+                       timeout_s, tensors[0][1].device)
+
+
+def send_stream(comm: Communicator, specs: list[tuple[str, torch.Size, torch.dtype]],
+                stream: Iterator[tuple[str, torch.Tensor]], version: int, bucket_bytes: int,
+                timeout_s: float, device) -> SyncReport:
+    """The trainer's side, the tensors of ``specs`` taken from ``stream`` as they come (a
+    partitioned model's, gathered unit by unit): each bucket packed while the one before it
+    is broadcast from a thread, into two buffers of the largest bucket's size, so that no
+    more than two buckets of the weights exist here at once beyond the model's own."""
     t0 = time.perf_counter()
-    layout = Layout.of(tensors, bucket_bytes)
-    device = tensors[0][1].device
-    buf = torch.empty(max(layout.buckets) + _TRAILER, dtype=torch.uint8, device=device)
-    parts = (_pack(buf[:size + _TRAILER], tensors, members)
-             for size, members in zip(layout.buckets, layout.by_bucket()))
-    _transfer(comm, layout, parts, version, timeout_s, device)
+    layout = Layout.of(specs, bucket_bytes)
+    buffers = [torch.empty(max(layout.buckets) + _TRAILER, dtype=torch.uint8, device=device)
+               for _ in range(min(2, len(layout.buckets)))]
+    parts = (_pack_from(buffers[b % len(buffers)][:size + _TRAILER], stream, members, specs)
+             for b, (size, members) in enumerate(zip(layout.buckets, layout.by_bucket())))
+    _transfer(comm, layout, parts, version, timeout_s, device, overlap=True)
     return SyncReport(version, len(layout.buckets), layout.nbytes, time.perf_counter() - t0)
 
 
@@ -182,7 +222,7 @@ def stage(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int,
           into: torch.Tensor | None = None) -> Staged:
     """A copy of ``tensors`` laid out as ``send`` lays them (the model's bytes once more), in
     ``into`` when it is the right size (an earlier sync's ``Staged.buffer``: no new pages)."""
-    layout = Layout.of(tensors, bucket_bytes)
+    layout = Layout.of(specs_of(tensors), bucket_bytes)
     total = layout.nbytes + len(layout.buckets) * _TRAILER
     big = into if into is not None and into.numel() == total else torch.empty(
         total, dtype=torch.uint8, device=tensors[0][1].device)
@@ -227,10 +267,26 @@ def _pack(part: torch.Tensor, tensors: list[tuple[str, torch.Tensor]],
           members: list[tuple[int, int, int]]) -> torch.Tensor:
     """One bucket's tensors into ``part`` (payload, then the checksum in its last 24 bytes),
     the alignment gaps and the tail zeroed; returns ``part``."""
+    specs = {i: (tensors[i][0], tensors[i][1].shape, tensors[i][1].dtype) for i, _, _ in members}
+    return _pack_from(part, (tensors[i] for i, _, _ in members), members, specs)
+
+
+def _pack_from(part: torch.Tensor, stream: Iterator[tuple[str, torch.Tensor]],
+               members: list[tuple[int, int, int]],
+               specs) -> torch.Tensor:
+    """One bucket's tensors, taken from ``stream`` in order, into ``part`` (payload, then the
+    checksum in its last 24 bytes), the alignment gaps and the tail zeroed; each checked to
+    be the one the layout has there and copied in before the next is taken (a partitioned
+    model's stream frees a unit once it has moved past it). Returns ``part``."""
     size, end = part.numel() - _TRAILER, 0
     for i, off, n in members:
+        name, tensor = next(stream)
+        want, shape, dtype = specs[i]
+        if (name, tensor.shape, tensor.dtype) != (want, shape, dtype):
+            raise ValueError(f"weight sync: the stream gave {name} {tuple(tensor.shape)} "
+                             f"{tensor.dtype} where the layout has {want} {tuple(shape)} {dtype}")
         part[end:off].zero_()  # the alignment gap before it
-        part[off:off + n].copy_(tensors[i][1].contiguous().view(-1).view(torch.uint8))
+        part[off:off + n].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         end = off + n
     part[end:size].zero_()
     part[size:].view(torch.int64).copy_(checksum(part[:size]))
@@ -238,14 +294,25 @@ def _pack(part: torch.Tensor, tensors: list[tuple[str, torch.Tensor]],
 
 
 def _transfer(comm: Communicator, layout: Layout, parts, version: int, timeout_s: float,
-              device) -> None:
+              device, overlap: bool = False) -> None:
     """The trainer's operations of a sync: the barrier, the header, one broadcast per packed
-    bucket of ``parts`` (an iterable: packed as it is read), the verdicts."""
+    bucket of ``parts`` (an iterable: packed as it is read; with ``overlap`` each broadcast
+    runs on a thread while the next bucket is packed), the verdicts."""
     with _translated(comm, version), deadline(comm, timeout_s):
         comm.barrier()  # every member here, or the deadline names who is not
         _header(comm, layout, version, device)
-        for part in parts:
-            comm.broadcast(part, src=0)
+        if overlap:
+            with ThreadPoolExecutor(1, thread_name_prefix="weight-sync") as pool:
+                sending = None
+                for part in parts:  # packed here while the one before it is on its way
+                    if sending is not None:
+                        sending.result()
+                    sending = pool.submit(comm.broadcast, part, src=0)
+                if sending is not None:
+                    sending.result()
+        else:
+            for part in parts:
+                comm.broadcast(part, src=0)
         _verdicts(comm, version, ok=True, bad_bucket=-1, device=device)
 
 
@@ -257,7 +324,7 @@ def receive(comm: Communicator, tensors: list[tuple[str, torch.Tensor]], version
     waiting) when the model differs or a bucket arrived corrupted; the weights may then be
     partly updated, and the caller must not use them until a sync succeeds."""
     t0 = time.perf_counter()
-    layout = Layout.of(tensors, bucket_bytes)
+    layout = Layout.of(specs_of(tensors), bucket_bytes)
     device = tensors[0][1].device
     me = who(comm.rank)
     with _translated(comm, version), deadline(comm, timeout_s):

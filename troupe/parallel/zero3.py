@@ -16,11 +16,10 @@ while the unit is not gathered.
 - Backward: when the gradient of a block's output arrives (before the block's own backward)
   the block is gathered again and the next ones of the backward prefetched (the forward's
   recorded order, reversed); once the gradients of all the block's inputs that require one
-  are complete (its backward is done: ``_BackwardDone``) the block's gradient is reduce-scattered
-  (the group's mean, in ``reduce_dtype``) and added into this rank's gradient shard, and
-  both its weights and gradient are freed. So at most a few
-  units' gradients exist at full size, and gradient accumulation over micro-batches adds into
-  the shards (1/W of the gradient): each micro-batch gathers every block twice and
+  are complete (its backward is done: ``_BackwardDone``) the block's gradient is
+  reduce-scattered (the group's mean, in ``reduce_dtype``) into this rank's gradient shard,
+  and its weights and gradient are freed. So at most a few units' gradients exist at full
+  size, and micro-batches accumulate into the shards: each gathers every block twice and
   reduce-scatters it once, the price of never holding a whole gradient.
 - The root is gathered at its first use and kept, with its gradient whole, until ``release``
   (which the trainer calls before the optimizer step): a tied embedding is used at both ends
@@ -33,14 +32,14 @@ still joins the reduce-scatter, so no rank waits on a collective another skipped
 
 The optimizer (troupe.optim.PartitionedOptimizer) steps each bucket's master shard with its
 gradient shard; nothing needs gathering after the step. ``gathered()`` holds the whole model
-for a stretch of calls (generation: one gather per rollout, not one per token)."""
+for a stretch of calls (generation: one gather per rollout, not one per token); ``stream()``
+gives the parameters a unit at a time (a weight sync)."""
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -49,23 +48,20 @@ from torch import nn
 
 from troupe.collectives import Communicator
 from troupe.optim import CommCounter
-from troupe.parallel.partition import (Partition, PartitionedBucket, materialize,
-                                       materialize_buffers, transient_bytes, unit_parameters)
+from troupe.parallel.partition import (Partition, PartitionedBucket, comm_thread,
+                                       materialize, materialize_buffers, transient_bytes,
+                                       unit_parameters)
 
 
 class UnitState(enum.Enum):
-    """Where a unit is in its life, the one field the hooks read and write:
-
-    SHARDED    only this rank's shards; the full buffers hold no storage
-    GATHERING  an all-gather in flight (a prefetch; ``Unit.gather`` is its future)
-    GATHERED   whole: for a forward, for ``gathered()``, or the root between forwards
-    BACKWARD   whole while its backward runs, its gradients to be reduce-scattered (the
-               root's from its first forward with gradients until ``release``)
-
-    SHARDED -> GATHERING -> GATHERED at a gather; GATHERED -> BACKWARD when the gradient of
-    the unit's output arrives; BACKWARD -> GATHERED when its gradients are handed to the
-    reduce-scatter; GATHERED -> SHARDED when freed. A forward pre-hook that finds its unit
-    in BACKWARD is activation checkpointing's recomputation, which the hooks leave alone."""
+    """Where a unit is in its life, the one field the hooks read and write: SHARDED (only this
+    rank's shards, the full buffers without storage) -> GATHERING (an all-gather in flight,
+    ``Unit.gather`` its future) -> GATHERED (whole: for a forward, ``gathered()``, the root
+    between forwards) -> BACKWARD when the gradient of its output arrives (whole while its
+    backward runs, its gradients to be reduce-scattered; the root's from its first forward
+    with gradients until ``release``) -> GATHERED once they are handed to the reduce-scatter
+    -> SHARDED when freed. A forward pre-hook that finds its unit in BACKWARD is activation
+    checkpointing's recomputation, which the hooks leave alone."""
 
     SHARDED = "sharded"
     GATHERING = "gathering"
@@ -148,11 +144,12 @@ class Zero3:
                       [(self.buckets[k], j) for k, j in mine]) for i, mine in enumerate(where)]
         self.root, self.units = units[0], units[1:]
         materialize_buffers(model, self.device)
-        self._pool = _comm_thread()
+        self._pool = comm_thread()
         self._hold = 0                    # gathered(): nothing is freed while > 0
         self._order: list[Unit] = []      # the blocks in the order the last forward ran them
         self._running: list[Unit] = []    # ... and the forward under way
         self._anchor = torch.zeros((), requires_grad=True)  # see _mark_inputs
+        self.whole_bytes = self.peak_whole_bytes = 0  # of the units not SHARDED (take_peak)
         self._handles = []
         for unit in self.units:
             block = unit.modules[0]
@@ -171,6 +168,8 @@ class Zero3:
             part.allocate()
         unit.gather = self._pool.submit(self._run_gather, list(unit.parts()))
         unit.state = UnitState.GATHERING
+        self.whole_bytes += unit.nbytes()
+        self.peak_whole_bytes = max(self.peak_whole_bytes, self.whole_bytes)
 
     def _run_gather(self, parts: list[Partition]) -> None:
         for part in parts:
@@ -195,7 +194,18 @@ class Zero3:
         self._wait(unit)
         for part in unit.parts():
             part.free()
-        unit.state = UnitState.SHARDED
+        self._sharded(unit)
+
+    def _sharded(self, unit: Unit) -> None:
+        if unit.state is not UnitState.SHARDED:
+            self.whole_bytes -= unit.nbytes()
+            unit.state = UnitState.SHARDED
+
+    def take_peak(self) -> int:
+        """The most bytes of full buffers held at once since the last call (the units'
+        padded fp32 buffers: what ``memory()["gathered_bytes"]`` bounds)."""
+        peak, self.peak_whole_bytes = self.peak_whole_bytes, self.whole_bytes
+        return peak
 
     def _prefetch(self, unit: Unit, order: list[Unit]) -> None:
         """Issue the gathers of the ``prefetch`` units that follow ``unit`` in ``order``."""
@@ -334,7 +344,7 @@ class Zero3:
             self._wait(unit)
             for part in unit.parts():
                 part.free()
-            unit.state = UnitState.SHARDED
+            self._sharded(unit)
 
     @contextlib.contextmanager
     def gathered(self):
@@ -351,6 +361,34 @@ class Zero3:
             self._hold -= 1
             if not self._hold:
                 self.release()
+
+    def stream(self, module: nn.Module | None = None) -> Iterator[tuple[str, nn.Parameter]]:
+        """``module``'s parameters (the whole model's by default) as ``named_parameters``
+        gives them, each unit gathered when its first parameter comes (the next one
+        prefetched) and freed once the unit after it comes, the root kept to the end: at most
+        what a training step holds gathered (``transient_bytes``). Every rank walks it to its
+        end in step (its gathers are collectives); everything is freed at the end."""
+        module = self.model if module is None else module
+        owner = {id(p): unit for unit in [self.root, *self.units] for part in unit.parts()
+                 for p in part.params}
+        named = list(module.named_parameters())
+        order = list(dict.fromkeys(owner[id(p)] for _, p in named
+                                   if id(p) in owner and owner[id(p)] is not self.root))
+        current = None
+        try:
+            for name, p in named:
+                unit = owner.get(id(p))
+                if unit is self.root:
+                    self.gather(unit)
+                elif unit is not None and unit is not current:
+                    if current is not None:
+                        self._free(current)
+                    current = unit
+                    self.gather(unit)
+                    self._prefetch(unit, order)
+                yield name, p
+        finally:
+            self.release()
 
     @contextlib.contextmanager
     def writable(self):
@@ -386,21 +424,6 @@ class Zero3:
         self.synchronize()
         for h in self._handles:
             h.remove()
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _comm_thread() -> ThreadPoolExecutor:
-    """The one thread that runs every partitioned model's collectives in this process, in
-    the order they were issued: two models on one group (a critic and the reward model in
-    the same worker) can never interleave their operations differently on two ranks."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="zero3")
-        return _POOL
 
 
 class _BackwardDone(torch.autograd.Function):

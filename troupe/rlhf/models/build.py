@@ -140,6 +140,10 @@ class Trainable:
 
     writable = gathered
 
+    def stream(self, module: nn.Module):
+        """``module``'s named parameters, whole already (troupe.parallel.weight_sync)."""
+        return module.named_parameters()
+
     def settle(self) -> None:
         """After a forward without gradients (scoring): nothing to free at stage 1."""
 
@@ -227,6 +231,11 @@ class PartitionedTrainable:
 
     def writable(self):
         return self.zero3.writable()
+
+    def stream(self, module: nn.Module):
+        """``module``'s named parameters, gathered unit by unit (Zero3.stream): every rank
+        walks it to the end, in step."""
+        return self.zero3.stream(module)
 
     def settle(self) -> None:
         """After a forward without gradients (scoring): the root, which stays gathered

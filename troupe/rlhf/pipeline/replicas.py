@@ -100,8 +100,7 @@ class Replicas:
         self.inflight, self.version = recv, version
         if sent["seconds"] is not None:  # sent inline: the sync is over once they have it
             self._settle(step, also=self._finish()[1])
-        return {"sync_s": time.perf_counter() - t0, "sync_bytes": sent["bytes"],
-                "sync_buckets": sent["buckets"], "weight_version": version}
+        return _figures(sent, time.perf_counter() - t0, version)
 
     def drain(self, step: int) -> dict:
         """The begun sync finished (the run's end): its figures; lost replicas restarted."""
@@ -160,8 +159,7 @@ class Replicas:
                 self._restart(dead, step)
                 continue
             self.version = version
-            return {"sync_s": time.perf_counter() - t0, "sync_bytes": sent["bytes"],
-                    "sync_buckets": sent["buckets"], "weight_version": version}
+            return _figures(sent, time.perf_counter() - t0, version)
         raise RuntimeError("unreachable: _restart raises past max_restarts")
 
     # batches --------------------------------------------------------------------------------
@@ -267,6 +265,18 @@ class Replicas:
         version held (the next ``sync`` brings one)."""
         self.queue.clear()
         self.version, self.inflight = None, None
+
+
+def _figures(sent: dict, seconds: float, version: int) -> dict:
+    """A sync's figures for the iteration's record: seconds the driver waited, bytes,
+    buckets, the version, and for a partitioned policy the bytes it held whole at once while
+    syncing and while training since the sync before (its plan's bound beside them)."""
+    out = {"sync_s": seconds, "sync_bytes": sent["bytes"], "sync_buckets": sent["buckets"],
+           "weight_version": version}
+    for key in ("gathered_peak_bytes", "train_gathered_peak_bytes", "planned_gathered_bytes"):
+        if key in sent:
+            out[f"sync_{key}" if key == "gathered_peak_bytes" else key] = sent[key]
+    return out
 
 
 def _answer(call: Call, timeout_s: float | None = None) -> tuple[Any, WorkerError | None]:

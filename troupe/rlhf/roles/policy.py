@@ -109,31 +109,44 @@ class Policy:
     def send_weights(self, group: Communicator | None, version: int,
                      background: bool = False) -> dict | None:
         """The current weights, as ``version``, to the rollout replicas of ``group`` (rank 0
-        sends; every rank calls: a partitioned policy gathers once for the whole sync); LoRA
-        adapters are folded in for the sync and taken out after. Returns rank 0's report.
-        ``background`` (host weights): the weights are staged, a copy of their bytes, and
-        sent from a thread while this policy goes on (the report's ``seconds`` is None;
+        sends; every rank calls: a partitioned policy's parameters are gathered unit by unit
+        as the buckets are packed, never the whole model on one rank); LoRA adapters are
+        folded in for the sync and taken out after. Returns rank 0's report. ``background``
+        (host weights, zero_stage 1): the weights are staged, a copy of their bytes, and sent
+        from a thread while this policy goes on (the report's ``seconds`` is None;
         ``sync_done`` gives the transfer's). A sync still on its way is finished first."""
         self.sync_done()
         r = self.cfg.step3.rollout
-        with self.train.gathered():
-            if self.rank != 0 or group is None:
-                return None
-            fused = fuse_lora(self.lm)
-            try:
-                tensors = weight_sync.sync_tensors(self.lm.gpt, precision_dtype(r.precision))
-                bucket = int(r.bucket_mb * 2**20)
-                if background and self.device.type == "cpu":
-                    reuse = None if self.staged is None else self.staged.buffer
-                    self.staged = weight_sync.stage(tensors, bucket, into=reuse)
-                    self.sending = weight_sync.BackgroundSend(group, self.staged, version,
-                                                              r.sync_timeout_s)
-                    return {"version": version, "buckets": self.sending.buckets,
-                            "bytes": self.sending.nbytes, "seconds": None}
-                report = weight_sync.send(group, tensors, version, bucket, r.sync_timeout_s)
-            finally:
-                if fused:
-                    unfuse_lora(self.lm)
+        dtype, bucket = precision_dtype(r.precision), int(r.bucket_mb * 2**20)
+        partitioned = self.cfg.zero_stage == 3
+        trained = self.train.zero3.take_peak() if partitioned else None  # since the last sync
+        if self.rank != 0 or group is None:
+            if partitioned:  # its gathers are collectives: every rank walks the stream
+                for _ in self.train.stream(self.lm.gpt):
+                    pass
+            return None
+        fused = fuse_lora(self.lm)
+        try:
+            if background and self.device.type == "cpu" and not partitioned:
+                reuse = None if self.staged is None else self.staged.buffer
+                self.staged = weight_sync.stage(weight_sync.sync_tensors(self.lm.gpt, dtype),
+                                                bucket, into=reuse)
+                self.sending = weight_sync.BackgroundSend(group, self.staged, version,
+                                                          r.sync_timeout_s)
+                return {"version": version, "buckets": self.sending.buckets,
+                        "bytes": self.sending.nbytes, "seconds": None}
+            report = weight_sync.send_stream(
+                group, weight_sync.sync_specs(self.lm.gpt, dtype),
+                weight_sync.sync_stream(self.train.stream(self.lm.gpt), dtype), version,
+                bucket, r.sync_timeout_s, self.device)
+        finally:
+            if fused:
+                unfuse_lora(self.lm)
+        if partitioned:  # what was whole at once: syncing, training, and the plan's bound
+            z = self.train.zero3
+            return {**vars(report), "gathered_peak_bytes": z.take_peak(),
+                    "train_gathered_peak_bytes": trained,
+                    "planned_gathered_bytes": z.memory()["gathered_bytes"]}
         return vars(report)
 
     def sync_done(self) -> dict | None:
