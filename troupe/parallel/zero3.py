@@ -148,7 +148,7 @@ class Zero3:
         self._hold = 0                    # gathered(): nothing is freed while > 0
         self._order: list[Unit] = []      # the blocks in the order the last forward ran them
         self._running: list[Unit] = []    # ... and the forward under way
-        self._anchor = torch.zeros((), requires_grad=True)  # see _mark_inputs
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # _mark_inputs
         self.whole_bytes = self.peak_whole_bytes = 0  # of the units not SHARDED (take_peak)
         self._handles = []
         for unit in self.units:
