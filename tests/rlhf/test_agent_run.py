@@ -26,7 +26,7 @@ def _rows(path, hazards: str):
 @pytest.mark.parametrize("algorithm, replicas, hazards", [
     ("grpo", 0, "!~%^"), ("ppo", 0, "!"), ("rloo", 0, "!"), ("reinforce_pp", 0, "!"),
     ("grpo", 1, "!")])
-def test_agent_rollouts_train(cluster, tmp_path, algorithm, replicas, hazards):
+def test_agent_rollouts_train(rlhf_graphs, tmp_path, algorithm, replicas, hazards):
     """With hazards, environments that raise, hang, die and run out of memory: each a counted
     failure with its cause (and those sharing a replaced process lost with it), the run goes
     on. With a rollout replica: one-step-off, the trajectories generated on an actor of their
@@ -43,7 +43,7 @@ def test_agent_rollouts_train(cluster, tmp_path, algorithm, replicas, hazards):
                    rollout=dict(replicas=replicas, max_staleness=replicas)),
         workers=2, out_dir=str(tmp_path / algorithm))
     assert "reward" not in rlhf.roles(cfg)  # the environment gives the rewards
-    rlhf.run(cfg)
+    rlhf_graphs.run(cfg)
     records = rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
     steps = [r for r in records if r["kind"] == "step3"]
     assert len(steps) == 2

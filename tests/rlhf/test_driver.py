@@ -32,9 +32,9 @@ def _cfg(tmp_path, name, **over) -> RLHFConfig:
     return RLHFConfig(**base)
 
 
-def test_three_steps_end_to_end(cluster, tmp_path):
+def test_three_steps_end_to_end(rlhf_graphs, tmp_path):
     cfg = _cfg(tmp_path, "e2e")
-    summary = rlhf.run(cfg)
+    summary = rlhf_graphs.run(cfg)
     out = tmp_path / "e2e"
     for f in ("sft/policy.trp", "reward/reward.trp", "step3/iter-00003/policy.trp",
               "step3/iter-00003/critic.trp", "rlhf.png", "metrics.jsonl", "summary.json"):
@@ -53,7 +53,7 @@ def test_three_steps_end_to_end(cluster, tmp_path):
     assert evals and set(evals[-1]["peak_memory_mb"]) == set(rlhf.roles(cfg))
     assert all(mb > 50 for mb in evals[-1]["peak_memory_mb"].values())  # torch alone is more
     # step 3 alone reuses the weights of steps 1 and 2
-    again = rlhf.run(cfg, ("ppo",))  # step 3's older name
+    again = rlhf_graphs.run(cfg, ("ppo",))  # step 3's older name
     assert "after" in again["step3"] and again["ppo"] == again["step3"]
     saved = json.loads((out / "summary.json").read_text())
     assert saved["ppo"] == saved["step3"] == json.loads(json.dumps(again["step3"]))
@@ -196,11 +196,11 @@ def flaky(prompt, response, **fields):
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "gspo", "dpo"])
-def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
+def test_each_algorithm_end_to_end(rlhf_graphs, tmp_path, algorithm):
     cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, dpo=dict(steps=4, batch_size=8))
     assert rlhf.roles(cfg) == {"dpo": ["policy", "reference"], "gspo": ["policy", "reward"]
                                }.get(algorithm, ["policy", "reference", "reward"])
-    summary = rlhf.run(cfg)
+    summary = rlhf_graphs.run(cfg)
     assert {"sft", "step3", "reward_accuracy"} - set(summary) == (
         {"reward_accuracy"} if algorithm == "dpo" else set())
     assert "gold" in summary["step3"]["before"] and "gold" in summary["step3"]["after"]
@@ -219,7 +219,8 @@ def test_each_algorithm_end_to_end(cluster, tmp_path, algorithm):
 
 @pytest.mark.parametrize("algorithm, source", [
     ("rloo", "function"), ("reinforce_pp", "function"), ("gspo", "function"), ("dapo", "model")])
-def test_the_other_reward_source_runs_too(cluster, tmp_path, monkeypatch, algorithm, source):
+def test_the_other_reward_source_runs_too(rlhf_graphs, tmp_path, monkeypatch, algorithm,
+                                          source):
     """The combinations test_each_algorithm_end_to_end and the tests above leave out: every
     online algorithm runs with a learned reward model and with a reward function alone."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
@@ -229,14 +230,14 @@ def test_the_other_reward_source_runs_too(cluster, tmp_path, monkeypatch, algori
                step3=dict(iterations=1, prompts_per_iter=4, max_new_tokens=6, eval_every=1,
                           checkpoint_every=0))
     assert ("reward" in rlhf.roles(cfg)) == (source == "model")
-    summary = rlhf.run(cfg)
+    summary = rlhf_graphs.run(cfg)
     [step] = [r for r in rlhf.MetricsLog(tmp_path / algorithm / "metrics.jsonl").records()
               if r["kind"] == "step3"]
     assert step["algorithm"] == algorithm and "gold" in summary["step3"]["after"]
     assert ("reward_failures" in step) == (source == "function")
 
 
-def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_path,
+def test_failing_reward_function_is_counted_and_the_run_completes(rlhf_graphs, tmp_path,
                                                                    monkeypatch):
     (tmp_path / "flaky_rewards.py").write_text(FLAKY_REWARD)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -245,7 +246,7 @@ def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_p
                step3=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
                           checkpoint_every=0, temperature=1.5))
     assert rlhf.roles(cfg) == ["policy", "reference"]  # no reward model, no critic
-    summary = rlhf.run(cfg, ("sft", "step3"))
+    summary = rlhf_graphs.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "flaky" / "metrics.jsonl").records()
              if r["kind"] == "step3"]
     assert len(steps) == 2
@@ -255,7 +256,8 @@ def test_failing_reward_function_is_counted_and_the_run_completes(cluster, tmp_p
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, tmp_path,
+def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(rlhf_graphs,
+                                                                       tmp_path,
                                                                        monkeypatch, algorithm):
     """The reference inside the policy's workers (and for PPO the reward model, trained in
     step 2, inside the critic's): fewer roles in the graph, and every logged number equal to
@@ -273,7 +275,7 @@ def test_frozen_roles_in_the_trained_roles_processes_give_the_same_run(cluster, 
                 ("ppo", False): ["policy", "reference", "reward", "critic"],
                 ("ppo", True): ["policy", "critic"]}[algorithm, fused]
         assert rlhf.roles(cfg) == want
-        summary = rlhf.run(cfg)
+        summary = rlhf_graphs.run(cfg)
         runs[fused] = [{k: v for k, v in r.items()  # timings and memory differ
                         if not k.endswith("_s") and k != "peak_memory_mb"}
                        for r in rlhf.MetricsLog(tmp_path / f"{algorithm}{fused}" / "metrics.jsonl")
@@ -336,12 +338,13 @@ class SignOfReward(Algorithm):
                           stats={"positive_share": (sign > 0).float().mean().item()})
 
 
-def test_an_algorithm_declared_in_a_test_file_runs_through_the_driver(cluster, tmp_path,
-                                                                       monkeypatch):
+def test_an_algorithm_declared_in_a_test_file_runs_through_the_driver(rlhf_graphs,
+                                                                      tmp_path,
+                                                                      monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "toy", algorithm=f"{__name__}:SignOfReward", **SORTED_EXACTLY)
     assert rlhf.roles(cfg) == ["policy"]  # no KL: no reference; a function: no reward model
-    summary = rlhf.run(cfg, ("sft", "step3"))
+    summary = rlhf_graphs.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "toy" / "metrics.jsonl").records()
              if r["kind"] == "step3"]
     assert [r["algorithm"] for r in steps] == [cfg.algorithm] * 3
@@ -353,25 +356,25 @@ SORTED_EXACTLY = dict(reward=dict(function="apps.rewards:sorted_exactly"))
 
 
 def test_ppo_with_a_reward_function_alone_starts_its_critic_from_the_sft_policy(
-        cluster, tmp_path, monkeypatch):
+        rlhf_graphs, tmp_path, monkeypatch):
     """No reward model: the critic starts from the SFT weights and a fresh value head (the
     run used to stop on "model file None does not exist")."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "ppo-fn", reward=dict(function="apps.rewards:sort_digits"))
     assert rlhf.roles(cfg) == ["policy", "reference", "critic"]
-    rlhf.run(cfg, ("sft", "step3"))
+    rlhf_graphs.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "ppo-fn" / "metrics.jsonl").records()
              if r["kind"] == "step3"]
     assert len(steps) == 3 and all(r["value_loss"] > 0 for r in steps)
 
 
-def test_dapo_with_a_binary_reward_samples_dynamically(cluster, tmp_path, monkeypatch):
+def test_dapo_with_a_binary_reward_samples_dynamically(rlhf_graphs, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     cfg = _cfg(tmp_path, "dapo", algorithm="dapo", **SORTED_EXACTLY,
                step3=dict(iterations=2, prompts_per_iter=4, max_new_tokens=6, eval_every=2,
                         checkpoint_every=0, sample_rounds=2))
     assert rlhf.roles(cfg) == ["policy"]
-    rlhf.run(cfg, ("sft", "step3"))
+    rlhf_graphs.run(cfg, ("sft", "step3"))
     steps = [r for r in rlhf.MetricsLog(tmp_path / "dapo" / "metrics.jsonl").records()
              if r["kind"] == "step3"]
     assert len(steps) == 2

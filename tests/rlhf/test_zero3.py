@@ -8,7 +8,6 @@ import json
 import pytest
 
 from tests.rlhf.test_driver import _cfg
-from troupe.rlhf import driver as rlhf
 
 
 def _records(out) -> list[dict]:
@@ -20,15 +19,15 @@ def _losses(records, kind, key):
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_stage3_gives_stage1s_pipeline(cluster, tmp_path, algorithm):
+def test_stage3_gives_stage1s_pipeline(rlhf_graphs, tmp_path, algorithm):
     over = dict(algorithm=algorithm, sft=dict(steps=6, batch_size=8),
                 reward=dict(steps=6, batch_size=8),
                 step3=dict(iterations=2, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
                            checkpoint_every=2))
     if algorithm == "grpo":
         over["steps"] = ["sft", "step3"]
-    one = rlhf.run(_cfg(tmp_path, "one", **over))
-    three = rlhf.run(_cfg(tmp_path, "three", zero_stage=3, **over))
+    one = rlhf_graphs.run(_cfg(tmp_path, "one", **over))
+    three = rlhf_graphs.run(_cfg(tmp_path, "three", zero_stage=3, **over))
     a, b = _records(tmp_path / "one"), _records(tmp_path / "three")
     assert _losses(b, "sft", "loss") == _losses(a, "sft", "loss")
     assert _losses(b, "reward", "loss") == _losses(a, "reward", "loss")

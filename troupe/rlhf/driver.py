@@ -37,7 +37,8 @@ STEPS = ("sft", "reward", STEP3)
 ROLES = ("policy", "reference", "reward", "critic")
 
 __all__ = ["Data", "MetricsLog", "ROLES", "STEPS", "build_graph", "evaluate_policy",
-           "load_data", "prepare_data", "run", "run_step3", "run_reward", "run_sft"]
+           "graph_roles", "load_data", "prepare_data", "reuse_graph", "run", "run_step3",
+           "run_reward", "run_sft"]
 
 
 def roles(cfg: RLHFConfig) -> list[str]:
@@ -60,17 +61,12 @@ def gpus_per_worker(cfg: RLHFConfig, device: str) -> float:
 
 def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
                 steps: tuple[str, ...] = STEPS) -> Graph:
-    """The roles of ``roles(cfg)``, ``cfg.workers`` each; colocated on the policy's bundles
-    unless ``cfg.colocate`` is off; data-parallel groups for the roles that train
-    (RLHFTopology); and the rollout replicas of ``step3.rollout`` on their own, when step 3
-    is one of ``steps`` and asks for them."""
-    info = init()
-    r = cfg.step3.rollout
-    needed = (cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
-              + r.replicas * (r.num_gpus or 1.0))
-    device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
-    g, W = ActorGraph("rlhf"), cfg.workers
-    conf = cfg.model_copy(update={"device": device}).model_dump()  # the workers' own choice
+    """The roles of ``graph_roles(cfg, steps)``, ``cfg.workers`` each; colocated on the
+    policy's bundles unless ``cfg.colocate`` is off; data-parallel groups for the roles that
+    train (RLHFTopology); and the rollout replicas of ``step3.rollout`` on their own, when step
+    3 is one of ``steps`` and asks for them."""
+    conf, device = _worker_config(cfg)
+    g, W, r = ActorGraph("rlhf"), cfg.workers, cfg.step3.rollout
     classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
                "critic": CriticActor}
     for name in roles(cfg):
@@ -78,7 +74,7 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts)
-    if r.replicas and STEP3 in steps and cfg.algo().online:  # engines on their own actors
+    if "rollout" in graph_roles(cfg, steps):  # engines on their own actors
         g.role("rollout", RolloutActor, r.replicas, num_cpus=r.num_cpus, config=conf,
                num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
                max_restarts=r.max_restarts)
@@ -94,6 +90,42 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
     return graph
 
 
+def graph_roles(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> list[str]:
+    """The roles of the graph that runs ``steps`` of ``cfg``: ``roles(cfg)``, and "rollout"
+    when step 3 runs on replicas of its own."""
+    r = cfg.step3.rollout
+    replicas = r.replicas and STEP3 in steps and cfg.algo().online
+    return roles(cfg) + (["rollout"] if replicas else [])
+
+
+def reuse_graph(graph: Graph, cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Graph:
+    """``graph`` (built by ``build_graph`` for another recipe with the same roles, ranks and
+    groups) with every worker given ``cfg`` and its role built afresh: what a run builds,
+    without starting its processes again. ValueError naming what differs."""
+    want = {name: cfg.step3.rollout.replicas if name == "rollout" else cfg.workers
+            for name in graph_roles(cfg, steps)}
+    have = {name: graph[name].world_size for name in graph.roles}
+    if have != want:
+        raise ValueError(f"this graph holds {have} (role: ranks); the recipe needs {want}")
+    conf, _ = _worker_config(cfg)
+    for call in [graph[name].invoke_async(PolicyActor.configure, conf) for name in graph.roles]:
+        call.result()
+    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
+                                       cfg.step3.rollout.replicas))
+    return graph
+
+
+def _worker_config(cfg: RLHFConfig) -> tuple[dict, str]:
+    """What every worker is given (the recipe, its device resolved on this cluster), and
+    that device."""
+    info = init()
+    r = cfg.step3.rollout
+    needed = (cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+              + r.replicas * (r.num_gpus or 1.0))
+    device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
+    return cfg.model_copy(update={"device": device}).model_dump(), device
+
+
 def load_data(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Data:
     """The data ``steps`` read, checked (DataError naming the file, row and field, or the
     setting the data is too small for) and without the examples longer than the model's
@@ -102,7 +134,7 @@ def load_data(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -> Data:
 
 
 def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
-        planned: Plan | None = None) -> dict:
+        planned: Plan | None = None, graph: Graph | None = None) -> dict:
     """Run ``steps`` (a subset of "sft", "reward", "step3", in that order; "step3" is step 3
     whatever the algorithm, and its older name "ppo" is read as it) and return a summary; a
     later step alone uses the weights an earlier run left in ``out_dir``, and ``resume``
@@ -110,7 +142,9 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
     reward model is used; step 3 without step 1's weights starts from the model's own (a
     pretrained model's only). ``planned``: ``troupe.rlhf.plan.plan(cfg, steps)``, which the
     apps make before Ray starts (else it is made here); its record opens metrics.jsonl. The
-    summary holds step 3's result under "step3", and under "ppo" as it used to."""
+    summary holds step 3's result under "step3", and under "ppo" as it used to. ``graph``: one
+    ``build_graph`` made for another run of the same roles and ranks, reused (``reuse_graph``)
+    and left running at the end; by default the run builds its own and shuts it down."""
     steps = tuple(STEP3 if s == "ppo" else s for s in steps)
     if resume and ("sft" in steps or "reward" in steps):
         raise ValueError("resume continues step 3 from its checkpoint; run it with steps "
@@ -126,7 +160,8 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
         _check_inputs(cfg, steps, sft_path, reward_path)
     summary: dict = {"algorithm": cfg.algorithm, "steps": list(steps)}
     t0 = time.perf_counter()
-    graph = build_graph(cfg, steps=steps)
+    own = graph is None
+    graph = build_graph(cfg, steps=steps) if own else reuse_graph(graph, cfg, steps)
     log = MetricsLog(out / "metrics.jsonl", cfg.logging, cfg.model_dump(mode="json"))
     log.write({**planned.record(), "step": 0})
     try:
@@ -151,7 +186,8 @@ def run(cfg: RLHFConfig, steps: tuple[str, ...] = STEPS, resume: bool = False,
                                                              str(out / "policy-hf"))[0]
     finally:
         log.close()
-        graph.shutdown()
+        if own:
+            graph.shutdown()
     plot(log.records(), out / "rlhf.png")
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -50,6 +50,13 @@ class _Shell:
         self.device = worker_device(self.cfg.device)
         self.role = None
 
+    @dispatch(Dispatch.ALL)
+    def configure(self, config: dict) -> None:
+        """Another recipe for this worker, its role dropped (``setup`` builds it afresh): a
+        graph reused for another run of the same roles and ranks (troupe.rlhf.driver.run)."""
+        self.__dict__.clear()
+        type(self).__init__(self, config)
+
     def _here(self, batch):
         """A batch from the driver (a Rollout, Experience, ...) on this worker's device."""
         return move(batch, self.device)
