@@ -61,58 +61,105 @@ class Pending:
 
 
 class Replicas:
+    """The rollout role as step 3 uses it: its weight syncs (``WeightSync``) and its batches
+    (``ReplicaSupervisor``), two objects that share the replicas' group and call on each
+    other (a sync settles the replicas first; a restarted replica is synced again)."""
+
     def __init__(self, graph: Graph, cfg: RLHFConfig, log: MetricsLog):
-        self.graph, self.cfg, self.log = graph, cfg, log
+        group = graph["rollout"]
+        topology = RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
+                                   group.world_size)
+        self.supervisor = ReplicaSupervisor(graph, cfg, log, topology)
+        self.weights = WeightSync(graph, cfg, topology, self.supervisor)
+        self.supervisor.weights = self.weights
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts
+
+    def sync(self, version: int, step: int) -> dict:
+        return self.weights.sync(version, step)
+
+    def drain(self, step: int) -> dict:
+        return self.weights.drain(step)
+
+    def batch(self, it: int, last: int, draw: Callable[[], tuple[RolloutRequest, list | None]]
+              ) -> tuple[list[Rollout], list[dict] | None]:
+        return self.supervisor.batch(it, last, draw)
+
+    def submit(self, request: RolloutRequest, fields: list[dict] | None = None) -> Pending:
+        return self.supervisor.submit(request, fields)
+
+    def collect(self, pending: Pending, step: int) -> list[Rollout]:
+        return self.supervisor.collect(pending, step)
+
+    def reset(self) -> None:
+        """After the run's failure policy set every role up again: nothing in flight, no
+        version held (the next ``sync`` brings one)."""
+        self.supervisor.queue.clear()
+        self.weights.version, self.weights.inflight = None, None
+
+
+class WeightSync:
+    """The policy's weights to every replica, one version at a time. ``sync(version)`` is:
+
+    1. the sync begun before, if any, finished: its transfer's seconds, and the replicas lost
+       during it (``finish``);
+    2. the replicas settled: every batch they were given answered, the lost ones restarted and
+       brought to the policy's weights (``ReplicaSupervisor.settle``);
+    3. with ``overlap_sync`` one step off or more, a sync begun (``begin``: the policy sends
+       from a thread, the replicas' receives asked, the driver goes on), else a whole sync
+       (``send``: both sides waited for; a replica lost meanwhile restarted and the sync sent
+       again, up to ``step3.rollout.max_restarts``)."""
+
+    def __init__(self, graph: Graph, cfg: RLHFConfig, topology: RLHFTopology,
+                 supervisor: "ReplicaSupervisor"):
+        self.graph, self.cfg, self.topology, self.supervisor = graph, cfg, topology, supervisor
         self.group = graph["rollout"]
-        self.n = self.group.world_size
-        self.topology = RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage, self.n)
         self.version: int | None = None  # what every replica holds
-        self.queue: deque[tuple[int, Pending]] = deque()  # (iteration, batch) in flight
-        self.restarts = 0
-        self._rewired = 0
         self.inflight: Call | None = None  # the replicas' receives of a begun sync
         self.sync_error: str | None = None  # how the last sync that lost a replica failed
 
-    # weights --------------------------------------------------------------------------------
     def sync(self, version: int, step: int) -> dict:
-        """Every replica to the policy's current weights as ``version``, once the replicas
-        have answered what they were given. Returns the sync's figures (seconds the driver
-        waited, bytes, buckets; ``sync_transfer_s``: the previous begun sync's transfer);
-        raises WeightSyncError naming the replica at fault."""
-        figures, dead = self._finish()
+        """Every replica to the policy's current weights as ``version`` (the steps above).
+        Returns the sync's figures (seconds the driver waited, bytes, buckets;
+        ``sync_transfer_s``: the previous begun sync's transfer); raises WeightSyncError
+        naming the replica at fault."""
+        figures, dead = self.finish()                               # 1
         if self.version is not None:  # what a replica restarted while settling is brought to:
             self.version = version    # the policy's weights now
-        self._settle(step, also=dead)
+        self.supervisor.settle(step, also=dead)                     # 2
         r = self.cfg.step3.rollout
-        if r.overlap_sync and r.max_staleness > 0:
-            return {**figures, **self._begin(version, step)}
-        return {**figures, **self._send(version, step)}
+        if r.overlap_sync and r.max_staleness > 0:                  # 3
+            return {**figures, **self.begin(version, step)}
+        return {**figures, **self.send(version, step)}
 
-    def _begin(self, version: int, step: int) -> dict:
+    def begin(self, version: int, step: int) -> dict:
         """A sync to ``version`` begun and not waited for (see the module doc); a whole sync
-        when a replica is lost now, and waited for when the policy sent inline (cuda)."""
-        if self._lost():
-            return self._send(version, step)
+        when a replica is lost now, and waited for when the policy sent inline (cuda, or a
+        partitioned policy)."""
+        if self.supervisor.lost():
+            return self.send(version, step)
         t0 = time.perf_counter()
         recv = self.group.invoke_async(RolloutActor.receive_weights, self.topology, version)
         sent = self.graph["policy"].invoke_async(PolicyActor.send_weights, self.topology,
                                                  version, True).result()[0]
         self.inflight, self.version = recv, version
         if sent["seconds"] is not None:  # sent inline: the sync is over once they have it
-            self._settle(step, also=self._finish()[1])
+            self.supervisor.settle(step, also=self.finish()[1])
         return _figures(sent, time.perf_counter() - t0, version)
 
     def drain(self, step: int) -> dict:
         """The begun sync finished (the run's end): its figures; lost replicas restarted."""
-        figures, dead = self._finish()
-        self._settle(step, also=dead)
+        figures, dead = self.finish()
+        self.supervisor.settle(step, also=dead)
         return figures
 
-    def _finish(self) -> tuple[dict, dict[int, WorkerError]]:
+    def finish(self) -> tuple[dict, dict[int, WorkerError]]:
         """Wait for the begun sync, if any: its figures (``sync_transfer_s``: the policy's
-        seconds sending it), and the replicas lost during it (the caller's ``_settle``
-        restarts them and brings them to ``self.version``). A corrupted bucket, or a sync
-        that failed with every replica alive, is raised."""
+        seconds sending it), and the replicas lost during it (the caller settles them: they
+        are restarted and brought to ``self.version``). A corrupted bucket, or a sync that
+        failed with every replica alive, is raised."""
         if self.inflight is None:
             return {}, {}
         recv, self.inflight = self.inflight, None
@@ -121,6 +168,27 @@ class Replicas:
             return {}, dead
         return ({} if report is None or report["seconds"] is None
                 else {"sync_transfer_s": report["seconds"]}), {}
+
+    def send(self, version: int, step: int) -> dict:
+        """A whole sync to ``version``: the replicas known lost restarted first, both sides
+        invoked and waited for, a replica lost meanwhile restarted and the sync sent again."""
+        self.finish()  # a begun sync first; the replicas it lost are found below
+        for _ in range(self.cfg.step3.rollout.max_restarts + 2):
+            lost = self.supervisor.lost()  # one known gone now is not waited for
+            if lost:
+                self.supervisor.restart(lost, step)
+                continue
+            t0 = time.perf_counter()
+            self.version = None
+            recv = self.group.invoke_async(RolloutActor.receive_weights, self.topology, version)
+            sent, dead = self._both(recv, self.graph["policy"].invoke_async(
+                PolicyActor.send_weights, self.topology, version))
+            if dead:
+                self.supervisor.restart(dead, step)
+                continue
+            self.version = version
+            return _figures(sent, time.perf_counter() - t0, version)
+        raise RuntimeError("unreachable: restart raises past max_restarts")
 
     def _both(self, recv: Call, policy: Call) -> tuple[Any, dict[int, WorkerError]]:
         """Wait for a sync's two sides, the replicas' receives and the policy's call: the
@@ -142,27 +210,29 @@ class Replicas:
             self.sync_error = str(cause).splitlines()[0][:400]
         return answer, dead
 
-    def _send(self, version: int, step: int) -> dict:
-        r = self.cfg.step3.rollout
-        self._finish()  # a begun sync first; the replicas it lost are found below
-        for _ in range(r.max_restarts + 2):
-            lost = self._lost()  # a replica known gone now is not waited for until the deadline
-            if lost:
-                self._restart(lost, step)
-                continue
-            t0 = time.perf_counter()
-            self.version = None
-            recv = self.group.invoke_async(RolloutActor.receive_weights, self.topology, version)
-            sent, dead = self._both(recv, self.graph["policy"].invoke_async(
-                PolicyActor.send_weights, self.topology, version))
-            if dead:
-                self._restart(dead, step)
-                continue
-            self.version = version
-            return _figures(sent, time.perf_counter() - t0, version)
-        raise RuntimeError("unreachable: _restart raises past max_restarts")
 
-    # batches --------------------------------------------------------------------------------
+class ReplicaSupervisor:
+    """The replicas' batches and lives. A batch is:
+
+    1. submitted: replica r answers slice r, its calls running in the order they came
+       (``submit``; ``batch`` hands out every batch up to ``max_staleness`` ahead);
+    2. collected: each replica's answer waited for (``collect``);
+    3. where a replica died: it is restarted (``restart``: waited for while Ray restarts it,
+       set up, its weight group rewired, a ``rollout_restart`` record), brought to the
+       current version (``WeightSync.send``), and its slice of every unanswered batch asked
+       again (``settle``); past ``step3.rollout.max_restarts`` the death is raised."""
+
+    weights: WeightSync  # set by Replicas
+
+    def __init__(self, graph: Graph, cfg: RLHFConfig, log: MetricsLog,
+                 topology: RLHFTopology):
+        self.graph, self.cfg, self.log, self.topology = graph, cfg, log, topology
+        self.group = graph["rollout"]
+        self.n = self.group.world_size
+        self.queue: deque[tuple[int, Pending]] = deque()  # (iteration, batch) in flight
+        self.restarts = 0
+        self._rewired = 0
+
     def batch(self, it: int, last: int, draw: Callable[[], tuple[RolloutRequest, list | None]]
               ) -> tuple[list[Rollout], list[dict] | None]:
         """Iteration ``it``'s rollouts (one per replica) and fields: every batch up to
@@ -181,7 +251,7 @@ class Replicas:
 
     def submit(self, request: RolloutRequest, fields: list[dict] | None = None) -> Pending:
         """Hand ``request`` to the replicas (replica r answers slice r); returns at once."""
-        if self.version is None:
+        if self.weights.version is None:
             raise RuntimeError("rollout replicas hold no weights: sync before submitting")
         calls = [self.group.invoke_on(r, RolloutActor.generate, request) for r in range(self.n)]
         return Pending(request, calls, [None] * self.n, fields)
@@ -190,12 +260,12 @@ class Replicas:
         """The batch's rollouts, one per replica, waiting as needed; a replica that died is
         restarted and its slice asked again."""
         while True:
-            dead = self._wait(pending, step)
+            dead = self._wait(pending)
             if not dead:
                 return pending.results
-            self._settle(step, also=dead, more=[pending])
+            self.settle(step, also=dead, more=[pending])
 
-    def _wait(self, pending: Pending, step: int) -> dict[int, WorkerError]:
+    def _wait(self, pending: Pending) -> dict[int, WorkerError]:
         """Wait for ``pending``'s outstanding calls; the replicas found gone, with why."""
         dead = {}
         for r, call in enumerate(pending.calls):
@@ -207,8 +277,8 @@ class Replicas:
                     pending.results[r], pending.calls[r] = result, None
         return dead
 
-    def _settle(self, step: int, also: dict[int, WorkerError] | None = None,
-                more: list[Pending] = ()) -> None:
+    def settle(self, step: int, also: dict[int, WorkerError] | None = None,
+               more: list[Pending] = ()) -> None:
         """Wait until the replicas have answered every batch in flight (and ``more``);
         restart the ones that died (with ``also``), bring them to the current version and
         ask their slices again, until none is missing."""
@@ -217,12 +287,12 @@ class Replicas:
                                                  if all(p is not q for _, q in self.queue)]
         while True:
             for pending in batches:
-                dead.update(self._wait(pending, step))
+                dead.update(self._wait(pending))
             if not dead:
                 return
-            self._restart(dead, step)
-            if self.version is not None:
-                self._send(self.version, step)
+            self.restart(dead, step)
+            if self.weights.version is not None:
+                self.weights.send(self.weights.version, step)
             for pending in batches:
                 for r in dead:
                     if pending.results[r] is None:  # asked again, of the restarted replica
@@ -230,13 +300,13 @@ class Replicas:
                                                                 pending.request)
             dead = {}
 
-    def _lost(self) -> dict[int, WorkerError]:
+    def lost(self) -> dict[int, WorkerError]:
         """The replicas that are dead or restarted (not set up) now, with why."""
         asked = {r: _answer(self.group.invoke_on(r, RolloutActor.version), 60)[1]
                  for r in range(self.n)}
         return {r: gone for r, gone in asked.items() if gone is not None}
 
-    def _restart(self, dead: dict[int, WorkerError], step: int) -> None:
+    def restart(self, dead: dict[int, WorkerError], step: int) -> None:
         """The replicas ``dead`` names after their death: waited for while Ray restarts them,
         set up, the weights group rewired. Past max_restarts the death is raised (to the
         run's failure policy)."""
@@ -256,15 +326,9 @@ class Replicas:
         for r in ranks:  # node: where the replica runs now; sync_error: a sync it failed
             self.log.write({"kind": "rollout_restart", "step": step, "replica": r,
                             "cause": _cause(error), "node": nodes[r],
-                            "sync_error": self.sync_error,
-                            "version": self.version, "restarts": self.restarts})
-        self.sync_error = None
-
-    def reset(self) -> None:
-        """After the run's failure policy set every role up again: nothing in flight, no
-        version held (the next ``sync`` brings one)."""
-        self.queue.clear()
-        self.version, self.inflight = None, None
+                            "sync_error": self.weights.sync_error,
+                            "version": self.weights.version, "restarts": self.restarts})
+        self.weights.sync_error = None
 
 
 def _figures(sent: dict, seconds: float, version: int) -> dict:
