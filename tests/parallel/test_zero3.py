@@ -22,10 +22,10 @@ MOE1 = dict(model__moe=dict(num_experts=4, expert_interval=1, ep_size=1, capacit
                             min_capacity=2))
 
 
-def _train(tmp_path, name, stage, **over):
+def _train(graphs, tmp_path, name, stage, **over):
     cfg = _cfg(tmp_path, name, zero_stage=stage, train__steps=6,
                train__checkpoint_every=0, **over)
-    records = pretrain.run(cfg, resume=None, progress=False)
+    records = graphs.run(cfg, resume=None, progress=False)
     return cfg, [(r["kind"], r["step"], r.get("loss"), r.get("val_loss")) for r in records]
 
 
@@ -47,7 +47,7 @@ QWEN3_WINDOW = dict(DENSE, model__positions="rope", model__norm="rmsnorm", model
 
 @pytest.mark.parametrize("case,workers", [("dense", 2), ("moe-ep2", 2), ("moe-ep1", 4),
                                           ("dense-lamb-ckpt", 4), ("qwen3-window", 2)])
-def test_stage3_gives_stage1s_run(cluster, tmp_path, case, workers):
+def test_stage3_gives_stage1s_run(pretrain_graphs, tmp_path, case, workers):
     """Same seed and data: the same losses. On 2 ranks bit for bit (gloo's reduce-scatter
     sums in rank order whatever the cut); on 4 within 1e-5 relative, for LAMB, whose
     per-tensor norms are summed from other pieces on each rank (AdamW is bit for bit there
@@ -57,23 +57,23 @@ def test_stage3_gives_stage1s_run(cluster, tmp_path, case, workers):
                                     train__activation_checkpointing=True),
             "qwen3-window": QWEN3_WINDOW}[case]
     over = dict(over, workers=workers, train__batch_size=2 * workers)
-    _, one = _train(tmp_path, "one", 1, **over)
-    cfg, three = _train(tmp_path, "three", 3, **over)
+    _, one = _train(pretrain_graphs, tmp_path, "one", 1, **over)
+    cfg, three = _train(pretrain_graphs, tmp_path, "three", 3, **over)
     _close(three, one, 0.0 if workers == 2 else 1e-5)
     model = load_full_model(pretrain.checkpoint_root(cfg) / "step-00000006", cfg)
     assert sum(p.numel() for p in model.parameters()) == sum(
         p.numel() for p in GPT(cfg.model.architecture()).parameters())
 
 
-def test_an_expert_without_tokens_still_joins_every_collective(cluster, tmp_path):
+def test_an_expert_without_tokens_still_joins_every_collective(pretrain_graphs, tmp_path):
     """Top-1 routing over 8 experts with 2 of 16 tokens per rank: most experts get nothing on
     a rank at every step (the stage that hangs when a rank skips an idle expert's
     reduce-scatter); the run completes and equals stage 1's."""
     over = dict(model__moe=dict(num_experts=8, expert_interval=1, ep_size=1, top_k=1,
                                 capacity_factor=1.0, min_capacity=1),
                 model__seq_len=2, train__batch_size=2, workers=2)
-    _, one = _train(tmp_path, "one", 1, **over)
-    _, three = _train(tmp_path, "three", 3, **over)
+    _, one = _train(pretrain_graphs, tmp_path, "one", 1, **over)
+    _, three = _train(pretrain_graphs, tmp_path, "three", 3, **over)
     _close(three, one, 0.0)
 
 
@@ -189,8 +189,8 @@ def test_stage3_on_cuda_gives_stage1s_losses():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_stage3_over_nccl_gives_stage1s_run(cluster, tmp_path):
+def test_stage3_over_nccl_gives_stage1s_run(pretrain_graphs, tmp_path):
     over = dict(DENSE, workers=2, train__batch_size=4, device="cuda")
-    _, one = _train(tmp_path, "one", 1, **over)
-    _, three = _train(tmp_path, "three", 3, **over)
+    _, one = _train(pretrain_graphs, tmp_path, "one", 1, **over)
+    _, three = _train(pretrain_graphs, tmp_path, "three", 3, **over)
     _close(three, one, 1e-5)

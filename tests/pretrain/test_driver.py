@@ -54,15 +54,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_reproduces_uninterrupted_run(cluster, tmp_path, case):
-    full = pretrain.run(_cfg(tmp_path, "full", **CASES[case]), resume=None, progress=False)
+def test_resume_reproduces_uninterrupted_run(pretrain_graphs, tmp_path, case):
+    full = pretrain_graphs.run(_cfg(tmp_path, "full", **CASES[case]), resume=None, progress=False)
     assert all(r["peak_memory_mb"] > 50 for r in full if r["kind"] == "train")  # each rank's
     over = dict(CASES[case])
     if case == "moe-zero-one-adam":  # checkpoints behind an fsspec URL, written in place
         over["train__checkpoint_dir"] = f"file://{tmp_path}/store/split"
     cfg = _cfg(tmp_path, "split", **over)
-    first = pretrain.run(cfg, resume=None, stop_after=4, progress=False)
-    second = pretrain.run(cfg, resume="auto", progress=False)
+    first = pretrain_graphs.run(cfg, resume=None, stop_after=4, progress=False)
+    second = pretrain_graphs.run(cfg, resume="auto", progress=False)
     assert [r["step"] for r in second if r["kind"] == "train"] == [5, 6, 7, 8]
     key = lambda r: (r["kind"], r["step"], r.get("loss"), r.get("val_loss"))  # noqa: E731
     assert [key(r) for r in first + second] == [key(r) for r in full]
@@ -76,35 +76,35 @@ def test_resume_reproduces_uninterrupted_run(cluster, tmp_path, case):
         assert not (tmp_path / "split" / "checkpoints").exists()
 
 
-def test_losses_fall(cluster, tmp_path):
+def test_losses_fall(pretrain_graphs, tmp_path):
     cfg = _cfg(tmp_path, "fall", train__steps=30, train__eval_every=10)
-    records = pretrain.run(cfg, resume=None, progress=False)
+    records = pretrain_graphs.run(cfg, resume=None, progress=False)
     val = [r["val_loss"] for r in records if r["kind"] == "eval"]
     assert val[-1] < val[0] - 0.5, val
 
 
-def test_damaged_checkpoint_is_named(cluster, tmp_path):
+def test_damaged_checkpoint_is_named(pretrain_graphs, tmp_path):
     cfg = _cfg(tmp_path, "bad", train__steps=4)
-    pretrain.run(cfg, resume=None, progress=False)
+    pretrain_graphs.run(cfg, resume=None, progress=False)
     directory = checkpoint.latest(tmp_path / "bad" / "checkpoints")
     victim = directory / "rank-00001.trp"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(Exception, match="rank-00001.trp does not match its manifest"):
-        pretrain.run(cfg, resume=str(directory), progress=False)
+        pretrain_graphs.run(cfg, resume=str(directory), progress=False)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
-def test_offloaded_shards_match_zero1(cluster, tmp_path, optimizer):
+def test_offloaded_shards_match_zero1(pretrain_graphs, tmp_path, optimizer):
     """Master weights and optimizer state on ParameterShard actors give the losses of ZeRO-1
     inside the trainers, hold 1/W of the state each, and resume exactly."""
     over = dict(optimizer__name=optimizer, model__moe=None, train__steps=6,
                 train__checkpoint_every=3, train__eval_every=3)
-    zero1 = pretrain.run(_cfg(tmp_path, "zero1", **over), resume=None, progress=False)
+    zero1 = pretrain_graphs.run(_cfg(tmp_path, "zero1", **over), resume=None, progress=False)
     cfg = _cfg(tmp_path, "offload", train__offload=True, **over)
-    first = pretrain.run(cfg, resume=None, stop_after=3, progress=False)
-    second = pretrain.run(cfg, resume="auto", progress=False)
+    first = pretrain_graphs.run(cfg, resume=None, stop_after=3, progress=False)
+    second = pretrain_graphs.run(cfg, resume="auto", progress=False)
     steps = ("train", "eval")  # not the plan record that opens a fresh run
     a = [r.get("loss", r.get("val_loss")) for r in zero1 if r["kind"] in steps]
     b = [r.get("loss", r.get("val_loss")) for r in first + second if r["kind"] in steps]
@@ -125,7 +125,7 @@ def test_each_trainer_computes_with_its_threads(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "onebit_adam"])
-def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
+def test_full_model_from_sharded_checkpoint(pretrain_graphs, tmp_path, optimizer):
     """The single-process model rebuilt from the ranks' shards (experts from both
     expert-parallel slices) scores the run's last validation loss."""
     import torch
@@ -137,7 +137,7 @@ def test_full_model_from_sharded_checkpoint(cluster, tmp_path, optimizer):
     cfg = _cfg(tmp_path, optimizer, model__moe={**MOE, "dropless": True},
                optimizer__name=optimizer, optimizer__freeze_step=2, train__steps=4,
                train__checkpoint_dir=root)
-    records = pretrain.run(cfg, resume=None, progress=False)
+    records = pretrain_graphs.run(cfg, resume=None, progress=False)
     model = load_full_model(checkpoint.latest(root or tmp_path / optimizer / "checkpoints"))
     from troupe.data import TokenDataset
     data = TokenDataset(cfg.data)
@@ -198,7 +198,8 @@ def test_failures_beyond_max_restarts_stop_with_a_report(cluster, tmp_path):
     assert report["failures"] == e.value.failures
 
 
-def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cluster, tmp_path):
+def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(pretrain_graphs,
+                                                                               tmp_path):
     """A manifest whose config does not describe the saved weights is refused by export and
     serving (issue 14); resume skips a damaged newest checkpoint, says so, and goes on from the
     previous complete one to the uninterrupted run's losses."""
@@ -211,7 +212,7 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
 
     cfg = _cfg(tmp_path, "lie", model__moe=None, train__steps=3, train__checkpoint_every=1,
                train__eval_every=0)
-    full = pretrain.run(cfg, resume=None, progress=False)
+    full = pretrain_graphs.run(cfg, resume=None, progress=False)
     root = tmp_path / "lie" / "checkpoints"
     newest = checkpoint.latest(root)
     manifest = json.loads((newest / "manifest.json").read_text())
@@ -231,12 +232,12 @@ def test_lying_manifest_is_refused_and_a_damaged_newest_checkpoint_is_skipped(cl
     (newest / "manifest.json").write_text(honest)
     victim = newest / "rank-00001.trp"
     victim.write_bytes(victim.read_bytes()[:-1] + b"\0")
-    again = pretrain.run(cfg, resume="auto", progress=False)
+    again = pretrain_graphs.run(cfg, resume="auto", progress=False)
     assert [(r["kind"], r["step"]) for r in again] == [("train", 3), ("eval", 3)]
     assert _train_key(again) == _train_key(full)[-2:]
 
 
-def test_resume_refuses_a_checkpoint_of_another_architecture(cluster, tmp_path):
+def test_resume_refuses_a_checkpoint_of_another_architecture(pretrain_graphs, tmp_path):
     """The same run resumed with another n_head (the same tensor shapes: it would load
     silently and compute another model), or another optimizer (whose state has another
     layout), is refused naming the field, before any rank loads."""
@@ -244,15 +245,15 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(cluster, tmp_path):
 
     cfg = _cfg(tmp_path, "arch", model__moe=None, train__steps=2, train__checkpoint_every=1,
                train__eval_every=0)
-    pretrain.run(cfg, resume=None, progress=False)
+    pretrain_graphs.run(cfg, resume=None, progress=False)
     other = _cfg(tmp_path, "arch", model__moe=None, model__n_head=4, train__steps=3,
                  train__eval_every=0)
     with pytest.raises(CheckpointError, match=r"another model.*n_head=2 vs 4"):
-        pretrain.run(other, resume="auto", progress=False)
+        pretrain_graphs.run(other, resume="auto", progress=False)
     onebit = _cfg(tmp_path, "arch", model__moe=None, optimizer__name="onebit_adam",
                   train__steps=3, train__eval_every=0)
     with pytest.raises(CheckpointError, match="optimizer='adamw', this run has optimizer="):
-        pretrain.run(onebit, resume="auto", progress=False)
+        pretrain_graphs.run(onebit, resume="auto", progress=False)
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ class Trainers:
     graph: Graph
     trainers: list[RankInfo]
     owners: list[RankInfo]  # the shard owners' (train.offload), else empty
+    topology: PretrainTopology | None = None  # the groups it was wired with
 
     def shutdown(self) -> None:
         self.graph.shutdown()
@@ -60,8 +61,7 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain",
     ShardOwnerActor owners, wired with the groups of their PretrainTopology
     (troupe/pretrain/topology.py); then set every worker up with it. On cuda (``device``)
     each trainer asks Ray for ``num_gpus`` and the trainers' groups are NCCL's."""
-    T, W, info = cfg.train, cfg.workers, init()
-    device = cluster_device(cfg.device, info.num_gpus, W * cfg.num_gpus, info.embedded)
+    T, W, device = cfg.train, cfg.workers, _device(cfg)
     config = cfg.model_copy(update={"device": device})  # the workers' own choice (and class)
     num_gpus = cfg.num_gpus if device == "cuda" else 0.0
     g = ActorGraph(name).role(TRAINER, TrainerActor, W, num_cpus=cfg.threads, num_gpus=num_gpus,
@@ -78,7 +78,29 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain",
     except BaseException:
         graph.shutdown()
         raise
-    return Trainers(graph, trainers, owners)
+    return Trainers(graph, trainers, owners, topology)
+
+
+def reuse_graph(built: Trainers, cfg: PretrainConfig) -> Trainers:
+    """``built`` (by ``build_graph`` for another recipe of the same ranks and groups) with
+    every worker given ``cfg`` and set up afresh: what a run builds, without starting its
+    processes again. ValueError naming what differs."""
+    topology = PretrainTopology.of(cfg)
+    want = {TRAINER: cfg.workers, **({OWNER: cfg.workers} if cfg.train.offload else {})}
+    have = {name: built.graph[name].world_size for name in built.graph.roles}
+    if have != want or topology != built.topology:
+        raise ValueError(f"this graph holds {have} (role: ranks) wired as {built.topology}; "
+                         f"the recipe needs {want} wired as {topology}")
+    config = cfg.model_copy(update={"device": _device(cfg)})
+    _both(built.graph, TrainerActor.configure, ShardOwnerActor.configure, config)
+    trainers, owners = _both(built.graph, TrainerActor.setup, ShardOwnerActor.setup, topology)
+    return Trainers(built.graph, trainers, owners, topology)
+
+
+def _device(cfg: PretrainConfig) -> str:
+    """Where the trainers compute, ``device`` resolved on this cluster."""
+    info = init()
+    return cluster_device(cfg.device, info.num_gpus, cfg.workers * cfg.num_gpus, info.embedded)
 
 
 def _both(graph: Graph, trainer_method: Callable, owner_method: Callable, *args) -> list[list]:
@@ -102,7 +124,7 @@ def _checkpointed(graph: Graph) -> list:
 def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None = None,
         progress: bool = True, on_step: Callable[[int, Graph], None] | None = None,
         export: Callable[[PretrainConfig, Path], object] | None = None,
-        name: str = "pretrain") -> list[dict]:
+        name: str = "pretrain", graph: Trainers | None = None) -> list[dict]:
     """Train per ``cfg``; returns the metric records of this run (also in out_dir/metrics.jsonl).
 
     resume: "auto" (the newest complete checkpoint in train.checkpoint_dir, by default
@@ -111,19 +133,21 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     on_step(step, graph): called before each step (fault injection, custom logging).
     export(cfg, out_dir): what is written once the last step is done (default: the Hugging
     Face directory out_dir/hf, when the model has that form). name: of the graph and the
-    progress bar.
+    progress bar. graph: one ``build_graph`` made for another run of the same ranks and
+    groups, reused (``reuse_graph``) and left running; by default the run builds its own.
     Raises RunFailedError once failures exceed max_restarts (see the module doc).
     """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.model_dump(), indent=1))
-    built = build_graph(cfg, name)
+    built = build_graph(cfg, name) if graph is None else reuse_graph(graph, cfg)
     try:
         records = _train(built.graph, cfg, resume, stop_after, progress, on_step, name)
         plot_losses(MetricsLog(out / "metrics.jsonl").records(), out / "loss.png",
                     f"{out.name}: {cfg.optimizer.name}")
     finally:
-        built.shutdown()
+        if graph is None:
+            built.shutdown()
     if stop_after is None or stop_after >= cfg.train.steps:
         if export is not None:
             export(cfg, out)

@@ -52,6 +52,13 @@ class TrainerActor:
         self.worker: Trainer | None = None
 
     @dispatch(Dispatch.ALL)
+    def configure(self, config: dict | PretrainConfig) -> None:
+        """Another recipe for this worker, what it built dropped (``setup`` builds it afresh):
+        a graph reused for another run of the same ranks and groups (troupe.pretrain.driver)."""
+        self.__dict__.clear()
+        type(self).__init__(self, config)
+
+    @dispatch(Dispatch.ALL)
     def setup(self, topology: PretrainTopology) -> RankInfo:
         """Build the model and optimizers, with this rank's communicators in ``topology``."""
         ctx, t = get_context(), topology
@@ -125,6 +132,13 @@ class ShardOwnerActor:
     def __init__(self, config: dict | PretrainConfig):
         self.cfg = _config(config)
         self.owner: ShardOwner | None = None
+
+    @dispatch(Dispatch.ALL)
+    def configure(self, config: dict | PretrainConfig) -> None:
+        """Another recipe for this worker, what it built dropped (``setup`` builds it afresh):
+        a graph reused for another run of the same ranks and groups (troupe.pretrain.driver)."""
+        self.__dict__.clear()
+        type(self).__init__(self, config)
 
     @dispatch(Dispatch.ALL)
     def setup(self, topology: PretrainTopology) -> RankInfo:
