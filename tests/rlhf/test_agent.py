@@ -1,7 +1,7 @@
-"""Multi-turn rollouts (troupe.rlhf.agents.loop): a 4-turn trajectory runs only each turn's new tokens
-through the model (the earlier turns' keys and values come from the prefix cache) and samples
-what it samples without the cache; the rollout marks only the model's tokens as actions, and
-the loss's gradient on the logits at the environment's tokens is exactly zero for every
+"""Multi-turn rollouts (troupe.rlhf.agents.loop): a 4-turn trajectory runs only each turn's new
+tokens through the model (the earlier turns' keys and values come from the prefix cache) and
+samples what it samples without the cache; the rollout marks only the model's tokens as actions,
+and the loss's gradient on the logits at the environment's tokens is exactly zero for every
 algorithm's loss and the KL; the environment's messages go through the chat template."""
 
 import os

@@ -107,7 +107,6 @@ class DecodeLayers:
         return tokens, x, valid_BS.contiguous(), cache.k, cache.v, cache.length
 
 
-
 class _Products:
     """The native product of each Linear of a model for the one-call step: its packed kernel,
     a W8A8 layer's kernel or MKL's, with the adapters' pairs on a layer that has them, or

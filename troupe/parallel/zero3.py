@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -207,11 +208,11 @@ class Zero3:
         peak, self.peak_whole_bytes = self.peak_whole_bytes, self.whole_bytes
         return peak
 
-    def _prefetch(self, unit: Unit, order: list[Unit]) -> None:
-        """Issue the gathers of the ``prefetch`` units that follow ``unit`` in ``order``."""
+    def _prefetch(self, unit: Unit, order: list[Unit], skip: list[Unit] = ()) -> None:
+        """Gather the ``prefetch`` units after ``unit`` in ``order`` (not those in ``skip``)."""
         if unit in order:
-            at = order.index(unit)
-            for nxt in order[at + 1:at + 1 + self.prefetch]:
+            ahead = (u for u in order[order.index(unit) + 1:] if u not in skip)
+            for nxt in itertools.islice(ahead, self.prefetch):
                 self._gather_async(nxt)
 
     def _record(self, unit: Unit) -> None:
@@ -229,8 +230,7 @@ class Zero3:
                 return None                       # gathered by the backward's own hook
             self.gather(unit)
             self._record(unit)
-            ahead = [u for u in self._order or self.units if u not in self._running[:-1]]
-            self._prefetch(unit, ahead)  # never one that ran already in this forward
+            self._prefetch(unit, self._order or self.units, skip=self._running)  # not run yet
             if torch.is_grad_enabled():
                 return self._mark_inputs(unit, args, kwargs)
             return None

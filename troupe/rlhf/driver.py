@@ -1,10 +1,11 @@
 """Driver of the three-step RLHF pipeline: one graph holding the roles the recipe's algorithm
-needs (policy always; reference when there is a KL term or DPO; a reward model when the
-reward is learned; a critic for PPO), colocated on the same bundles by default; then step 1
-(SFT) and step 2 (reward model) from troupe.rlhf.pipeline.stages and step 3 from troupe.rlhf.pipeline.step3 (PPO,
-GRPO, RLOO, REINFORCE++) or troupe.rlhf.pipeline.dpo. Metrics go to JSON lines, plots to rlhf.png,
-weights after each step and every ``step3.checkpoint_every`` iterations, and the final policy to
-out_dir/policy-hf as a Hugging Face directory."""
+needs (policy always; reference when there is a KL term or DPO; a reward model when the reward
+is learned; a critic for PPO), colocated on the same bundles by default; then step 1 (SFT) and
+step 2 (reward model) from troupe.rlhf.pipeline.stages and step 3 from
+troupe.rlhf.pipeline.step3 (PPO, GRPO, RLOO, REINFORCE++) or troupe.rlhf.pipeline.dpo. Metrics
+go to JSON lines, plots to rlhf.png, weights after each step and every
+``step3.checkpoint_every`` iterations, and the final policy to out_dir/policy-hf as a Hugging
+Face directory."""
 
 from __future__ import annotations
 

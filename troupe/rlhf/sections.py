@@ -64,9 +64,9 @@ class TaskConfig(Config):
 
 class DataConfig(Config):
     """Your own data: a JSON-lines (or parquet) file of rows with a prompt (text, or chat
-    messages) and optionally chosen and rejected (DeepSpeed-Chat's format) and other fields
-    for a reward function (troupe.rlhf.data.datasets); SFT trains on prompt + chosen, the reward model
-    and DPO on the pairs, step 3 on every prompt. The last ``eval_fraction`` is held out."""
+    messages) and optionally chosen and rejected (DeepSpeed-Chat's format) and other fields for
+    a reward function (troupe.rlhf.data.datasets); SFT trains on prompt + chosen, the reward
+    model and DPO on the pairs, step 3 on every prompt. The last ``eval_fraction`` is held out."""
 
     path: str | None = None
     eval_fraction: float = Field(default=0.05, gt=0, lt=1)
@@ -115,21 +115,20 @@ class RewardConfig(StepConfig):
         return module_attribute(v, "function", "my_rewards:exact_match")
 
 
-
 class EnvConfig(Config):
-    """Multi-turn (agentic) rollouts in step 3 (troupe.rlhf.agents.loop): each trajectory talks with
-    an instance of ``function`` = "module:Class" (reset(row) -> messages; step(messages,
-    assistant) -> (messages, reward or None, done); troupe.rlhf.agents.environments), constructed with
-    ``kwargs``, in ``workers`` sandboxed processes per rollout engine: each request limited to
-    ``timeout_s``, each process to ``memory_mb`` of address space (0: no limit); a failure
-    ends its trajectory, scored ``failure_score``, counted by cause. A trajectory ends when the
-    environment says done, after ``max_turns`` assistant turns (each at most
-    step3.max_new_tokens), or when its tokens after the opening (the model's and the
+    """Multi-turn (agentic) rollouts in step 3 (troupe.rlhf.agents.loop): each trajectory talks
+    with an instance of ``function`` = "module:Class" (reset(row) -> messages; step(messages,
+    assistant) -> (messages, reward or None, done); troupe.rlhf.agents.environments),
+    constructed with ``kwargs``, in ``workers`` sandboxed processes per rollout engine: each
+    request limited to ``timeout_s``, each process to ``memory_mb`` of address space (0: no
+    limit); a failure ends its trajectory, scored ``failure_score``, counted by cause. A
+    trajectory ends when the environment says done, after ``max_turns`` assistant turns (each at
+    most step3.max_new_tokens), or when its tokens after the opening (the model's and the
     environment's) would pass ``max_tokens``. Its reward, the sum of the environment's, times
     ``reward_coef``, is added to the reward function's and the reward model's when those are
     set. ``tools``: OpenAI tool specs the chat template renders in every turn (SmolLM2's
-    template ignores them: model.template=hermes_tools). Only the model's tokens are trained
-    on: the environment's and the template's are masked out of the loss."""
+    template ignores them: model.template=hermes_tools). Only the model's tokens are trained on:
+    the environment's and the template's are masked out of the loss."""
 
     function: str | None = None
     kwargs: dict = {}

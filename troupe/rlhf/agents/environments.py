@@ -12,12 +12,12 @@ with the messages that follow (tool results, a user's reply), a reward (a number
 this turn) and whether the trajectory is over. An instance keeps its state between turns: every
 request of a trajectory goes to the one process that holds it, from reset to close.
 
-The pool is the one reward functions use (troupe.rlhf.sandbox): processes of their own, each under an
-address-space limit, killed with whatever they started when a request runs past ``timeout_s``,
-JSON lines both ways (troupe/rlhf/sandbox/child.py; no pickle). A request that raises, returns
-something malformed, runs out of time or kills its process ends its trajectory as a failure
-with its cause, counted by kind. The other trajectories of a process that had to be replaced
-are replayed on the new one: their reset and every step so far sent again in order, the
+The pool is the one reward functions use (troupe.rlhf.sandbox): processes of their own, each
+under an address-space limit, killed with whatever they started when a request runs past
+``timeout_s``, JSON lines both ways (troupe/rlhf/sandbox/child.py; no pickle). A request that
+raises, returns something malformed, runs out of time or kills its process ends its trajectory
+as a failure with its cause, counted by kind. The other trajectories of a process that had to be
+replaced are replayed on the new one: their reset and every step so far sent again in order, the
 replies dropped, so that their instances reach the state they had (for an environment whose
 answers depend only on what it is sent; one whose replay fails is lost, a failure saying so).
 Nothing stops the run.

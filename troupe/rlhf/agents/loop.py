@@ -1,6 +1,6 @@
-"""Multi-turn rollouts: the policy talks with an environment (troupe.rlhf.agents.environments) until it
-is done, and the trajectory is trained on as one sequence whose loss covers only what the model
-wrote.
+"""Multi-turn rollouts: the policy talks with an environment (troupe.rlhf.agents.environments)
+until it is done, and the trajectory is trained on as one sequence whose loss covers only what
+the model wrote.
 
 A trajectory is the environment's opening (``reset(row)``), rendered through the chat template
 with the generation prompt, then turns: the engine generates the assistant's turn (until its

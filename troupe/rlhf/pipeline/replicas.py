@@ -47,6 +47,9 @@ from troupe.runtime.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 _GENERATION = 1000  # rewired weight groups' generations start here (recovery's count from 1)
+# a partitioned policy's report of what it held whole (troupe.rlhf.roles.policy.send_weights)
+_GATHERED = ("sync_gathered_peak_bytes", "train_gathered_peak_bytes",
+             "planned_gathered_bytes")
 
 
 @dataclass
@@ -337,9 +340,7 @@ def _figures(sent: dict, seconds: float, version: int) -> dict:
     syncing and while training since the sync before (its plan's bound beside them)."""
     out = {"sync_s": seconds, "sync_bytes": sent["bytes"], "sync_buckets": sent["buckets"],
            "weight_version": version}
-    for key in ("gathered_peak_bytes", "train_gathered_peak_bytes", "planned_gathered_bytes"):
-        if key in sent:
-            out[f"sync_{key}" if key == "gathered_peak_bytes" else key] = sent[key]
+    out.update((key, sent[key]) for key in _GATHERED if key in sent)
     return out
 
 

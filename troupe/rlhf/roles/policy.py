@@ -1,16 +1,8 @@
-"""The four RLHF roles in plain torch. Each is one data-parallel rank of its role: tensors that
-arrive are this rank's slice of the batch, and gradient averaging happens in its optimizer.
-
-Policy (actor): SFT in step 1; in step 3 generates in its inference layout (eval mode, no
-autograd, KV cache, LoRA fused) and trains with the clipped surrogate of the recipe's
-algorithm (PPO, GRPO, RLOO, REINFORCE++: they differ in their advantages, which arrive in
-the experience, and in where the KL goes) or with DPO's loss. Reference: the frozen SFT
-policy. Reward: the pairwise reward model of step 2, frozen in step 3. Critic (PPO only):
-initialised from the reward model, trained with the clipped value loss.
-
-Each role computes on ``worker_device(cfg.device)`` (its Ray GPU, or the CPU): its model lives
-there, and so do the batches it tokenizes itself; tensors handed to it arrive there through the
-role shells (troupe.rlhf.roles.actors)."""
+"""The policy (actor): SFT in step 1; in step 3 it generates in its inference layout (eval
+mode, no autograd, KV cache, LoRA fused) and trains with the clipped surrogate of the recipe's
+algorithm (PPO, GRPO, RLOO, REINFORCE++: they differ in their advantages, which arrive in the
+experience, and in where the KL goes) or with DPO's loss; it sends its weights to the rollout
+replicas (troupe.parallel.weight_sync). One data-parallel rank of the role (troupe.rlhf.roles)."""
 
 from __future__ import annotations
 
@@ -40,7 +32,6 @@ from troupe.rlhf.data.experience import (
 from troupe.rlhf.models.build import Trainable, build_lm, build_trainable
 from troupe.rlhf.models.lm import GPTLM
 from troupe.rlhf.rollout.engine import RolloutEngine
-
 
 
 class Policy:
@@ -144,7 +135,7 @@ class Policy:
                 unfuse_lora(self.lm)
         if partitioned:  # what was whole at once: syncing, training, and the plan's bound
             z = self.train.zero3
-            return {**vars(report), "gathered_peak_bytes": z.take_peak(),
+            return {**vars(report), "sync_gathered_peak_bytes": z.take_peak(),
                     "train_gathered_peak_bytes": trained,
                     "planned_gathered_bytes": z.memory()["gathered_bytes"]}
         return vars(report)
@@ -265,7 +256,6 @@ class Policy:
     def load(self, path: str) -> None:
         with self.train.writable():
             load_module(path, self.lm)
-
 
 
 @torch.no_grad()

@@ -18,7 +18,6 @@ from troupe.rlhf.models.build import build_lm, build_trainable
 from troupe.rlhf.roles.policy import action_logprobs, pair_logprobs
 
 
-
 def quantize_frozen(gpt: torch.nn.Module, ids: torch.Tensor) -> None:
     """A frozen role's model in W8A8 (step3.quantize_frozen), at its first scoring call: each
     layer keeps 1 in 36 of its input channels in fp32 (16 for SmolLM2's 576), those with the

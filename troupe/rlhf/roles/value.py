@@ -24,7 +24,6 @@ from troupe.rlhf.models.lm import ValueModel
 from troupe.rlhf.roles.reference import quantize_frozen
 
 
-
 class Reward:
     """The reward model: a value head on a language model, scored at the last real token."""
 
@@ -168,7 +167,6 @@ class Critic:
     def load(self, path: str) -> None:
         with self.train.writable():
             load_module(path, self.model)
-
 
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One process of troupe.rlhf's sandboxed pools: imports the user's reward function
-(troupe.rlhf.pipeline.rewards) or environment class (troupe.rlhf.agents.environments) and serves what the
-driver sends, one JSON object per line each way. Run by path (``python child.py
+(troupe.rlhf.pipeline.rewards) or environment class (troupe.rlhf.agents.environments) and serves
+what the driver sends, one JSON object per line each way. Run by path (``python child.py
 module:name MEMORY_MB KIND``), so it imports the standard library and the user's module only,
 not troupe (which would cost every process Ray and torch).
 
