@@ -70,18 +70,18 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
     data = _data(cfg)
-    tok = recipe_tokenizer(cfg.model, cfg.env.tools or None)  # the one the roles build
+    tok = _Lengths(recipe_tokenizer(cfg.model, cfg.env.tools or None))  # the roles' tokenizer
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
     if "sft" in steps:
         out.data.sft = _fitting(out, "demonstrations", data.sft, C,
-                                lambda d: len(tok.prompt(d[0])) + len(tok.encode(d[1])) + 1,
+                                lambda d: tok.prompt(d[0]) + len(tok.encode(d[1])) + 1,
                                 f"sft: no demonstration of {source} fits {where}")
     pairs_needed = ("reward" in steps and cfg.uses_reward_model()) or (
         STEP3 in steps and not cfg.algo().online)
     if pairs_needed:
         def pair(p):
-            prompt = len(tok.prompt(p[0]))
+            prompt = tok.prompt(p[0])
             return prompt + max(len(tok.encode(p[1])), len(tok.encode(p[2]))) + 1
         out.data.pairs = _fitting(out, "pairs", data.pairs, C, pair,
                                   f"no preference pair of {source} fits {where}")
@@ -94,6 +94,22 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     if local:
         _check_cpus(cfg, steps)
     return out
+
+
+class _Lengths:
+    """A tokenizer's ``prompt`` as a length, each text's measured once: the task's
+    demonstrations, pairs and prompts share their prompts."""
+
+    def __init__(self, tok):
+        self.encode, self.known = tok.encode, {}
+        self._prompt = tok.prompt
+
+    def prompt(self, p) -> int:
+        if not isinstance(p, str):  # a conversation
+            return len(self._prompt(p))
+        if p not in self.known:
+            self.known[p] = len(self._prompt(p))
+        return self.known[p]
 
 
 def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
@@ -145,7 +161,7 @@ def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> No
     """Step 3's and the evaluation's prompts that leave room for step3.max_new_tokens."""
     N = cfg.step3.max_new_tokens
     budget = out.context - N
-    length = lambda p: len(tok.prompt(p))  # noqa: E731
+    length = tok.prompt
     d = out.data
     source = cfg.data.path or "the task"
 
