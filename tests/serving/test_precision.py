@@ -30,7 +30,8 @@ def test_bf16_serving_holds_bf16_weights_and_decodes_like_fp32(tmp_path):
         want, got = served["fp32"](ids)[0], served["bf16"](ids)[0].float()
     assert got.dtype == torch.float32 and ((got - want).norm() / want.norm()) < 0.03
     engine = ContinuousBatcher(model, eos_id=None, max_batch=2)
-    assert engine.cache is None and engine._dtype() == torch.bfloat16  # the cache it will make
+    assert engine.slots is None  # made at the first prefill, in the model's dtype
     engine.add("a", ids[0].tolist(), SamplingParams(max_tokens=5))
     tokens = engine.run()["a"]
+    assert engine.slots.k[0].dtype == engine.slots.v[-1].dtype == torch.bfloat16
     assert len(tokens) == 5 and tokens[0] == int(got[0, -1].argmax())

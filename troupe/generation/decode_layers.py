@@ -28,6 +28,7 @@ from torch import nn
 
 from troupe.kernels import _native, small_gemm  # noqa: F401 (the annotation)
 from troupe.kernels.decode_attention import _extension as _attention_extension
+from troupe.models.attention import RowCache
 
 
 def _extension():
@@ -80,31 +81,38 @@ class DecodeLayers:
         return cls(model, step, embedding is not None, logits is not None,
                    bool(products.routed))
 
-    def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,
+    def hidden(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor | None, cache,
                slots: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states (B, C) (after the last norm) of one new token per sequence,
-        its keys and values written to column ``cache.length`` (then counted); ``valid_BS``
-        (B, cache.length + 1) says which columns hold real tokens, the last one this token;
-        ``slots``: each row's adapter (troupe.models.adapters.Adapters.slot_ids), if any."""
+        its keys and values written after its row's filled positions (then counted): a
+        RowCache's own lengths, or a KVCache's shared column ``cache.length``, whose
+        ``valid_BS`` (B, cache.length + 1) says which columns hold real tokens, the last one
+        this token (None for a RowCache: its rows have no gaps); ``slots``: each row's adapter
+        (troupe.models.adapters.Adapters.slot_ids), if any."""
         h = self.step.run(*self._inputs(idx_B1, valid_BS, cache), slots)
-        cache.length += 1
+        cache.advance(1)
         return h
 
-    def logits(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor, cache,
+    def logits(self, idx_B1: torch.Tensor, valid_BS: torch.Tensor | None, cache,
                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], list[bool]]:
         """``hidden``'s step, then the logits (B, V), each row's greedy token and whether the
         row is finite (``has_logits``: the step was given the model's output projection)."""
         logits, greedy, finite = self.step.logits(*self._inputs(idx_B1, valid_BS, cache), slots)
-        cache.length += 1
+        cache.advance(1)
         return logits, greedy.tolist(), finite.tolist()
 
     def _inputs(self, idx_B1, valid_BS, cache) -> tuple:
         tokens = idx_B1.reshape(-1)
+        if isinstance(cache, RowCache):
+            cols = cache.lengths
+            valid_BS = torch.arange(cache.span, device=cols.device)[None] <= cols[:, None]
+        else:
+            cols = torch.full((len(tokens),), cache.length, dtype=torch.long)
         x = None
         if not self.own_embedding:  # a quantized embedding, say: the model's own lookup
             pos = valid_BS.sum(1, keepdim=True) - 1
             x = self.model.embed(idx_B1, pos)[:, 0].float()
-        return tokens, x, valid_BS.contiguous(), cache.k, cache.v, cache.length
+        return tokens, x, valid_BS.contiguous(), cache.k, cache.v, cols.contiguous()
 
 
 class _Products:

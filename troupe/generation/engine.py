@@ -4,11 +4,12 @@ run to the end), with the same sampler, so one prompt, seed and sampling paramet
 same tokens in both. Sequences join the batch between decode steps and leave it when they
 finish, so a long request does not hold back the ones behind it.
 
-All sequences of the batch share the cache's columns: a sequence's tokens end at the current
-column and start wherever its prompt began, with the columns before it marked invalid, exactly
-as a left-padded batch would be (positions count real tokens only, see GPT.hidden). A newcomer
-is prefilled on its own and its keys and values are right-aligned into the batch's columns;
-when the columns run out, the ones that no sequence uses any more are dropped.
+Each sequence of the batch has a row of the KV cache, a slot, with a length of its own
+(troupe.generation.slots): a step writes each row's new keys and values at that row's position,
+in place. A newcomer is prefilled straight into a free slot (prompts of different lengths
+together, right-padded: the padding's keys land past each row's end, where its next tokens
+overwrite them); a sequence that finishes gives its slot up. Nothing else in the cache is
+copied when sequences join and leave, and rows may advance by different counts.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from collections import deque
 
 import torch
 
-from troupe.generation.batch_cache import merged, select_rows, with_room
 from troupe.generation.decode_layers import DecodeLayers
 from troupe.generation.grammar import Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import SamplingParams
 from troupe.generation.sequence import Event, Sequence, choose
+from troupe.generation.slots import Slots
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
-from troupe.models import GPT, KVCache
+from troupe.models import GPT
 from troupe.models.adapters import Adapters
 
 
@@ -105,9 +106,8 @@ class ContinuousBatcher:
         self._waiting: deque[Sequence] = deque()
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
-        self.active: list[Sequence] = []
-        self.cache: KVCache | None = None
-        self.valid: torch.Tensor | None = None  # (B, S): which columns hold real tokens
+        self.active: list[Sequence] = []  # sequence i holds slot i
+        self.slots: Slots | None = None   # made at the first prefill
 
     # ---- requests -------------------------------------------------------------------------
     def weights_changed(self) -> None:
@@ -171,7 +171,7 @@ class ContinuousBatcher:
             dropped = [s.seq_id for s in self.active] + [s.seq_id for s in self._waiting]
             self._waiting.clear()
             self._cancelled.clear()
-        self.active, self.cache, self.valid = [], None, None
+        self._drop_all()
         return dropped
 
     def has_work(self) -> bool:
@@ -184,7 +184,7 @@ class ContinuousBatcher:
 
     def kv_usage(self) -> tuple[int, int]:
         """(positions of the KV cache holding real tokens, max_batch x the model's context)."""
-        used = int(self.valid.sum()) if self.valid is not None else 0
+        used = self.slots.used(len(self.active)) if self.slots is not None else 0
         return used, self.max_batch * self.cfg.seq_len
 
     def active_ids(self) -> list[str]:
@@ -210,27 +210,25 @@ class ContinuousBatcher:
             elif self.lockstep:
                 self._stand_in()
         except Exception as e:
-            self.active, self.cache, self.valid = [], None, None
+            self._drop_all()
             return [Event(s.seq_id, None, "", "error", f"decode step failed: {e!r}")
                     for s in running + newcomers]
         finished = {e.seq_id for e in events if e.finish_reason is not None}
-        if self.keep_outputs and finished and self.cache is not None:
+        if self.keep_outputs and finished:
             self._keep(finished)
-        self._retire(finished)
+        self._retire(finished, {e.seq_id for e in events if e.finish_reason == "error"})
         return events
 
     def _keep(self, seq_ids: set[str]) -> None:
         """The finished sequences' keys and values (prompt and output, all but the last token,
         which was sampled and never run) into the prefix cache."""
-        L = self.cache.length
         for i, s in enumerate(self.active):
             if s.seq_id not in seq_ids or not s.out:
                 continue
             tokens = s.prompt + s.out[:-1]
-            if int(self.valid[i].sum()) != len(tokens):  # not this layout: keep nothing
+            if self.slots.host[i] != len(tokens):  # not what the row holds: keep nothing
                 continue
-            self.prefix_cache.insert(tokens, [t[i, :, L - len(tokens):L] for t in self.cache.k],
-                                     [t[i, :, L - len(tokens):L] for t in self.cache.v],
+            self.prefix_cache.insert(tokens, *self.slots.keys(i),
                                      self._namespace(s.params.adapter))
 
     def _stand_in(self) -> None:
@@ -290,103 +288,104 @@ class ContinuousBatcher:
         return events
 
     def _prefill_cold(self, seqs: list[Sequence]) -> list[Event]:
-        """Prompts run together (left-padded), their keys and values merged into the batch's
-        cache (and kept in the prefix cache). An opening that every prompt shares (a chat
-        template's system prompt: SHARED_OPENING tokens or more, under one adapter) runs once,
-        its keys and values copied to every row, and each prompt's rest after it, left-padded
-        (the gap between them is padding, as ``GPT.hidden`` allows)."""
+        """Prompts run together, each written into a free slot from its first column (the
+        shorter right-padded), and kept in the prefix cache. An opening that every prompt
+        shares (a chat template's system prompt: SHARED_OPENING tokens or more, under one
+        adapter) runs once, in the first slot, and is copied to the others before each
+        prompt's rest runs after it."""
         first: dict[tuple, int] = {}
         rows = [first.setdefault((tuple(s.prompt), s.params.adapter), len(first)) for s in seqs]
         prompts = [list(p) for p, _ in first]
         adapters = [a for _, a in first]
-        B = len(prompts)
+        B, base = len(prompts), len(self.active)
         L = shared_opening(prompts) if B > 1 and len(set(adapters)) == 1 else 0
         L = L if L >= SHARED_OPENING else 0
-        rests = [x[L:] for x in prompts]
-        R = max(len(x) for x in rests)
-        # filled from Python lists in host memory, then moved to the model's device in one copy
-        idx = torch.full((B, R), self.eos_id or 0, dtype=torch.long)  # host: padding
-        valid = torch.zeros(B, L + R, dtype=torch.bool)  # host: (as idx)
-        valid[:, :L] = True
-        for i, x in enumerate(rests):
-            idx[i, R - len(x):] = torch.tensor(x)  # host: (as idx)
-            valid[i, L + R - len(x):] = True
-        idx, valid = idx.to(self.device), valid.to(self.device)
-        # room for the prompt and a few tokens; decoding grows it (see _make_room)
-        cache = KVCache.empty(self.cfg, B, min(L + R + 16, self.cfg.seq_len),
-                              device=self.device, dtype=self._dtype())
+        slots = self._slots(base + len(seqs), max(len(x) for x in prompts))
         if L:  # one row, under the adapter all the prompts use
-            opening = KVCache.empty(self.cfg, 1, L, device=self.device, dtype=self._dtype())
             with self._routed(adapters[:1]):
                 self.model.hidden(torch.tensor([prompts[0][:L]], device=self.device),
-                                  valid_BS=valid[:1, :L], cache=opening)
-            for ours, theirs in zip(cache.k + cache.v, opening.k + opening.v):
-                ours[:, :, :L] = theirs
-            cache.length = L
+                                  cache=slots.view(base, base + 1, L))
+            for j in range(1, B):
+                slots.copy(base, base + j)
+        rests = [x[L:] for x in prompts]
+        counts = [len(x) for x in rests]
+        R = max(counts)
+        # filled from Python lists in host memory, then moved to the model's device in one copy
+        idx = torch.full((B, R), self.eos_id or 0, dtype=torch.long)  # host: padding
+        for i, x in enumerate(rests):
+            idx[i, :len(x)] = torch.tensor(x)  # host: (as idx)
         with self._routed(adapters):
-            h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
-        self.prefill_tokens += int(valid.sum()) - (B - 1) * L
-        logits = self.model.logits(h[:, -1])
+            h, _ = self.model.hidden(idx.to(self.device),
+                                     cache=slots.view(base, base + B, R, counts))
+        self.prefill_tokens += L + sum(counts)
+        last = torch.tensor(counts, device=self.device) - 1
+        logits = self.model.logits(h[torch.arange(B, device=self.device), last])
         if self.prefix_cache is not None:
-            S = L + R
-            for i, x in enumerate(rests):
-                cols = list(range(L)) + list(range(S - len(x), S))
-                self.prefix_cache.insert(prompts[i], [t[i, :, cols] for t in cache.k],
-                                         [t[i, :, cols] for t in cache.v],
+            for i, prompt in enumerate(prompts):
+                self.prefix_cache.insert(prompt, *slots.keys(base + i),
                                          self._namespace(adapters[i]))
-        return self._admit_rows(cache, valid, logits, rows, seqs)
+        return self._admit_rows(logits, rows, seqs)
 
     def _prefill_hit(self, prompt: list[int], n: int, blocks: list, seqs: list[Sequence]
                      ) -> list[Event]:
         """A prompt whose first ``n`` tokens' keys and values are cached (``blocks``): those
-        copied in, the rest run, for ``seqs`` (the sequences of this prompt)."""
-        T = len(prompt)
-        cache = KVCache.empty(self.cfg, 1, min(T + 16, self.cfg.seq_len), device=self.device,
-                              dtype=self._dtype())
-        for layer in range(self.cfg.n_layer):
-            cache.k[layer][0, :, :n] = torch.cat([b.k[layer] for b in blocks], 1)
-            cache.v[layer][0, :, :n] = torch.cat([b.v[layer] for b in blocks], 1)
-        cache.length = n
-        valid = torch.ones(1, T, dtype=torch.bool, device=self.device)
+        copied into a free slot, the rest run after them, for ``seqs`` (the sequences of this
+        prompt)."""
+        base = len(self.active)
+        slots = self._slots(base + len(seqs), len(prompt))
+        slots.fill(base, [torch.cat([b.k[layer] for b in blocks], 1)
+                          for layer in range(self.cfg.n_layer)],
+                   [torch.cat([b.v[layer] for b in blocks], 1)
+                    for layer in range(self.cfg.n_layer)])
         idx = torch.tensor([prompt[n:]], device=self.device)
         adapter = seqs[0].params.adapter
         # the few tokens after a cached prefix go through the packed product when there are
         # at most MAX_ROWS of them, as a decode step's do (MKL reads the weights at a third of
         # the speed for so few rows: kernels/small_gemm.py)
         with self._routed([adapter]), self._products():
-            h, _ = self.model.hidden(idx, valid_BS=valid, cache=cache)
-        self.prefill_tokens += T - n
+            h, _ = self.model.hidden(idx, cache=slots.view(base, base + 1, len(prompt) - n))
+        self.prefill_tokens += len(prompt) - n
         logits = self._logits(h[:, -1])
-        self.prefix_cache.insert(prompt, [t[0, :, :T] for t in cache.k],
-                                 [t[0, :, :T] for t in cache.v], self._namespace(adapter))
-        return self._admit_rows(cache, valid, logits, [0] * len(seqs), seqs)
+        self.prefix_cache.insert(prompt, *slots.keys(base), self._namespace(adapter))
+        return self._admit_rows(logits, [0] * len(seqs), seqs)
 
-    def _admit_rows(self, cache: KVCache, valid: torch.Tensor, logits: torch.Tensor,
-                    rows: list[int], seqs: list[Sequence]) -> list[Event]:
-        """Sequence i takes row ``rows[i]`` of a prefill's cache, valid mask and logits (its
-        own copy, when prompts were shared): merged into the batch, first tokens chosen."""
-        if len(rows) > cache.k[0].shape[0]:
-            cache, valid = select_rows(cache, valid, rows)
-            logits = logits.index_select(0, torch.tensor(rows, device=self.device))
-        self._merge(cache, valid, seqs)
-        return choose(seqs, self.eos_id, logits)
+    def _admit_rows(self, logits: torch.Tensor, rows: list[int],
+                    seqs: list[Sequence]) -> list[Event]:
+        """The prefill's sequences join the batch: sequence i continues prompt ``rows[i]``,
+        which the prefill wrote in slot base + rows[i] (base: the first it took); the first
+        sequence of each prompt holds that slot, the others a copy of it. Their first tokens
+        chosen from the prompts' ``logits``."""
+        base, seen, extra = len(self.active), set(), []
+        holders: list[Sequence | None] = [None] * (max(rows) + 1)
+        for s, r in zip(seqs, rows):
+            if r in seen:
+                extra.append((s, r))
+            else:
+                seen.add(r)
+                holders[r] = s
+        for j, (_, r) in enumerate(extra):
+            self.slots.copy(base + r, base + len(holders) + j)
+        order = holders + [s for s, _ in extra]
+        self.active += order
+        at = torch.tensor(list(range(len(holders))) + [r for _, r in extra], device=self.device)
+        return choose(order, self.eos_id, logits.index_select(0, at))
 
     def _decode(self, seqs: list[Sequence]) -> list[Event]:
-        self._make_room()
+        """One token for every sequence of the batch (slots 0 .. B - 1), each at its own row's
+        position."""
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
-        self.valid = torch.cat([self.valid, self.valid.new_ones(len(seqs), 1)], 1)
         names = [s.params.adapter for s in seqs]
         fused = self._fused()
-        if fused is not None and len(seqs) <= MAX_ROWS and self.cache.k[0].dtype == torch.float32:
+        cache = self.slots.view(0, len(seqs), 1)
+        if fused is not None and len(seqs) <= MAX_ROWS and self.slots.dtype == torch.float32:
             slots = self.adapters.slot_ids(names) if self._adapted() else None
             with self._routed(names) if fused.routed else contextlib.nullcontext():
                 if fused.has_logits:
-                    return choose(seqs, self.eos_id,
-                                  *fused.logits(idx, self.valid, self.cache, slots))
-                h = fused.hidden(idx, self.valid, self.cache, slots)
+                    return choose(seqs, self.eos_id, *fused.logits(idx, None, cache, slots))
+                h = fused.hidden(idx, None, cache, slots)
             return choose(seqs, self.eos_id, self._logits(h))
         with self._routed(names), self._products():
-            h, _ = self.model.hidden(idx, valid_BS=self.valid, cache=self.cache)
+            h, _ = self.model.hidden(idx, cache=cache)
         return choose(seqs, self.eos_id, self._logits(h[:, -1]))
 
     def _products(self):
@@ -422,28 +421,28 @@ class ContinuousBatcher:
         """The prefix cache's namespace for a sequence: the weights' and its adapter's."""
         return self.cache_namespace if adapter is None else f"{self.cache_namespace}|{adapter}"
 
-    # ---- the shared cache (troupe.generation.batch_cache) ------------------------------------
-    def _dtype(self) -> torch.dtype:
-        return self.model.dtype
+    # ---- the slots (troupe.generation.slots) ---------------------------------------------
+    def _slots(self, rows: int, columns: int) -> Slots:
+        """The engine's slots, with at least ``rows`` of room for ``columns`` positions and a
+        few tokens after them (made at the first prefill)."""
+        columns = min(columns + 16, self.cfg.seq_len)
+        if self.slots is None:
+            self.slots = Slots(self.cfg, self.max_batch, rows, columns, self.device,
+                               self.model.dtype)
+        self.slots.reserve(rows, columns)
+        return self.slots
 
-    def _make_room(self) -> None:
-        """A free column for the next token (troupe.generation.batch_cache.with_room)."""
-        self.cache, self.valid = with_room(self.cache, self.valid, self.cfg.seq_len)
+    def _retire(self, seq_ids: set[str], failed: set[str] = frozenset()) -> None:
+        """The sequences ``seq_ids`` give their slots up (those of ``failed``, whose logits
+        were not finite, zeroed); the others keep the first slots."""
+        live = [i for i, s in enumerate(self.active) if s.seq_id not in seq_ids]
+        if len(live) == len(self.active):
+            return
+        spoilt = [i for i, s in enumerate(self.active) if s.seq_id in failed]
+        order = self.slots.keep(live, spoilt)
+        self.active = [self.active[i] for i in order]
 
-    def _merge(self, cache: KVCache, valid: torch.Tensor, seqs: list[Sequence]) -> None:
-        if self.cache is None or not self.active:
-            self.cache, self.valid = cache, valid
-            self.active = list(seqs)
-            return
-        self.cache, self.valid = merged(self.cache, self.valid, cache, valid)
-        self.active += seqs
-
-    def _retire(self, seq_ids: set[str]) -> None:
-        keep = [i for i, s in enumerate(self.active) if s.seq_id not in seq_ids]
-        if len(keep) == len(self.active):
-            return
-        self.active = [self.active[i] for i in keep]
-        if not keep:
-            self.cache, self.valid = None, None
-            return
-        self.cache, self.valid = select_rows(self.cache, self.valid, keep)
+    def _drop_all(self) -> None:
+        self.active = []
+        if self.slots is not None:
+            self.slots.clear()

@@ -5,7 +5,7 @@ within a window)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +43,66 @@ class KVCache:
         self.k[layer][:, :, L:L + T] = k
         self.v[layer][:, :, L:L + T] = v
         return self.k[layer][:, :, :L + T], self.v[layer][:, :, :L + T]
+
+    def advance(self, T: int) -> None:
+        """The pass's T tokens are in: count them (GPT.hidden, after every layer extended)."""
+        self.length += T
+
+
+@dataclass
+class RowCache:
+    """Keys and values of rows that each have a length of their own, (B, Hkv, capacity, head
+    size) per layer: row b's first ``lengths[b]`` positions are filled, with no gaps, so a
+    token's column is its position. A pass of T tokens writes row b's at columns lengths[b]
+    to lengths[b] + T - 1, in place, and each attends to its row's columns up to its own. The
+    rows are the generation engine's slots (troupe.generation.slots): a sequence joins by
+    being written into a free row and leaves by its row being given up, and rows that advance
+    by different counts (speculative decoding's accepted tokens) need nothing more.
+
+    ``lengths`` (B,) int64 on the cache's device is a view of the engine's, advanced in place.
+    ``span``: max(lengths) + T, the columns the pass reads, given by the caller (who knows the
+    lengths on the host: no device read a pass). ``counts`` (B,): how many of the T tokens are
+    real in each row (a right-padded prefill; None: all T), what ``advance`` adds; a padding
+    token's keys and values are not written (the columns past a row's length are never seen,
+    but they enter the attention's product with weight 0: they must stay finite)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    lengths: torch.Tensor
+    span: int
+    counts: torch.Tensor | None = None
+    _where: tuple | None = field(default=None, repr=False)  # the pass's write indices
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(B, T): the pass's tokens' positions, each row's from its own length."""
+        return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+
+    def mask(self, T: int) -> torch.Tensor:
+        """(B, 1, T, span): each token sees its row's columns up to its own."""
+        columns = torch.arange(self.span, device=self.lengths.device)
+        return (columns[None, None, :] <= self.positions(T)[:, :, None]).unsqueeze(1)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write the pass's keys and values (B, Hkv, T, D) at each row's columns; views of the
+        ``span`` columns the pass reads."""
+        B, _, T, _ = k.shape
+        if self._where is None:  # the same for every layer of the pass
+            rows = torch.arange(B, device=k.device)[:, None].expand(B, T)
+            real = None if self.counts is None else \
+                torch.arange(T, device=k.device)[None] < self.counts[:, None]
+            columns = self.positions(T)
+            self._where = (rows, columns, None) if real is None else \
+                (rows[real], columns[real], real)  # the real tokens only
+        rows, columns, real = self._where
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, Hkv, D), as indexed
+        if real is not None:
+            k, v = k[real], v[real]
+        self.k[layer][rows, :, columns] = k  # index_put_, in place
+        self.v[layer][rows, :, columns] = v
+        return self.k[layer][:, :, :self.span], self.v[layer][:, :, :self.span]
+
+    def advance(self, T: int) -> None:
+        self.lengths += T if self.counts is None else self.counts
 
 
 class PrefixTree:
@@ -85,6 +145,9 @@ class PrefixTree:
         self.windowed: dict[int, list[torch.Tensor]] = {}  # window -> each level's mask
         self.sizes = [v.numel() for v in self.valid]
         self.span = sum(v.shape[1] for v in self.valid)  # a row's whole path, padding included
+
+    def advance(self, T: int) -> None:
+        """GPT.hidden's cache protocol (a tree's positions are its own: nothing to count)."""
 
     def pack(self, ids: list[torch.Tensor]) -> torch.Tensor:
         """(1, all levels' positions): the levels' (rows, width) ids laid end to end."""
@@ -147,7 +210,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | PrefixTree | None = None, layer: int = 0,
+                cache: KVCache | RowCache | PrefixTree | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> torch.Tensor:
         """``angles``: the rotary cos and sin of ``pos`` when the caller computed them once
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""

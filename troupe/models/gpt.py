@@ -15,7 +15,7 @@ from torch import nn
 
 from troupe.config import Config
 from troupe.devices import precision_dtype
-from troupe.models.attention import (Attention, KVCache, PrefixTree, attention_mask,
+from troupe.models.attention import (Attention, KVCache, PrefixTree, RowCache, attention_mask,
                                      within_window)
 from troupe.models.layers import (ROPE_TYPES, MLP, norm, rope_angles, rope_frequencies,
                                   rope_type)
@@ -153,7 +153,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
-                cache: KVCache | PrefixTree | None = None, layer: int = 0,
+                cache: KVCache | RowCache | PrefixTree | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, angles=None) -> tuple[torch.Tensor, torch.Tensor]:
         x_BTC = x_BTC + self.drop(self.attn(self.ln1(x_BTC), mask, cache, layer, pos, angles))
         y, aux = self.ffn(self.ln2(x_BTC))
@@ -280,18 +280,21 @@ class GPT(nn.Module):
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,
-               cache: KVCache | PrefixTree | None = None,
+               cache: KVCache | RowCache | PrefixTree | None = None,
                segments_BT: torch.Tensor | None = None):
         """Final hidden states (B, T, C) after ln_f, and the MoE auxiliary loss.
 
         valid_BS: which of the S = cache.length + T positions hold real tokens (False for
         padding, on the left or between a shared prefix and what follows it); positions are
         then counted over real tokens only, so a left-padded prompt is embedded as if it
-        started at position 0. cache: KVCache to extend with these T tokens, or a PrefixTree
-        whose packed tokens these are (positions and attention then come from the tree).
+        started at position 0. cache: KVCache to extend with these T tokens, a RowCache (each
+        row from its own length; no valid_BS), or a PrefixTree whose packed tokens these are
+        (positions and attention then come from the tree).
         """
         B, T = idx_BT.shape
-        L = cache.length if cache is not None else 0
+        if isinstance(cache, RowCache) and valid_BS is not None:
+            raise ValueError("a RowCache's rows have no padding before their tokens: no valid_BS")
+        L = cache.length if isinstance(cache, (KVCache, PrefixTree)) else 0
         span = self._span(T, L, valid_BS, cache, segments_BT)
         pos, mask, keys = _positions(idx_BT, valid_BS, cache, segments_BT, L)
         # The layers that slide see only the keys less than their window behind; None where
@@ -323,14 +326,15 @@ class GPT(nn.Module):
                 x, a = block(x, m, cache, i, pos, angles)
             aux = aux + a
         if cache is not None:
-            cache.length += T
+            cache.advance(T)
         return self.ln_f(x), aux
 
 
     def _span(self, T: int, L: int, valid_BS: torch.Tensor | None,
-              cache: KVCache | PrefixTree | None, segments_BT: torch.Tensor | None) -> int:
+              cache: KVCache | RowCache | PrefixTree | None, segments_BT: torch.Tensor | None
+              ) -> int:
         """The longest row's positions, checked against the context."""
-        span = cache.span if isinstance(cache, PrefixTree) else L + T
+        span = cache.span if isinstance(cache, (PrefixTree, RowCache)) else L + T
         if span > self.cfg.seq_len and cache is None:
             # a padded or packed batch may be wider than the context where no sample is:
             # positions count each sample's real tokens (rollouts lay prompts and responses
@@ -344,7 +348,7 @@ class GPT(nn.Module):
         return span
 
 def _positions(idx_BT: torch.Tensor, valid_BS: torch.Tensor | None,
-               cache: KVCache | PrefixTree | None, segments_BT: torch.Tensor | None,
+               cache: KVCache | RowCache | PrefixTree | None, segments_BT: torch.Tensor | None,
                L: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The new tokens' positions, the attention mask (None: causal over everything) and the
     keys' positions where the case has them at hand (else None): from a prefix tree, a packed
@@ -352,6 +356,9 @@ def _positions(idx_BT: torch.Tensor, valid_BS: torch.Tensor | None,
     T = idx_BT.shape[1]
     if isinstance(cache, PrefixTree):
         return cache.positions, None, None
+    if isinstance(cache, RowCache):  # a token's column is its position
+        return (cache.positions(T), cache.mask(T),
+                torch.arange(cache.span, device=idx_BT.device)[None])
     if segments_BT is not None:
         if valid_BS is not None or cache is not None:
             raise ValueError("segments_BT (a packed batch) takes no valid_BS or cache")

@@ -217,15 +217,23 @@ class Step {
   }
 
   // tokens (B) int64: one new token per sequence; x (B, C): their embeddings when the step has
-  // no embedding of its own (else absent); valid (B, col + 1): which cache columns hold real
-  // tokens (the last one this token's; a token's position is its row's count of them, less
-  // one); ks, vs: every layer's (B, Hkv, S, D) caches, written at column ``col``; slots (B)
-  // int64: each row's adapter slot (-1: none; absent: no row has one). Returns the final hidden
-  // states (B, C), after the last norm.
+  // no embedding of its own (else absent); valid (B, S): which cache columns hold real tokens
+  // (row m's last one, cols[m], this token's; a token's position is its row's count of them,
+  // less one); ks, vs: every layer's (B, Hkv, >= S, D) caches, row m written at column cols[m]
+  // (B int64: rows of one length, or each its own); slots (B) int64: each row's adapter slot
+  // (-1: none; absent: no row has one). Returns the final hidden states (B, C), after the last
+  // norm.
   at::Tensor run(at::Tensor tokens, c10::optional<at::Tensor> given, at::Tensor valid,
-                 std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, int64_t col,
+                 std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, at::Tensor cols,
                  c10::optional<at::Tensor> slots) {
     const int64_t B = valid.size(0), C = C_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
+    const int64_t S = valid.size(1);
+    TORCH_CHECK(cols.is_contiguous() && cols.numel() == B && cols.scalar_type() == at::kLong,
+                "decode_layer: cols must be ", B, " contiguous int64 values");
+    const int64_t *colp = cols.data_ptr<int64_t>();
+    for (int64_t m = 0; m < B; m++)
+      TORCH_CHECK(colp[m] >= 0 && colp[m] < S && valid.data_ptr<bool>()[m * S + colp[m]],
+                  "decode_layer: row ", m, "'s column ", colp[m], " is not a valid one of ", S);
     TORCH_CHECK(!slots.has_value() || (slots->is_contiguous() && slots->numel() == B &&
                                        slots->scalar_type() == at::kLong),
                 "decode_layer: slots must be ", B, " contiguous int64 values");
@@ -234,15 +242,14 @@ class Step {
     at::Tensor x = embed(tokens, given, B, C);
     TORCH_CHECK(static_cast<int64_t>(ks.size()) == L && static_cast<int64_t>(vs.size()) == L,
                 "decode_layer: ", L, " layers' caches expected");
-    TORCH_CHECK(valid.is_contiguous() && valid.scalar_type() == at::kBool &&
-                valid.size(0) == B && valid.size(1) == col + 1,
-                "decode_layer: valid must be a contiguous (B, col + 1) bool tensor");
+    TORCH_CHECK(valid.is_contiguous() && valid.scalar_type() == at::kBool && valid.dim() == 2,
+                "decode_layer: valid must be a contiguous (B, S) bool tensor");
     for (int64_t i = 0; i < L; i++)
       TORCH_CHECK(ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat &&
                   ks[i].size(0) == B && ks[i].size(1) == Hkv && ks[i].size(3) == D &&
                   ks[i].sizes() == vs[i].sizes() && ks[i].stride(3) == 1 &&
-                  vs[i].stride(3) == 1 && ks[i].size(2) > col,
-                  "decode_layer: layer ", i, "'s cache is not (", B, ", ", Hkv, ", > ", col,
+                  vs[i].stride(3) == 1 && ks[i].size(2) >= S,
+                  "decode_layer: layer ", i, "'s cache is not (", B, ", ", Hkv, ", >= ", S,
                   ", ", D, ") float32");
     const float eps = static_cast<float>(eps_), scale = 1.0f / std::sqrt(static_cast<float>(D));
     float *xp = x.data_ptr<float>();
@@ -250,21 +257,21 @@ class Step {
     // (times rope_scale); the keys a sliding layer sees: real, and less than the window behind
     std::vector<float> cosines(B * half), sines(B * half);
     const bool *vp_all = valid.data_ptr<bool>();
-    std::vector<char> near(window_ > 0 ? B * (col + 1) : 0);
+    std::vector<char> near(window_ > 0 ? B * S : 0);
     const float *freq = inv_freq_.data_ptr<float>();
     const float rs = static_cast<float>(rope_scale_);
     for (int64_t m = 0; m < B; m++) {
-      const bool *vm = vp_all + m * (col + 1);
+      const bool *vm = vp_all + m * S;
       int64_t count = 0;
-      for (int64_t c = 0; c <= col; c++) count += vm[c];
+      for (int64_t c = 0; c < S; c++) count += vm[c];
       const float p = static_cast<float>(count - 1);
       for (int64_t j = 0; j < half; j++) {
         const float angle = p * freq[j];
         cosines[m * half + j] = std::cos(angle) * rs;  // exact where rs is 1
         sines[m * half + j] = std::sin(angle) * rs;
       }
-      for (int64_t c = 0, before = 0; window_ > 0 && c <= col; c++) {
-        near[m * (col + 1) + c] = vm[c] && count - 1 - before < window_;  // key at ``before``
+      for (int64_t c = 0, before = 0; window_ > 0 && c < S; c++) {
+        near[m * S + c] = vm[c] && count - 1 - before < window_;  // key at ``before``
         before += vm[c];
       }
     }
@@ -280,7 +287,7 @@ class Step {
     for (int64_t i = 0; i < L; i++) {
       const Layer &layer = layers_[i];
       int64_t row;
-      // q, k, v: rotary positions on q and k, k and v into the cache's column ``col``
+      // q, k, v: rotary positions on q and k, k and v into each row's column cols[m]
       const at::Tensor qkv = layer.qkv->run(h, &row, sl);
       const float *src = qkv.data_ptr<float>();
       float *kp = ks[i].data_ptr<float>(), *vp = vs[i].data_ptr<float>();
@@ -302,14 +309,14 @@ class Step {
         for (int64_t hh = 0; hh < H; hh++)
           rotate(head(r + hh * D, layer.q_norm), c, s, qp + (m * H + hh) * D);
         for (int64_t hh = 0; hh < Hkv; hh++) {
-          float *kd = kp + m * ks[i].stride(0) + hh * ks[i].stride(1) + col * ks[i].stride(2);
-          float *vd = vp + m * vs[i].stride(0) + hh * vs[i].stride(1) + col * vs[i].stride(2);
+          float *kd = kp + m * ks[i].stride(0) + hh * ks[i].stride(1) + colp[m] * ks[i].stride(2);
+          float *vd = vp + m * vs[i].stride(0) + hh * vs[i].stride(1) + colp[m] * vs[i].stride(2);
           rotate(head(r + (H + hh) * D, layer.k_norm), c, s, kd);
           std::memcpy(vd, r + (H + Hkv + hh) * D, D * sizeof(float));
         }
       }
       const troupe_attention::Layout a{
-          B, H, Hkv, col + 1, D,
+          B, H, Hkv, S, D,
           qp, H * D, D,
           kp, ks[i].stride(0), ks[i].stride(1), ks[i].stride(2),
           vp, vs[i].stride(0), vs[i].stride(1), vs[i].stride(2),
@@ -344,10 +351,10 @@ class Step {
                                                         c10::optional<at::Tensor> given,
                                                         at::Tensor valid,
                                                         std::vector<at::Tensor> ks,
-                                                        std::vector<at::Tensor> vs, int64_t col,
+                                                        std::vector<at::Tensor> vs, at::Tensor cols,
                                                         c10::optional<at::Tensor> slots) {
     TORCH_CHECK(head_, "decode_layer: this step was built without the logits' product");
-    const at::Tensor h = run(tokens, given, valid, ks, vs, col, slots);
+    const at::Tensor h = run(tokens, given, valid, ks, vs, cols, slots);
     int64_t row;
     at::Tensor out = head_->run(h, &row);
     const int64_t B = h.size(0), V = head_->n_out;
@@ -463,7 +470,7 @@ void bind(pybind11::module_ m) {
                     double, c10::optional<at::Tensor>, at::Tensor, double, int64_t,
                     c10::optional<ProductPtr>>())
       .def("run", &Step::run, py::arg("tokens"), py::arg("given"), py::arg("valid"),
-           py::arg("ks"), py::arg("vs"), py::arg("col"), py::arg("slots") = py::none())
+           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none())
       .def("logits", &Step::logits, py::arg("tokens"), py::arg("given"), py::arg("valid"),
-           py::arg("ks"), py::arg("vs"), py::arg("col"), py::arg("slots") = py::none());
+           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none());
 }
