@@ -155,15 +155,14 @@ def test_bad_settings_are_refused_naming_the_field(llama, bad, match):
 
 def test_top_p_applies_to_what_top_k_kept():
     """As transformers' and vLLM's samplers: top-k, renormalised, then top-p."""
-    from troupe.generation.sampling import draw
+    from troupe.generation.sampling import draw, uniform
     logits = torch.tensor([0.40, 0.35, 0.25]).log()
-    gen = torch.Generator().manual_seed(0)
     # top-2 leaves 0.53 and 0.47, of which top-p 0.5 keeps the first alone (without the
     # renormalisation, 0.40 < 0.5 would keep the second too)
     p = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
-    assert {draw(logits, p, gen) for _ in range(50)} == {0}
+    assert {draw(logits, p, uniform(0, i)) for i in range(50)} == {0}
     p = SamplingParams(temperature=1.0, top_k=2)
-    assert {draw(logits, p, gen) for _ in range(50)} == {0, 1}
+    assert {draw(logits, p, uniform(0, i)) for i in range(50)} == {0, 1}
 
 
 def test_stop_token_ids_min_tokens_and_ignore_eos(llama):
@@ -222,13 +221,13 @@ def test_draws_follow_the_distribution_and_stay_in_the_nucleus():
     """The draw (one uniform number through the cumulative sum) picks each token as often as
     its probability says, never one the mask excluded, and under top-p only from the nucleus
     a full sort gives, whichever of its paths (top 64, top 1024, all sorted) found it."""
-    from troupe.generation.sampling import draw
-    gen = torch.Generator().manual_seed(0)
+    from troupe.generation.sampling import draw, uniform
     logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0, float("-inf")])
     probs = torch.softmax(logits, -1)
     n = 20000
-    counts = torch.bincount(torch.tensor([draw(logits, SamplingParams(temperature=1.0), gen)
-                                          for _ in range(n)]), minlength=7).double()
+    counts = torch.bincount(torch.tensor([draw(logits, SamplingParams(temperature=1.0),
+                                               uniform(0, i)) for i in range(n)]),
+                            minlength=7).double()
     assert counts[3] == counts[6] == 0
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((counts / n - probs).abs() <= 5 * sigma + 1e-9).all(), (counts / n, probs)
@@ -238,7 +237,7 @@ def test_draws_follow_the_distribution_and_stay_in_the_nucleus():
         for top_p in (0.5, 0.9):
             nucleus = set(order[:int((ordered.cumsum(0) - ordered < top_p).sum())].tolist())
             p = SamplingParams(temperature=1.0, top_p=top_p)
-            drawn = {draw(logits, p, gen) for _ in range(300)}
+            drawn = {draw(logits, p, uniform(1, i)) for i in range(300)}
             assert drawn <= nucleus and len(drawn) > min(len(nucleus), 10) // 2
 
 
@@ -252,3 +251,24 @@ def test_stop_tokens_alone_leave_the_distribution_the_models(llama):
     assert all(ev.sampled_logprob is None for ev in events)
     with pytest.raises(ValueError, match="stop_token_ids: token 97 is not in the model's"):
         ContinuousBatcher(ours, None).add("x", PROMPT, SamplingParams(stop_token_ids=(VOCAB,)))
+
+
+def test_draws_are_counter_based_the_same_on_any_device_and_uniform():
+    """A draw's uniform number is a function of (seed, position) alone: the host's and the
+    tensor form (what a device step computes) agree bit for bit, over the whole 64-bit seed
+    range; the numbers are uniform (a Kolmogorov-Smirnov bound over 20,000) and neighbouring
+    seeds and positions are not correlated."""
+    from troupe.generation.sampling import SEED_RANGE, uniform, uniforms
+    seeds = [0, 1, 2, 7, 2 ** 31, 2 ** 63 - 1, 2 ** 63, SEED_RANGE - 1]
+    positions = [0, 1, 2, 100, 4095]
+    host = torch.tensor([[uniform(s, i) for i in positions] for s in seeds], dtype=torch.float64)
+    signed = torch.tensor([s - SEED_RANGE if s >= 2 ** 63 else s for s in seeds])
+    device = uniforms(signed[:, None], torch.tensor(positions)[None])
+    assert torch.equal(host, device)
+    u = uniforms(torch.arange(200)[:, None], torch.arange(100)[None]).flatten()
+    assert ((u >= 0) & (u < 1)).all()
+    ks = (u.sort().values - torch.arange(1, 20001, dtype=torch.float64) / 20000).abs().max()
+    assert ks < 1.63 / 20000 ** 0.5  # the 1% critical value
+    grid = u.view(200, 100)
+    for a, b in ((grid[:-1], grid[1:]), (grid[:, :-1], grid[:, 1:])):  # next seed, position
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.03

@@ -60,7 +60,47 @@ class SamplingParams:
 
 
 MIN_TEMPERATURE = 1e-5  # below it, logits / temperature can overflow float32: greedy instead
-SEED_RANGE = 2 ** 64    # what torch.Generator.manual_seed accepts
+SEED_RANGE = 2 ** 64    # a seed is 64 bits (``uniform``'s key)
+
+# The draws are counter-based: the uniform number that picks a sequence's token at output
+# position i is a function of (its seed, i) alone (SplitMix64's mixing of both), not the state
+# of a generator that earlier draws advanced. A sequence's tokens then never depend on what
+# else ran or in which order, and a device step (a captured CUDA graph, which cannot call a
+# host generator) computes the same numbers from the same integers (``uniforms``). Before
+# this, a seed drew from torch.Generator(seed): a seed's tokens changed once, with this.
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) of ``seed``'s draw at output ``position`` (53 bits)."""
+    z = _mix((_mix((seed + _GOLDEN) & _MASK) + (position + 1) * _GOLDEN) & _MASK)
+    return (z >> 11) * 2.0 ** -53
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``uniform`` elementwise on int64 tensors (seeds as two's complement), on any device,
+    without leaving it: float64, bit for bit the host's numbers."""
+    def shr(z, k):  # a logical shift of the 64 bits (torch's >> keeps the sign)
+        return (z >> k) & ((1 << (64 - k)) - 1)
+
+    def mix(z):
+        z = (z ^ shr(z, 30)) * _signed(_MIX1)  # int64 products wrap, as the host's mask does
+        z = (z ^ shr(z, 27)) * _signed(_MIX2)
+        return z ^ shr(z, 31)
+    z = mix(mix(seeds + _signed(_GOLDEN)) + (positions + 1) * _signed(_GOLDEN))
+    return shr(z, 11).double() * 2.0 ** -53
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 that holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def checked(p: SamplingParams) -> SamplingParams:
@@ -185,15 +225,15 @@ class LogitAdjust:
 NON_FINITE = "the model produced non-finite logits for this sequence"
 
 
-def sample(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def sample(logits_V: torch.Tensor, p: SamplingParams, u: float | None = None) -> int:
     """A token from one sequence's logits (V,): argmax at temperature 0, else a draw from the
-    tempered (and top-p truncated) distribution with the sequence's CPU generator. Raises
-    FloatingPointError for logits that are not all finite."""
+    tempered (and top-k/top-p truncated) distribution with the uniform number ``u`` (see
+    ``uniform``). Raises FloatingPointError for logits that are not all finite."""
     if not bool(torch.isfinite(logits_V).all()):
         raise FloatingPointError(NON_FINITE)
     if p.temperature <= 0:
         return int(logits_V.argmax())
-    return draw(logits_V, p, gen)
+    return draw(logits_V, p, u)
 
 
 def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
@@ -203,13 +243,13 @@ def finite_rows(logits_BV: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_BV.amax(-1)) & torch.isfinite(logits_BV.amin(-1))
 
 
-def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def draw(logits_V: torch.Tensor, p: SamplingParams, u: float) -> int:
     """``sample``'s draw at a temperature above 0, for logits already known to be finite:
-    top-k first, then top-p over what top-k kept. One uniform number from the sequence's
-    generator picks the token through the distribution's cumulative sum (torch.multinomial
-    took 1.2 ms for one draw over SmolLM2's 49,152 tokens, a quarter of a decode step at
-    batch 8; this takes 0.04 ms)."""
-    logits, ids = logits_V.float().cpu() / p.temperature, None  # the generator is a CPU one
+    top-k first, then top-p over what top-k kept. One uniform number ``u`` in [0, 1) picks
+    the token through the distribution's cumulative sum (torch.multinomial took 1.2 ms for
+    one draw over SmolLM2's 49,152 tokens, a quarter of a decode step at batch 8; this takes
+    0.04 ms)."""
+    logits, ids = logits_V.float().cpu() / p.temperature, None
     if 0 < p.top_k < logits.numel():
         logits, ids = logits.topk(p.top_k)  # the likeliest first
     probs = torch.softmax(logits, -1)
@@ -219,12 +259,12 @@ def draw(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
         keep = int((probs.cumsum(0) - probs < p.top_p).sum())  # the first token is always kept
         probs, ids = probs[:keep], ids[:keep]
     if ids is None:
-        return _inverse_cdf(probs, gen)
+        return _inverse_cdf(probs, u)
     # the kept tokens in the vocabulary's order, not the probabilities': two nearly equal
     # probabilities that swap places under rounding (another batch, another kernel) would
     # otherwise swap which of them a draw lands on
     ids, order = ids.sort()
-    return int(ids[_inverse_cdf(probs[order], gen)])
+    return int(ids[_inverse_cdf(probs[order], u)])
 
 
 def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,12 +279,11 @@ def _likeliest(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Te
     return probs.sort(descending=True)
 
 
-def _inverse_cdf(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """The index whose share of the cumulative sum holds a uniform draw in [0, total): each
-    index with the probability it has, a zero-probability one never."""
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The index whose share of the cumulative sum holds ``u`` times the total: each index
+    with the probability it has, a zero-probability one never."""
     cdf = probs.double().cumsum(0)
-    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]  # host: as the generator
-    i = int(torch.searchsorted(cdf, u, right=True))
+    i = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True))
     if i >= len(cdf):  # u rounded up to the total: the last index that has probability
         i = int((probs > 0).nonzero()[-1])
     return i

@@ -12,8 +12,8 @@ import torch
 
 from troupe.generation.detokenize import ByteDetokenizer, Detokenizer, TextDetokenizer
 from troupe.generation.grammar import Grammars, Matcher
-from troupe.generation.sampling import (NON_FINITE, LogitAdjust, SamplingParams, check_tokens,
-                                        checked, draw, finite_rows)
+from troupe.generation.sampling import (NON_FINITE, SEED_RANGE, LogitAdjust, SamplingParams,
+                                        check_tokens, checked, draw, finite_rows, uniform)
 from troupe.models.adapters import Adapters
 
 
@@ -37,13 +37,13 @@ class Event:
 
 @dataclass
 class Sequence:
-    """A sequence of the batch: its prompt, parameters and generator, its output so far and
+    """A sequence of the batch: its prompt, parameters and seed, its output so far and
     what turns tokens into text (detokenizer, stop strings, constraint, logit adjustments)."""
 
     seq_id: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # the draws' key (sampling.uniform): None when greedy
     detok: Detokenizer
     out: list[int] = field(default_factory=list)
     text: str = ""      # decoded output so far
@@ -65,10 +65,9 @@ class Sequence:
             raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens "
                              f"({params.max_tokens}) exceed the model's context of "
                              f"{cfg.seq_len} tokens")
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator().manual_seed(params.seed if params.seed is not None
-                                                else torch.seed())
+        seed = None
+        if params.temperature > 0:  # an unseeded request draws from a seed of its own
+            seed = params.seed if params.seed is not None else torch.seed() % SEED_RANGE
         detok = (ByteDetokenizer() if tokenizer is None
                  else TextDetokenizer(tokenizer, list(prompt)))
         if params.adapter is not None and (adapters is None
@@ -87,7 +86,7 @@ class Sequence:
             [eos_id] if eos_id is not None and not params.ignore_eos else [])
         adjust = LogitAdjust(params, prompt, cfg.vocab_size, enders) \
             if LogitAdjust.wanted(params) else None
-        return cls(seq_id, list(prompt), params, gen, detok, matcher=matcher, adjust=adjust)
+        return cls(seq_id, list(prompt), params, seed, detok, matcher=matcher, adjust=adjust)
 
     def advance(self, token: int, eos_id: int | None) -> Event:
         """Account for ``token``: extend the text, check stop strings and limits, and say how
@@ -124,12 +123,12 @@ class Sequence:
 
 def choose(seqs: list[Sequence], eos_id: int | None, logits_BV: torch.Tensor,
            greedy: list[int] | None = None, finite: list[bool] | None = None) -> list[Event]:
-    """Each sequence's next token from its row of logits (sampled with its own generator,
+    """Each sequence's next token from its row of logits (drawn with its own seed,
     under its constraint and logit adjustments), and the event it makes; ``greedy`` and
     ``finite``: each row's argmax and finiteness when the step computed them (the fused one
     does). A sequence whose row fails ends with an "error" event; the others go on."""
     events = []
-    logits_BV = logits_BV.float().cpu()  # the generators are CPU ones: one copy per step
+    logits_BV = logits_BV.float().cpu()  # one copy per step
     # the finiteness test and the greedy choices of the whole batch at once
     if finite is None:
         finite = finite_rows(logits_BV).tolist()
@@ -148,7 +147,8 @@ def choose(seqs: list[Sequence], eos_id: int | None, logits_BV: torch.Tensor,
             if sampled is not None and s.params.temperature <= 0:
                 greedy[i] = int(sampled.argmax())
             token = greedy[i] if s.params.temperature <= 0 else \
-                draw(logits if sampled is None else sampled, s.params, s.generator)
+                draw(logits if sampled is None else sampled, s.params,
+                     uniform(s.seed, len(s.out)))
             if s.matcher is not None:
                 s.matcher.accept(token)
             if s.adjust is not None:
