@@ -36,7 +36,7 @@ from machine import machine  # noqa: E402  benchmarks/machine.py, beside this sc
 from troupe.compression import quantize_model  # noqa: E402
 from troupe.data import load_tokenizer  # noqa: E402
 from troupe.data.corpus import stdlib_documents  # noqa: E402
-from troupe.generation import ContinuousBatcher, SamplingParams, engine  # noqa: E402
+from troupe.generation import ContinuousBatcher, SamplingParams, admission  # noqa: E402
 from troupe.generation.prefix_cache import PrefixCache  # noqa: E402
 from troupe.models import from_pretrained  # noqa: E402
 
@@ -96,10 +96,10 @@ def main() -> None:
             "quantize": a.quantize, "arrive_every_steps": a.arrive_every}
     serve(model, tok, prompts[:2], a.batch, 4, None)  # warm-up: kernels, allocator
     results = {}
-    shared = engine.SHARED_OPENING
+    shared = admission.SHARED_OPENING
     for name, cache in (("no_reuse", None), ("shared_opening", None),
                         ("prefix_cache", PrefixCache(1 << 30))):
-        engine.SHARED_OPENING = 1 << 30 if name == "no_reuse" else shared
+        admission.SHARED_OPENING = 1 << 30 if name == "no_reuse" else shared
         seconds, out, ran = serve(model, tok, prompts, a.batch, a.max_tokens, cache,
                                   a.arrive_every)
         generated = sum(map(len, out.values()))
@@ -111,7 +111,7 @@ def main() -> None:
         print(json.dumps(line), flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(line) + "\n")
-    engine.SHARED_OPENING = shared
+    admission.SHARED_OPENING = shared
     (t0, plain), (t1, opening), (t2, cached) = results.values()
     line = {**head, "setting": "ratio", "speedup": t0 / t2, "speedup_over_shared_opening":
             t1 / t2, "same_tokens": plain == opening == cached}

@@ -272,3 +272,25 @@ def test_draws_are_counter_based_the_same_on_any_device_and_uniform():
     grid = u.view(200, 100)
     for a, b in ((grid[:-1], grid[1:]), (grid[:, :-1], grid[:, 1:])):  # next seed, position
         assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 0.03
+
+
+def test_the_device_draw_gives_the_host_draws_tokens():
+    """``draw_rows`` (the whole batch's draws as tensor ops, what a captured step runs) picks
+    the token ``draw`` picks for each row's parameters, seed and position: greedy rows, top-k,
+    top-p and both, over peaked and flat distributions."""
+    from troupe.generation.sampling import draw, draw_rows, uniform
+    g = torch.Generator().manual_seed(0)
+    rows = [(t, k, p) for t in (0.0, 0.7, 1.0, 1.5) for k in (0, 1, 5, 50)
+            for p in (1.0, 0.9, 0.3)]
+    B, V = len(rows), 300
+    logits = torch.randn(B, V, generator=g) * torch.tensor([0.5, 3.0])[torch.arange(B) % 2, None]
+    for position in range(6):
+        seeds = torch.arange(B) * 7919 + 11
+        got = draw_rows(logits, torch.tensor([r[0] for r in rows]),
+                        torch.tensor([r[1] for r in rows]), torch.tensor([r[2] for r in rows]),
+                        seeds, torch.full((B,), position))
+        want = [int(logits[i].argmax()) if t <= 0 else
+                draw(logits[i], SamplingParams(temperature=t, top_k=k, top_p=p),
+                     uniform(int(seeds[i]), position))
+                for i, (t, k, p) in enumerate(rows)]
+        assert got.tolist() == want, position

@@ -15,29 +15,22 @@ copied when sequences join and leave, and rows may advance by different counts.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import deque
 
 import torch
 
+from troupe.generation import admission
 from troupe.generation.decode_layers import DecodeLayers
 from troupe.generation.grammar import Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import SamplingParams
-from troupe.generation.sequence import Event, Sequence, choose
+from troupe.generation.sequence import Event, Sequence, choose, chosen, drawn_on_device
 from troupe.generation.slots import Slots
+from troupe.generation.static_step import StaticDecode, bucket
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT
 from troupe.models.adapters import Adapters
-
-
-SHARED_OPENING = 16  # tokens: a shorter opening shared by a prefill's prompts runs with each
-
-
-def shared_opening(prompts: list[list[int]]) -> int:
-    """How many first tokens all ``prompts`` share, leaving each at least one of its own."""
-    return min(len(os.path.commonprefix(prompts)), min(len(x) for x in prompts) - 1)
 
 
 class ContinuousBatcher:
@@ -67,6 +60,13 @@ class ContinuousBatcher:
     With ``lockstep`` every step runs exactly two forward passes (the decode and the prefill,
     a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
     whose MoE layers exchange tokens with all_to_all, must all run the same passes.
+
+    With ``static`` the decode steps run in fixed shapes over a cache preallocated to the
+    context, drawing on the device (troupe.generation.static_step), compiled with ``compile``
+    (a torch.compile mode, "reduce-overhead" capturing a CUDA graph per batch bucket, or a
+    backend; None: not compiled): what a GPU needs. A step with a sequence that the device
+    draw cannot serve (a grammar, logit adjustments, an adapter, top log-probabilities) runs
+    eagerly.
     """
 
     structured_outputs = True  # constraints are sampled here (the serving Batcher protocol)
@@ -75,7 +75,7 @@ class ContinuousBatcher:
                  lockstep: bool = False, tokenizer=None,
                  packed_decode: "bool | DecodeWeights" = True, grammars: Grammars | None = None,
                  prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None,
-                 keep_outputs: bool = False):
+                 keep_outputs: bool = False, static: bool = False, compile: str | None = None):
         self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
         self.adapters = adapters
         if prefix_cache is not None and lockstep:
@@ -108,6 +108,11 @@ class ContinuousBatcher:
         self._lock = threading.Lock()
         self.active: list[Sequence] = []  # sequence i holds slot i
         self.slots: Slots | None = None   # made at the first prefill
+        self.static: StaticDecode | None = None
+        if static:  # every slot a bucket may pad to, every column: buffers that never move
+            rows = bucket(max_batch, 1 << 30)
+            self.slots = Slots(self.cfg, rows, rows, self.cfg.seq_len, self.device, model.dtype)
+            self.static = StaticDecode(model, self.slots, compile)
 
     # ---- requests -------------------------------------------------------------------------
     def weights_changed(self) -> None:
@@ -249,57 +254,31 @@ class ContinuousBatcher:
             self._retire(gone)
 
     def _prefill(self, seqs: list[Sequence]) -> list[Event]:
-        """Run the newcomers' prompts and choose their first tokens. A prompt that several of
-        them share (GRPO's samples, a request's n choices) runs once; with a prefix cache, a
-        prompt whose start is cached runs from there (``_prefill_hit``); the others run
-        together, left-padded (``_prefill_cold``), those that begin alike (requests over one
-        system prompt arriving together) in a prefill of their own that runs their common
-        opening once. The cache's hits count the tokens of either kind that were not run again."""
-        cache = self.prefix_cache
-        if cache is None:
+        """Run the newcomers' prompts and choose their first tokens, as
+        troupe.generation.admission plans them: from a cached prefix (``_prefill_hit``) or
+        together (``_prefill_cold``)."""
+        if self.prefix_cache is None:
             return self._prefill_cold(seqs)
-        groups: dict[tuple, list[Sequence]] = {}
-        for s in seqs:
-            groups.setdefault((tuple(s.prompt), s.params.adapter), []).append(s)
-        events, starts = [], {}
-        for (prompt, adapter), group in groups.items():
-            n, blocks = cache.lookup(list(prompt), self._namespace(adapter))
-            if n:
-                cache.record(len(prompt), n)
-                events += self._prefill_hit(list(prompt), n, blocks, group)
-            else:  # by their first block and adapter (a short prompt: by itself)
-                start = (prompt[:cache.block], adapter) if len(prompt) > cache.block else prompt
-                starts.setdefault(start, []).append(((prompt, adapter), group))
-        alone = []
-        for members in starts.values():
-            prompts = [list(prompt) for (prompt, _), _ in members]
-            L = shared_opening(prompts) if len(prompts) > 1 else 0
-            if L < SHARED_OPENING:
-                L = 0
-            for i, prompt in enumerate(prompts):
-                cache.record(len(prompt), L if i else 0)
-            together = [s for _, group in members for s in group]
-            if L:
-                events += self._prefill_cold(together)
-            else:
-                alone += together
-        if alone:
-            events += self._prefill_cold(alone)
+        hits, groups = admission.plan(seqs, self.prefix_cache, self._namespace)
+        events = []
+        for prompt, n, blocks, group in hits:
+            events += self._prefill_hit(prompt, n, blocks, group)
+        for group in groups:
+            events += self._prefill_cold(group)
         return events
 
     def _prefill_cold(self, seqs: list[Sequence]) -> list[Event]:
         """Prompts run together, each written into a free slot from its first column (the
         shorter right-padded), and kept in the prefix cache. An opening that every prompt
         shares (a chat template's system prompt: SHARED_OPENING tokens or more, under one
-        adapter) runs once, in the first slot, and is copied to the others before each
-        prompt's rest runs after it."""
+        adapter: troupe.generation.admission.opening) runs once, in the first slot, and is
+        copied to the others before each prompt's rest runs after it."""
         first: dict[tuple, int] = {}
         rows = [first.setdefault((tuple(s.prompt), s.params.adapter), len(first)) for s in seqs]
         prompts = [list(p) for p, _ in first]
         adapters = [a for _, a in first]
         B, base = len(prompts), len(self.active)
-        L = shared_opening(prompts) if B > 1 and len(set(adapters)) == 1 else 0
-        L = L if L >= SHARED_OPENING else 0
+        L = admission.opening(prompts, adapters)
         slots = self._slots(base + len(seqs), max(len(x) for x in prompts))
         if L:  # one row, under the adapter all the prompts use
             with self._routed(adapters[:1]):
@@ -373,6 +352,10 @@ class ContinuousBatcher:
     def _decode(self, seqs: list[Sequence]) -> list[Event]:
         """One token for every sequence of the batch (slots 0 .. B - 1), each at its own row's
         position."""
+        if self.static is not None and all(map(drawn_on_device, seqs)):
+            return chosen(seqs, self.eos_id, *self.static(
+                [(s.out[-1], s.params.temperature, s.params.top_k, s.params.top_p,
+                  _int64(s.seed or 0), len(s.out)) for s in seqs]))
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         names = [s.params.adapter for s in seqs]
         fused = self._fused()
@@ -446,3 +429,8 @@ class ContinuousBatcher:
         self.active = []
         if self.slots is not None:
             self.slots.clear()
+
+
+def _int64(seed: int) -> int:
+    """A 64-bit seed as the int64 that holds it (the device draw's)."""
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -10,9 +10,8 @@ shorter "tail" block under the key of the prefix before it: a multi-turn convers
 next turn continues the tokens of the last (troupe.rlhf.agents.loop keeps each finished turn) then
 runs only its new tokens, not up to a block of the old ones again. Each block holds its keys and values for every layer, (kv_heads,
 block, head_dim) each; blocks are evicted least recently used first once their bytes pass
-``budget_bytes``. A hit is copied into the newcomer's cache at admission (the batch's cache
-keeps one dense, right-aligned layout; see troupe.generation.engine), which costs a copy of
-the prefix's keys and values instead of its forward pass.
+``budget_bytes``. A hit is copied into the newcomer's slot at admission (troupe.generation.
+slots), which costs a copy of the prefix's keys and values instead of its forward pass.
 """
 
 from __future__ import annotations

@@ -287,3 +287,31 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
     if i >= len(cdf):  # u rounded up to the total: the last index that has probability
         i = int((probs > 0).nonzero()[-1])
     return i
+
+
+def draw_rows(logits_BV: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``draw`` (and greedy where a row's temperature is 0) for every row at once, on the
+    logits' device and without leaving it: fixed shapes and no host read, as a captured
+    decode step needs. Per row (B,): temperature, top_k (0: all), top_p, seed (int64, two's
+    complement) and output position; returns the tokens (B,) int64. The kept tokens' cumulative
+    sum runs in the vocabulary's order, in float64, as ``draw``'s: the same tokens, but for a
+    uniform number within rounding of a boundary between two tokens."""
+    B, V = logits_BV.shape
+    greedy = logits_BV.argmax(-1)
+    warm = temperature > 0
+    logits = logits_BV.float() / torch.where(warm, temperature, 1.0)[:, None]
+    ordered, order = logits.sort(-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V)
+    ranks = torch.arange(V, device=logits.device)[None]
+    ordered = ordered.masked_fill(ranks >= k[:, None], float("-inf"))  # top-k, then top-p
+    probs = torch.softmax(ordered, -1)
+    kept = ((probs.cumsum(-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1.0)) \
+        & (ranks < k[:, None])
+    probs = torch.zeros_like(probs).scatter(-1, order, probs * kept)  # the vocabulary's order
+    cdf = probs.double().cumsum(-1)
+    u = uniforms(seeds, positions) * cdf[:, -1]
+    token = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    last = V - 1 - (probs > 0).flip(-1).int().argmax(-1)  # u rounded up to the total
+    token = torch.minimum(token, last)
+    return torch.where(warm, token, greedy)

@@ -168,3 +168,28 @@ def choose(seqs: list[Sequence], eos_id: int | None, logits_BV: torch.Tensor,
                 ev.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
         events.append(ev)
     return events
+
+
+def chosen(seqs: list[Sequence], eos_id: int | None, tokens: list[int], logprobs: list[float],
+           finite: list[bool]) -> list[Event]:
+    """The events of tokens a step drew itself (troupe.generation.static_step), for sequences
+    it can serve (``drawn_on_device``): each with its log-probability when asked for; a row
+    that was not finite ends its sequence with an "error" event."""
+    events = []
+    for s, token, logp, ok in zip(seqs, tokens, logprobs, finite):
+        if not ok:
+            events.append(Event(s.seq_id, None, "", "error", f"FloatingPointError: {NON_FINITE}"))
+            continue
+        s.out.append(token)
+        ev = s.advance(token, eos_id)
+        if s.params.logprobs is not None:
+            ev.logprob = logp
+        events.append(ev)
+    return events
+
+
+def drawn_on_device(s: Sequence) -> bool:
+    """Whether a device step's draw serves ``s``: no grammar, logit adjustments, adapter or
+    top log-probabilities (those are chosen on the host, ``choose``)."""
+    return (s.matcher is None and s.adjust is None and s.params.adapter is None
+            and not s.params.logprobs)

@@ -26,6 +26,8 @@ def decode_attention(q_BH1D: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     keys each sequence may see. (B, H, 1, D), or None when the native kernel does not apply."""
     B, H, T, D = q_BH1D.shape
     S = k_BHSD.shape[2]
+    if torch.compiler.is_compiling():  # a traced step (troupe.generation.static_step): torch's
+        return None
     if not (T == 1 and q_BH1D.device.type == "cpu"
             and q_BH1D.dtype == k_BHSD.dtype == v_BHSD.dtype == torch.float32
             and not (torch.is_grad_enabled() and (q_BH1D.requires_grad or k_BHSD.requires_grad

@@ -64,7 +64,10 @@ class RowCache:
     lengths on the host: no device read a pass). ``counts`` (B,): how many of the T tokens are
     real in each row (a right-padded prefill; None: all T), what ``advance`` adds; a padding
     token's keys and values are not written (the columns past a row's length are never seen,
-    but they enter the attention's product with weight 0: they must stay finite)."""
+    but they enter the attention's product with weight 0: they must stay finite). With one
+    token a row, a count of 0 marks a padding row (a static step's batch padded to its size
+    on free slots): it writes its own slot's next column, which nothing reads, and keeps its
+    length (no data-dependent shapes in the step)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -88,7 +91,7 @@ class RowCache:
         B, _, T, _ = k.shape
         if self._where is None:  # the same for every layer of the pass
             rows = torch.arange(B, device=k.device)[:, None].expand(B, T)
-            real = None if self.counts is None else \
+            real = None if self.counts is None or T == 1 else \
                 torch.arange(T, device=k.device)[None] < self.counts[:, None]
             columns = self.positions(T)
             self._where = (rows, columns, None) if real is None else \
