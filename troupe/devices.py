@@ -23,6 +23,16 @@ Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
+def check_decode_graphs(decode_graphs: bool, device: Device) -> None:
+    """The apps' ``decode_graphs`` (the engine's decode step captured as CUDA graphs,
+    troupe.generation.static_step) against their ``device``: ValueError naming both on the
+    CPU, whose own decode step (one native call) is the faster one there. With auto, a run
+    that lands on the CPU decodes as the CPU does."""
+    if decode_graphs and device == "cpu":
+        raise ValueError("decode_graphs=true captures CUDA graphs: it needs device=cuda (or "
+                         "auto on GPUs), not device=cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_info() -> tuple[str | None, frozenset[str] | None]:
     """The CPU's model name and feature flags as Linux's /proc/cpuinfo lists them; None for

@@ -14,8 +14,8 @@ from troupe.rlhf.config import RLHFConfig
 SHARED = {"pretrain": ["device", "precision", "seed", "out_dir", "workers", "num_gpus",
                        "max_restarts"],
           "rlhf": ["device", "precision", "seed", "out_dir", "workers", "num_gpus",
-                   "max_restarts"],
-          "serve": ["device", "precision", "num_gpus"]}
+                   "max_restarts", "decode_graphs"],
+          "serve": ["device", "precision", "num_gpus", "decode_graphs"]}
 
 
 @pytest.mark.parametrize("app", ["pretrain", "rlhf", "serve"])
@@ -33,6 +33,26 @@ def test_the_same_overrides_work_on_every_app(capsys, tmp_path, app):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["device"] == "cpu" and printed["precision"] == "bf16"
     assert all(key in printed for key in SHARED[app]), sorted(printed)
+
+
+@pytest.mark.parametrize("app", ["rlhf", "serve"])
+def test_decode_graphs_on_the_cpu_is_refused_naming_both_keys(capsys, tmp_path, app):
+    """CUDA graphs of the decode step need a GPU: decode_graphs=true with device=cpu exits 2
+    in one line that names both settings (with auto, a CPU run decodes as the CPU does)."""
+    from troupe.models import GPT, GPTConfig
+    from troupe.serving.model import save_model
+
+    extra = []
+    if app == "serve":
+        save_model(GPT(GPTConfig(n_layer=1, d_model=32, n_head=2)), tmp_path / "m.trp")
+        extra = ["model.checkpoint=null", f"model.file={tmp_path / 'm.trp'}"]
+    with pytest.raises(SystemExit) as e:
+        main([app, "--print-config", "device=cpu", "decode_graphs=true", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "decode_graphs=true" in err and "device=cpu" in err, err
+    with pytest.raises(SystemExit) as e:
+        main([app, "--print-config", "device=auto", "decode_graphs=true", *extra])
+    assert e.value.code == 0
 
 
 @pytest.mark.parametrize("cls, old, new, value", [

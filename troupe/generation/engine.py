@@ -61,12 +61,14 @@ class ContinuousBatcher:
     a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
     whose MoE layers exchange tokens with all_to_all, must all run the same passes.
 
-    With ``static`` the decode steps run in fixed shapes over a cache preallocated to the
-    context, drawing on the device (troupe.generation.static_step), compiled with ``compile``
+    With ``static`` the decode steps run in fixed shapes over a cache preallocated to
+    ``static_len`` positions a row (a prompt and its max_tokens; default: the model's
+    context), drawing on the device (troupe.generation.static_step), compiled with ``compile``
     (a torch.compile mode, "reduce-overhead" capturing a CUDA graph per batch bucket, or a
     backend; None: not compiled): what a GPU needs. A step with a sequence that the device
     draw cannot serve (a grammar, logit adjustments, an adapter, top log-probabilities) runs
-    eagerly.
+    eagerly. ``static`` may be an earlier engine's ``self.static``: its slots and compiled
+    graphs serve this one (an RL policy's engine of each rollout, say).
     """
 
     structured_outputs = True  # constraints are sampled here (the serving Batcher protocol)
@@ -75,7 +77,9 @@ class ContinuousBatcher:
                  lockstep: bool = False, tokenizer=None,
                  packed_decode: "bool | DecodeWeights" = True, grammars: Grammars | None = None,
                  prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None,
-                 keep_outputs: bool = False, static: bool = False, compile: str | None = None):
+                 keep_outputs: bool = False, static: "bool | StaticDecode" = False,
+                 compile: str | None = None,
+                 static_len: int | None = None):
         self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
         self.adapters = adapters
         if prefix_cache is not None and lockstep:
@@ -109,9 +113,15 @@ class ContinuousBatcher:
         self.active: list[Sequence] = []  # sequence i holds slot i
         self.slots: Slots | None = None   # made at the first prefill
         self.static: StaticDecode | None = None
-        if static:  # every slot a bucket may pad to, every column: buffers that never move
+        if isinstance(static, StaticDecode):  # an earlier engine's step (its graphs), reused
+            if static.slots.rows < max_batch or static.model is not model:
+                raise ValueError("static: a step of another model or fewer slots")
+            self.static, self.slots = static, static.slots
+            self.slots.clear(zero=False)
+        elif static:  # every slot a bucket may pad to, every column: buffers that never move
             rows = bucket(max_batch, 1 << 30)
-            self.slots = Slots(self.cfg, rows, rows, self.cfg.seq_len, self.device, model.dtype)
+            self.slots = Slots(self.cfg, rows, rows, static_len or self.cfg.seq_len, self.device,
+                               model.dtype, context=static_len)
             self.static = StaticDecode(model, self.slots, compile)
 
     # ---- requests -------------------------------------------------------------------------
@@ -130,6 +140,10 @@ class ContinuousBatcher:
         seq = Sequence.begin(seq_id, prompt, params, self.cfg, self.eos_id,
                              tokenizer=self.tokenizer, grammars=self.grammars,
                              adapters=self.adapters)
+        if self.static is not None and len(prompt) + params.max_tokens > self.slots.context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) plus max_tokens "
+                             f"({params.max_tokens}) exceed this engine's static cache of "
+                             f"{self.slots.context} positions a row")
         with self._lock:
             self._waiting.append(seq)
 

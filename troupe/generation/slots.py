@@ -22,9 +22,10 @@ class Slots:
     ``cfg`` (``rows`` and ``columns`` of them to begin with); ``lengths`` on the device and
     ``host`` (the same, on the host) count each slot's filled positions."""
 
-    def __init__(self, cfg, max_rows: int, rows: int, columns: int, device, dtype: torch.dtype):
+    def __init__(self, cfg, max_rows: int, rows: int, columns: int, device, dtype: torch.dtype,
+                 context: int | None = None):
         self.max_rows, self.device, self.dtype = max_rows, device, dtype
-        self.context = cfg.seq_len
+        self.context = min(context or cfg.seq_len, cfg.seq_len)  # the most columns a row has
         rows, columns = min(rows, max_rows), min(columns, self.context)
         shape = (rows, cfg.kv_heads, columns, cfg.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
@@ -124,11 +125,13 @@ class Slots:
         self.lengths[len(live):] = 0
         return order
 
-    def clear(self) -> None:
-        """Every slot free and zeroed (after a failed step: what it wrote is unknown)."""
+    def clear(self, zero: bool = True) -> None:
+        """Every slot free; zeroed unless ``zero`` is False (after a failed step what it wrote
+        is unknown; slots whose sequences all ended, as an engine reusing them finds them,
+        hold finite values: ``keep`` zeroes the others)."""
         self.host = [0] * self.rows
         self.lengths.zero_()
-        for t in self.k + self.v:
+        for t in self.k + self.v if zero else ():
             t.zero_()
 
     def used(self, live: int) -> int:

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from troupe.config import AppConfig, check_zero_stage
 from troupe.data import ByteTokenizer
-from troupe.devices import Device, Precision
+from troupe.devices import Device, Precision, check_decode_graphs
 from troupe.rlhf import algorithms
 from troupe.rlhf.sections import (
     DPOConfig,
@@ -54,7 +54,10 @@ class RLHFConfig(AppConfig):
     (policy, critic, reward model) over their data-parallel groups and the reference over its
     own; the policy gathers its whole model once per rollout to generate.
     logging: where the metric records go besides metrics.jsonl (troupe.runtime.metrics:
-    tensorboard, wandb, mlflow; the same in every app)."""
+    tensorboard, wandb, mlflow; the same in every app).
+    decode_graphs: on cuda, the rollouts' decode steps run in fixed shapes captured as CUDA
+    graphs (troupe.generation.static_step, as the server's ``decode_graphs``), kept between
+    rollouts: the weights are updated in place, which the graphs read."""
 
     MOVED: ClassVar[dict[str, str]] = {"model.precision": "precision", "ppo": "step3"}
 
@@ -77,6 +80,7 @@ class RLHFConfig(AppConfig):
     precision: Precision = "fp32"
     device: Device = "auto"
     num_gpus: float | None = Field(default=None, gt=0)
+    decode_graphs: bool = False
     max_restarts: int = Field(default=2, ge=0)
     collective_timeout_s: float = Field(default=300.0, gt=0)
     seed: int = 0
@@ -104,6 +108,7 @@ class RLHFConfig(AppConfig):
             raise ValueError(f"model.gpt.vocab_size={self.model.gpt.vocab_size}: troupe's GPT "
                              f"reads byte tokens, {byte_vocab} ids")
         self.algo().check(self)
+        check_decode_graphs(self.decode_graphs, self.device)
         check_zero_stage(self.zero_stage, {"sft.optimizer": self.sft.optimizer,
                                            "reward.optimizer": self.reward.optimizer,
                                            "step3.actor": self.step3.actor,

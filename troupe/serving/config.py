@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from troupe.compression.quantize import known_modes
 from troupe.config import AppConfig, Config
-from troupe.devices import Device, Precision
+from troupe.devices import Device, Precision, check_decode_graphs
 
 
 class ModelSource(Config):
@@ -90,7 +90,11 @@ class ServeConfig(AppConfig):
     only what follows. adapters: LoRA adapters served over the model, name -> a Hugging Face
     PEFT directory (troupe.models.adapters: applied per row, so requests for different
     adapters share a batch); a request picks one by ``model``, /v1/models lists them, and
-    POST /v1/load_lora_adapter adds one to a running replica."""
+    POST /v1/load_lora_adapter adds one to a running replica. decode_graphs: on cuda, each
+    replica's decode steps run in fixed shapes captured as CUDA graphs, one per batch bucket
+    (troupe.generation.static_step; the cache preallocated to limits.max_prompt_tokens +
+    limits.max_tokens a row); steps with grammars, logit adjustments, adapters or top
+    log-probabilities run eagerly."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -111,6 +115,12 @@ class ServeConfig(AppConfig):
     precision: Precision = "fp32"
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
+    decode_graphs: bool = False
+
+    @model_validator(mode="after")
+    def _graphs_on_gpus(self) -> "ServeConfig":
+        check_decode_graphs(self.decode_graphs, self.device)
+        return self
 
     @field_validator("quantize")
     @classmethod

@@ -70,7 +70,7 @@ class ServeReplica:
     def _make_batcher(self) -> tuple[Batcher, dict[str, Any]]:
         """The batcher this replica decodes with, and what /health reports of its model."""
         model, modes = load_served_model(self.cfg, self.tok)
-        mb = self.cfg.prefix_cache_mb
+        mb, limits = self.cfg.prefix_cache_mb, self.cfg.limits
         adapters = Adapters(model)
         for name, path in self.cfg.adapters.items():
             adapters.add(load_peft(path, model, name))
@@ -78,7 +78,10 @@ class ServeReplica:
                                     tokenizer=self.tok.hf,
                                     packed_decode=DecodeWeights(model, huge_pages=True),
                                     prefix_cache=PrefixCache(int(mb * 2**20)) if mb else None,
-                                    adapters=adapters)
+                                    adapters=adapters,
+                                    static=self.cfg.decode_graphs and model.device.type == "cuda",
+                                    compile="reduce-overhead",
+                                    static_len=limits.max_prompt_tokens + limits.max_tokens)
         return batcher, {"seq_len": model.cfg.seq_len, "vocab_size": model.cfg.vocab_size,
                          "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,

@@ -160,8 +160,8 @@ class GPTLM(nn.Module):
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
-                 keep_packed: bool = False, prefix_cache_mb: float = 0
-                 ) -> tuple[list[list[int]], list[list[float]]]:
+                 keep_packed: bool = False, prefix_cache_mb: float = 0,
+                 decode_graphs: bool = False) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), through
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
         engine and sampler, so a prompt, seed and sampling parameters give the server's
@@ -171,13 +171,22 @@ class GPTLM(nn.Module):
         place each call: no fresh 0.5 GB a call, held all along). ``prefix_cache_mb``: keep
         prompts' keys and values for the call (troupe.generation.prefix_cache), so that the
         samples of a prompt admitted at different steps run it once; ``prefill_tokens`` then
-        says how many prompt tokens the call ran."""
+        says how many prompt tokens the call ran. ``decode_graphs`` (on cuda): decode steps
+        in fixed shapes captured as CUDA graphs (troupe.generation.static_step), the step and
+        its cache kept between calls while they fit (the weights are updated in place)."""
         packed = self.packed_weights() if keep_packed else True
-        engine = ContinuousBatcher(self.gpt, eos_id,
-                                   max_batch=max(min(len(prompts), max_batch or len(prompts)), 1),
-                                   packed_decode=packed,
+        B = max(min(len(prompts), max_batch or len(prompts)), 1)
+        static = decode_graphs and self.gpt.device.type == "cuda"
+        longest = max((len(x) + p.max_tokens for x, p in zip(prompts, params)), default=1)
+        kept = getattr(self, "_static", None)
+        if static and kept is not None and kept.slots.rows >= B and kept.slots.context >= longest:
+            static = kept
+        engine = ContinuousBatcher(self.gpt, eos_id, max_batch=B, packed_decode=packed,
                                    prefix_cache=(PrefixCache(int(prefix_cache_mb * 2**20))
-                                                 if prefix_cache_mb else None))
+                                                 if prefix_cache_mb else None),
+                                   static=static, compile="reduce-overhead",
+                                   static_len=longest)
+        self._static = engine.static or kept
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)
         out, logp = engine.run_with_logprobs()

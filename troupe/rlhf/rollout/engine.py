@@ -67,7 +67,7 @@ class RolloutEngine:
             tokens, logprobs = engine.generate(
                 prompt_ids, params, self.tok.eos_id, p.generation_batch,
                 keep_packed=p.keep_decode_weights and engine is model,
-                prefix_cache_mb=p.prefix_cache_mb)
+                prefix_cache_mb=p.prefix_cache_mb, decode_graphs=self.cfg.decode_graphs)
         finally:
             if fused:
                 unfuse_lora(model)
