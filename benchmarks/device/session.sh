@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One device call, in the order a GPU session should spend its minutes (the device tool gives
 # a session about 15 minutes in all, 10 a call):
+#   decode issue 57's figures: benchmarks/gpu_decode.py, troupe's decode step captured as CUDA
+#          graphs against its eager engine and transformers (SmolLM2 and Llama-3.2-1B shapes,
+#          random weights, bf16, batch 1, 8 and 64; not yet run on a device: budget ~4 min);
 #   gpu    `pytest -m gpu` over the files that hold GPU tests (~3 min on an H100);
 #   async  issue 33's open figure: one-step-off against synchronous GRPO on the machine's CPU
 #          cores (16 on the lent machines; SmolLM2's shape with random weights; ~5 min).
 # Run from the repository root with .devkit/ carried (bash benchmarks/device/kit.sh builds
-# it): `bash benchmarks/device/session.sh [gpu] [async]`, both by default. Logs and JSON lines
+# it): `bash benchmarks/device/session.sh [decode] [gpu] [async]`, all by default. Logs and JSON lines
 # go to $OUT (the device tool brings them back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -13,7 +16,7 @@ OUT=${OUT:-/tmp/troupe-device}
 mkdir -p "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-STAGES=${*:-gpu async}
+STAGES=${*:-decode gpu async}
 
 if [ ! -d /tmp/site/ray ]; then  # a warm machine keeps /tmp between calls
   mkdir -p /tmp/site && tar -xJf .devkit/kit.tar.xz -C /tmp/site || exit 1
@@ -26,6 +29,12 @@ torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 lscpu | grep -E "Model name|^CPU\(s\)"
 grep -o -w -E "avx512f|avx512_vnni|amx_int8|amx_bf16|avx512_bf16" /proc/cpuinfo | sort -u | xargs
+
+case " $STAGES " in *" decode "*)
+  echo "=== benchmarks/gpu_decode.py"
+  timeout 300 python3 benchmarks/gpu_decode.py --out "$OUT" 2>&1 | tail -40
+  echo "=== decode done at $(elapsed) s";;
+esac
 
 case " $STAGES " in *" gpu "*)
   echo "=== pytest -m gpu"

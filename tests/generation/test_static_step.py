@@ -54,13 +54,15 @@ def test_the_static_step_gives_the_eager_engines_tokens(arch):
     model = _model(**arch)
     requests = _requests()
     want, want_logp, _ = _drive(ContinuousBatcher(model, None, max_batch=4), requests)
-    engine = ContinuousBatcher(model, None, max_batch=4, static=True)
+    engine = ContinuousBatcher(model, None, max_batch=4, static=True, static_len=26)
     got, got_logp, sizes = _drive(engine, requests)
     assert got == want
     for sid in want:
         assert got_logp[sid] == pytest.approx(want_logp[sid], abs=1e-4)
     assert {bucket(n, 4) for n in sizes if n} == {1, 2, 4}  # joins and leaves, every bucket
-    assert engine.slots.columns == model.cfg.seq_len  # preallocated, never grown
+    assert engine.slots.columns == 26  # preallocated (a prompt and its tokens), never grown
+    with pytest.raises(ValueError, match="static cache of 26 positions"):
+        engine.add("long", [1] * 20, SamplingParams(max_tokens=7))
 
 
 def test_the_traced_step_has_no_break_one_graph_a_bucket_and_fixed_inputs():

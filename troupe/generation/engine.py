@@ -422,7 +422,7 @@ class ContinuousBatcher:
     def _slots(self, rows: int, columns: int) -> Slots:
         """The engine's slots, with at least ``rows`` of room for ``columns`` positions and a
         few tokens after them (made at the first prefill)."""
-        columns = min(columns + 16, self.cfg.seq_len)
+        columns = min(columns + 16, self.slots.context if self.slots else self.cfg.seq_len)
         if self.slots is None:
             self.slots = Slots(self.cfg, self.max_batch, rows, columns, self.device,
                                self.model.dtype)
