@@ -101,6 +101,24 @@ class DecodeLayers:
         cache.advance(1)
         return logits, greedy.tolist(), finite.tolist()
 
+    def tokens(self, tokens_N: torch.Tensor, rows_N: torch.Tensor, cols_N: torch.Tensor, k, v,
+               span: int, slots: torch.Tensor | None = None):
+        """N tokens in one call, token n at column ``cols_N[n]`` of cache row ``rows_N[n]``
+        (``k``, ``v``: every layer's whole cache), seeing that row's columns up to its own;
+        several may be one row's consecutive tokens (a speculative verify: each sees the
+        ones before it). ``span``: the columns read (more than the largest column). Returns
+        ``logits``' triple when the step has the output projection, else the hidden states;
+        the lengths are the caller's to count."""
+        valid = torch.arange(span, device=cols_N.device)[None] <= cols_N[:, None]
+        x = None
+        if not self.own_embedding:
+            x = self.model.embed(tokens_N[:, None], cols_N[:, None])[:, 0].float()
+        args = (tokens_N, x, valid, k, v, cols_N.contiguous(), slots, rows_N.contiguous())
+        if not self.has_logits:
+            return self.step.run(*args)
+        logits, greedy, finite = self.step.logits(*args)
+        return logits, greedy.tolist(), finite.tolist()
+
     def _inputs(self, idx_B1, valid_BS, cache) -> tuple:
         tokens = idx_B1.reshape(-1)
         if isinstance(cache, RowCache):

@@ -20,14 +20,14 @@ from collections import deque
 
 import torch
 
-from troupe.generation import admission
+from troupe.generation import admission, speculative
 from troupe.generation.decode_layers import DecodeLayers
 from troupe.generation.grammar import Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import SamplingParams
 from troupe.generation.sequence import Event, Sequence, choose, chosen, drawn_on_device
 from troupe.generation.slots import Slots
-from troupe.generation.static_step import StaticDecode, bucket
+from troupe.generation.static_step import StaticDecode
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT
 from troupe.models.adapters import Adapters
@@ -69,6 +69,11 @@ class ContinuousBatcher:
     draw cannot serve (a grammar, logit adjustments, an adapter, top log-probabilities) runs
     eagerly. ``static`` may be an earlier engine's ``self.static``: its slots and compiled
     graphs serve this one (an RL policy's engine of each rollout, say).
+
+    With ``speculate`` = k, batches of at most ``speculate_batch`` sequences decode by prompt
+    lookup (troupe.generation.speculative): up to k tokens proposed from each sequence's own
+    context, verified in one pass, the same tokens as without; ``speculation`` counts the
+    passes, the tokens proposed and those accepted.
     """
 
     structured_outputs = True  # constraints are sampled here (the serving Batcher protocol)
@@ -78,8 +83,8 @@ class ContinuousBatcher:
                  packed_decode: "bool | DecodeWeights" = True, grammars: Grammars | None = None,
                  prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None,
                  keep_outputs: bool = False, static: "bool | StaticDecode" = False,
-                 compile: str | None = None,
-                 static_len: int | None = None):
+                 compile: str | None = None, static_len: int | None = None,
+                 speculate: int = 0, speculate_batch: int = 4):
         self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
         self.adapters = adapters
         if prefix_cache is not None and lockstep:
@@ -113,16 +118,11 @@ class ContinuousBatcher:
         self.active: list[Sequence] = []  # sequence i holds slot i
         self.slots: Slots | None = None   # made at the first prefill
         self.static: StaticDecode | None = None
-        if isinstance(static, StaticDecode):  # an earlier engine's step (its graphs), reused
-            if static.slots.rows < max_batch or static.model is not model:
-                raise ValueError("static: a step of another model or fewer slots")
-            self.static, self.slots = static, static.slots
-            self.slots.clear(zero=False)
-        elif static:  # every slot a bucket may pad to, every column: buffers that never move
-            rows = bucket(max_batch, 1 << 30)
-            self.slots = Slots(self.cfg, rows, rows, static_len or self.cfg.seq_len, self.device,
-                               model.dtype, context=static_len)
-            self.static = StaticDecode(model, self.slots, compile)
+        self.speculate, self.speculate_batch = speculate, speculate_batch
+        self.speculation = {"passes": 0, "proposed": 0, "accepted": 0}
+        if static:  # every slot a bucket may pad to, every column, at once
+            self.static = StaticDecode.of(model, max_batch, static, compile, static_len)
+            self.slots = self.static.slots
 
     # ---- requests -------------------------------------------------------------------------
     def weights_changed(self) -> None:
@@ -366,10 +366,14 @@ class ContinuousBatcher:
     def _decode(self, seqs: list[Sequence]) -> list[Event]:
         """One token for every sequence of the batch (slots 0 .. B - 1), each at its own row's
         position."""
+        if self.speculate and len(seqs) <= self.speculate_batch:
+            events = speculative.step(self, seqs, self.speculate)
+            if events is not None:
+                return events
         if self.static is not None and all(map(drawn_on_device, seqs)):
             return chosen(seqs, self.eos_id, *self.static(
                 [(s.out[-1], s.params.temperature, s.params.top_k, s.params.top_p,
-                  _int64(s.seed or 0), len(s.out)) for s in seqs]))
+                  s.seed or 0, len(s.out)) for s in seqs]))
         idx = torch.tensor([[s.out[-1]] for s in seqs], device=self.device)
         names = [s.params.adapter for s in seqs]
         fused = self._fused()
@@ -443,8 +447,3 @@ class ContinuousBatcher:
         self.active = []
         if self.slots is not None:
             self.slots.clear()
-
-
-def _int64(seed: int) -> int:
-    """A 64-bit seed as the int64 that holds it (the device draw's)."""
-    return seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -7,6 +7,7 @@ stop string). The Event is what the engine hands out for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ class Sequence:
     searched: int = 0   # characters of ``text`` already searched for stop strings
     matcher: Matcher | None = None  # its constraint's state (troupe.generation.grammar)
     adjust: LogitAdjust | None = None  # its logit_bias, penalties and min_tokens
+    lookup: Any = None  # its proposer, when the engine speculates (generation.speculative)
 
     @classmethod
     def begin(cls, seq_id: str, prompt: list[int], params: SamplingParams, cfg,

@@ -63,11 +63,32 @@ class StaticDecode:
         else:  # a backend: "eager", "aot_eager", "inductor", or a callable
             self._step = torch.compile(self._run, backend=compile, dynamic=False)
 
+    @classmethod
+    def of(cls, model, max_batch: int, static: "bool | StaticDecode", compile: str | None,
+           static_len: int | None) -> "StaticDecode | None":
+        """An engine's step (troupe.generation.engine: its ``static`` argument): None for
+        False, an earlier engine's step reused (its slots freed, its graphs kept), or a new
+        one over slots for every row a bucket of ``max_batch`` may pad to and ``static_len``
+        columns (the model's context by default)."""
+        if isinstance(static, StaticDecode):
+            if static.slots.rows < max_batch or static.model is not model:
+                raise ValueError("static: a step of another model or fewer slots")
+            static.slots.clear(zero=False)
+            return static
+        if not static:
+            return None
+        rows, cfg = bucket(max_batch, 1 << 30), model.cfg
+        slots = Slots(cfg, rows, rows, static_len or cfg.seq_len, model.device, model.dtype,
+                      context=static_len)
+        return cls(model, slots, compile)
+
     def __call__(self, rows: list[tuple[int, float, int, float, int, int]]
                  ) -> tuple[list[int], list[float], list[bool]]:
         """One token for each of the first len(rows) slots; ``rows``: each one's (last token,
-        temperature, top_k, top_p, seed, output position). Returns the tokens, their
-        log-probabilities under the model's distribution and whether each row was finite."""
+        temperature, top_k, top_p, seed (64 bits), output position). Returns the tokens,
+        their log-probabilities under the model's distribution and whether each row was
+        finite."""
+        rows = [(*r[:4], r[4] - (1 << 64) if r[4] >= 1 << 63 else r[4], r[5]) for r in rows]
         B = len(rows)
         size = bucket(B, self.slots.rows)
         pad = [(0, 0.0, 0, 1.0, 0, 0)] * (size - B)

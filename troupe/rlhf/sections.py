@@ -261,7 +261,11 @@ class Step3Config(Config):
     prefix_cache_mb: a rollout keeps its prompts' keys and values (troupe.generation.
     prefix_cache; 0: off), so that the samples of a prompt admitted at different steps of the
     engine run it once (samples admitted together share it anyway); each record says how many
-    prompt tokens the engine ran (prefill_tokens, of prompt_tokens).
+    prompt tokens the engine ran (prefill_tokens, of prompt_tokens). speculate: rollouts of at
+    most 4 sequences at a time decode by prompt lookup, up to this many tokens proposed a step
+    from each response's own context and verified in one pass (troupe.generation.speculative:
+    the same tokens as without; 0: off); each record says how it went (spec_passes,
+    spec_proposed, spec_accepted, spec_accept_rate).
     temperature, top_p, top_k: how rollouts and the held-out evaluation sample (top_k 0: from
     every token); the engine's log-probabilities, like the trainer's, are of the model's whole
     distribution, whatever narrower one sampled (as OpenRLHF and verl take them).
@@ -288,6 +292,7 @@ class Step3Config(Config):
     overlong_penalty: float = Field(default=1.0, ge=0)
     generation_batch: int | None = Field(default=16, ge=1)
     keep_decode_weights: bool = False
+    speculate: int = Field(default=0, ge=0)
     release_memory: bool = False
     quantize_frozen: Literal["none", "w8a8"] = "none"
     micro_batch_size: int | None = Field(default=None, ge=1)

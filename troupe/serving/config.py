@@ -94,7 +94,10 @@ class ServeConfig(AppConfig):
     replica's decode steps run in fixed shapes captured as CUDA graphs, one per batch bucket
     (troupe.generation.static_step; the cache preallocated to limits.max_prompt_tokens +
     limits.max_tokens a row); steps with grammars, logit adjustments, adapters or top
-    log-probabilities run eagerly."""
+    log-probabilities run eagerly. speculate: batches of at most 4 requests decode by prompt
+    lookup, up to this many tokens proposed a step from each request's own context and
+    verified in one pass (troupe.generation.speculative: the same tokens as without; 0: off);
+    /metrics counts the passes, the tokens proposed and those accepted."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -116,6 +119,7 @@ class ServeConfig(AppConfig):
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
     decode_graphs: bool = False
+    speculate: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _graphs_on_gpus(self) -> "ServeConfig":

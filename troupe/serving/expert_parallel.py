@@ -94,6 +94,7 @@ class ExpertParallelBatcher:
     adapters = prefix_cache = grammars = None  # the serving Batcher protocol: none of them
     structured_outputs = False
     prefill_tokens = 0
+    speculation = {"passes": 0, "proposed": 0, "accepted": 0}  # none: a lockstep engine
 
     def __init__(self, graph: Graph):
         self.graph, self.ranks = graph, graph["expert"]

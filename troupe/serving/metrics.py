@@ -50,9 +50,12 @@ class ServerMetrics:
         self.requests[key] = self.requests.get(key, 0) + 1
 
     def render(self, running: int, waiting: int, kv_used: int, kv_capacity: int,
-               prefix: tuple[int, int, int] = (0, 0, 0)) -> str:
+               prefix: tuple[int, int, int] = (0, 0, 0),
+               speculation: dict[str, int] | None = None) -> str:
         """``prefix``: the prefix cache's (prompt tokens looked up, tokens it served, prompt
-        tokens the model ran)."""
+        tokens the model ran); ``speculation``: the engine's speculative decoding counts
+        (passes, proposed, accepted)."""
+        spec = speculation or {"passes": 0, "proposed": 0, "accepted": 0}
         lines = ["# HELP troupe_requests_total Requests answered, by route and outcome.",
                  "# TYPE troupe_requests_total counter"]
         lines += [f'troupe_requests_total{{route="{r}",outcome="{o}"}} {n}'
@@ -77,6 +80,15 @@ class ServerMetrics:
                  prefix[1] / prefix[0] if prefix[0] else 0.0),
                 ("troupe_prefill_tokens_total", "counter",
                  "Prompt tokens the model ran (the others came from the prefix cache).",
-                 prefix[2])):
+                 prefix[2]),
+                ("troupe_spec_decode_passes_total", "counter",
+                 "Verify passes of speculative decoding.", spec["passes"]),
+                ("troupe_spec_decode_proposed_tokens_total", "counter",
+                 "Tokens proposed by prompt lookup.", spec["proposed"]),
+                ("troupe_spec_decode_accepted_tokens_total", "counter",
+                 "Proposed tokens the model's own choice confirmed.", spec["accepted"]),
+                ("troupe_spec_decode_acceptance_ratio", "gauge",
+                 "Accepted over proposed tokens.",
+                 spec["accepted"] / spec["proposed"] if spec["proposed"] else 0.0)):
             lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return "\n".join(lines + self.ttft.lines() + self.tpot.lines()) + "\n"

@@ -81,7 +81,8 @@ class ServeReplica:
                                     adapters=adapters,
                                     static=self.cfg.decode_graphs and model.device.type == "cuda",
                                     compile="reduce-overhead",
-                                    static_len=limits.max_prompt_tokens + limits.max_tokens)
+                                    static_len=limits.max_prompt_tokens + limits.max_tokens,
+                                    speculate=self.cfg.speculate)
         return batcher, {"seq_len": model.cfg.seq_len, "vocab_size": model.cfg.vocab_size,
                          "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,
@@ -96,7 +97,7 @@ class ServeReplica:
         prefix = ((cache.lookup_tokens, cache.hit_tokens, b.prefill_tokens)
                   if cache is not None else (0, 0, b.prefill_tokens))
         return PlainTextResponse(self.metrics.render(self.admission.in_flight, b.waiting(), used,
-                                                     capacity, prefix),
+                                                     capacity, prefix, b.speculation),
                                  media_type="text/plain; version=0.0.4")
 
     def info(self) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class Batcher(Protocol):
     grammars: Any
     structured_outputs: bool
     prefill_tokens: int
+    speculation: dict[str, int]  # speculative decoding's passes, proposed, accepted
 
     def add(self, seq_id: str, prompt: list[int], params: SamplingParams) -> None: ...
     def cancel(self, seq_id: str) -> None: ...

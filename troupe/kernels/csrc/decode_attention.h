@@ -170,6 +170,7 @@ struct Layout {
   int64_t v_b, v_h, v_s;
   const bool *valid;
   float *out;
+  const int64_t *rows = nullptr;  // the cache row of each query row (null: the same index)
 };
 
 inline void decode(const Layout &a, float scale) {
@@ -178,8 +179,8 @@ inline void decode(const Layout &a, float scale) {
   at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(a.S);
     for (int64_t task = t0; task < t1; task++) {
-      const int64_t b = task / a.Hkv, hk = task % a.Hkv;
-      const Task t{a.k + b * a.k_b + hk * a.k_h, a.v + b * a.v_b + hk * a.v_h, a.k_s, a.v_s,
+      const int64_t b = task / a.Hkv, hk = task % a.Hkv, c = a.rows ? a.rows[b] : b;
+      const Task t{a.k + c * a.k_b + hk * a.k_h, a.v + c * a.v_b + hk * a.v_h, a.k_s, a.v_s,
                    a.S, a.valid ? a.valid + b * a.S : nullptr, scores.data()};
       for (int64_t g = 0; g < G; g++) {
         const int64_t h = hk * G + g;

@@ -221,16 +221,26 @@ class Step {
   // (row m's last one, cols[m], this token's; a token's position is its row's count of them,
   // less one); ks, vs: every layer's (B, Hkv, >= S, D) caches, row m written at column cols[m]
   // (B int64: rows of one length, or each its own); slots (B) int64: each row's adapter slot
-  // (-1: none; absent: no row has one). Returns the final hidden states (B, C), after the last
-  // norm.
+  // (-1: none; absent: no row has one); rows (B) int64: the cache row each row reads and writes
+  // (absent: its own index), so that several rows may be one sequence's consecutive tokens (a
+  // speculative verify: each at its own column, seeing the columns before it, which the rows
+  // before it in this call wrote). Returns the final hidden states (B, C), after the last norm.
   at::Tensor run(at::Tensor tokens, c10::optional<at::Tensor> given, at::Tensor valid,
                  std::vector<at::Tensor> ks, std::vector<at::Tensor> vs, at::Tensor cols,
-                 c10::optional<at::Tensor> slots) {
+                 c10::optional<at::Tensor> slots, c10::optional<at::Tensor> rows) {
     const int64_t B = valid.size(0), C = C_, H = H_, Hkv = Hkv_, D = D_, half = D / 2;
     const int64_t S = valid.size(1);
     TORCH_CHECK(cols.is_contiguous() && cols.numel() == B && cols.scalar_type() == at::kLong,
                 "decode_layer: cols must be ", B, " contiguous int64 values");
     const int64_t *colp = cols.data_ptr<int64_t>();
+    TORCH_CHECK(!rows.has_value() || (rows->is_contiguous() && rows->numel() == B &&
+                                      rows->scalar_type() == at::kLong),
+                "decode_layer: rows must be ", B, " contiguous int64 values");
+    const int64_t *rp = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
+    const int64_t cache_rows = ks.empty() ? 0 : ks[0].size(0);
+    for (int64_t m = 0; rp && m < B; m++)
+      TORCH_CHECK(rp[m] >= 0 && rp[m] < cache_rows, "decode_layer: row ", m, " reads cache row ",
+                  rp[m], " of ", cache_rows);
     for (int64_t m = 0; m < B; m++)
       TORCH_CHECK(colp[m] >= 0 && colp[m] < S && valid.data_ptr<bool>()[m * S + colp[m]],
                   "decode_layer: row ", m, "'s column ", colp[m], " is not a valid one of ", S);
@@ -246,7 +256,7 @@ class Step {
                 "decode_layer: valid must be a contiguous (B, S) bool tensor");
     for (int64_t i = 0; i < L; i++)
       TORCH_CHECK(ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat &&
-                  ks[i].size(0) == B && ks[i].size(1) == Hkv && ks[i].size(3) == D &&
+                  (rp || ks[i].size(0) == B) && ks[i].size(1) == Hkv && ks[i].size(3) == D &&
                   ks[i].sizes() == vs[i].sizes() && ks[i].stride(3) == 1 &&
                   vs[i].stride(3) == 1 && ks[i].size(2) >= S,
                   "decode_layer: layer ", i, "'s cache is not (", B, ", ", Hkv, ", >= ", S,
@@ -309,8 +319,9 @@ class Step {
         for (int64_t hh = 0; hh < H; hh++)
           rotate(head(r + hh * D, layer.q_norm), c, s, qp + (m * H + hh) * D);
         for (int64_t hh = 0; hh < Hkv; hh++) {
-          float *kd = kp + m * ks[i].stride(0) + hh * ks[i].stride(1) + colp[m] * ks[i].stride(2);
-          float *vd = vp + m * vs[i].stride(0) + hh * vs[i].stride(1) + colp[m] * vs[i].stride(2);
+          const int64_t cr = rp ? rp[m] : m;  // the cache row
+          float *kd = kp + cr * ks[i].stride(0) + hh * ks[i].stride(1) + colp[m] * ks[i].stride(2);
+          float *vd = vp + cr * vs[i].stride(0) + hh * vs[i].stride(1) + colp[m] * vs[i].stride(2);
           rotate(head(r + (H + hh) * D, layer.k_norm), c, s, kd);
           std::memcpy(vd, r + (H + Hkv + hh) * D, D * sizeof(float));
         }
@@ -320,7 +331,7 @@ class Step {
           qp, H * D, D,
           kp, ks[i].stride(0), ks[i].stride(1), ks[i].stride(2),
           vp, vs[i].stride(0), vs[i].stride(1), vs[i].stride(2),
-          layer.slides ? near_p : valid.data_ptr<bool>(), y.data_ptr<float>()};
+          layer.slides ? near_p : valid.data_ptr<bool>(), y.data_ptr<float>(), rp};
       troupe_attention::decode(a, scale);
       // the output product, the residual, the MLP's norm
       const at::Tensor o = layer.proj->run(y, &row, sl);
@@ -352,9 +363,10 @@ class Step {
                                                         at::Tensor valid,
                                                         std::vector<at::Tensor> ks,
                                                         std::vector<at::Tensor> vs, at::Tensor cols,
-                                                        c10::optional<at::Tensor> slots) {
+                                                        c10::optional<at::Tensor> slots,
+                                                        c10::optional<at::Tensor> rows) {
     TORCH_CHECK(head_, "decode_layer: this step was built without the logits' product");
-    const at::Tensor h = run(tokens, given, valid, ks, vs, cols, slots);
+    const at::Tensor h = run(tokens, given, valid, ks, vs, cols, slots, rows);
     int64_t row;
     at::Tensor out = head_->run(h, &row);
     const int64_t B = h.size(0), V = head_->n_out;
@@ -470,7 +482,9 @@ void bind(pybind11::module_ m) {
                     double, c10::optional<at::Tensor>, at::Tensor, double, int64_t,
                     c10::optional<ProductPtr>>())
       .def("run", &Step::run, py::arg("tokens"), py::arg("given"), py::arg("valid"),
-           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none())
+           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none(),
+           py::arg("rows") = py::none())
       .def("logits", &Step::logits, py::arg("tokens"), py::arg("given"), py::arg("valid"),
-           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none());
+           py::arg("ks"), py::arg("vs"), py::arg("cols"), py::arg("slots") = py::none(),
+           py::arg("rows") = py::none());
 }

@@ -65,11 +65,13 @@ class Rollout:
     # reward from its environment (troupe.rlhf.agents.loop)
     agent: dict | None = None  # multi-turn rollouts: turns, tool-call turns, how they ended,
     # environment failures (troupe.rlhf.agents.loop.rollout_of; not kept by ``rows``)
+    speculation: tuple[int, int, int] = (0, 0, 0)  # the engine's speculative decoding: verify
+    # passes, tokens proposed, tokens accepted (troupe.generation.speculative; not kept by rows)
 
     def split(self, n: int) -> list[Rollout]:
         parts = _split_rows(self, n)
         for p in parts[1:]:  # the figures of the whole, counted once
-            p.agent = None
+            p.agent, p.speculation = None, (0, 0, 0)
         return parts
 
     def rows(self, index: list[int]) -> Rollout:
@@ -107,7 +109,8 @@ class Rollout:
                        tuple(sum(c) for c in zip(*(r.prompt_tokens for r in parts))),
                        None if any(r.env_reward is None for r in parts)
                        else torch.cat([r.env_reward for r in parts]),
-                       merged_agent([r.agent for r in parts]))
+                       merged_agent([r.agent for r in parts]),
+                       tuple(sum(c) for c in zip(*(r.speculation for r in parts))))
 
 
 def merged_agent(agents: list[dict | None]) -> dict | None:

@@ -161,7 +161,8 @@ class GPTLM(nn.Module):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
                  keep_packed: bool = False, prefix_cache_mb: float = 0,
-                 decode_graphs: bool = False) -> tuple[list[list[int]], list[list[float]]]:
+                 decode_graphs: bool = False, speculate: int = 0
+                 ) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), through
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
         engine and sampler, so a prompt, seed and sampling parameters give the server's
@@ -173,7 +174,9 @@ class GPTLM(nn.Module):
         samples of a prompt admitted at different steps run it once; ``prefill_tokens`` then
         says how many prompt tokens the call ran. ``decode_graphs`` (on cuda): decode steps
         in fixed shapes captured as CUDA graphs (troupe.generation.static_step), the step and
-        its cache kept between calls while they fit (the weights are updated in place)."""
+        its cache kept between calls while they fit (the weights are updated in place).
+        ``speculate``: prompt lookup's proposals a step (troupe.generation.speculative);
+        ``speculation`` then counts its passes, proposals and acceptances."""
         packed = self.packed_weights() if keep_packed else True
         B = max(min(len(prompts), max_batch or len(prompts)), 1)
         static = decode_graphs and self.gpt.device.type == "cuda"
@@ -185,12 +188,13 @@ class GPTLM(nn.Module):
                                    prefix_cache=(PrefixCache(int(prefix_cache_mb * 2**20))
                                                  if prefix_cache_mb else None),
                                    static=static, compile="reduce-overhead",
-                                   static_len=longest)
+                                   static_len=longest, speculate=speculate)
         self._static = engine.static or kept
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)
         out, logp = engine.run_with_logprobs()
         self.prefill_tokens = engine.prefill_tokens
+        self.speculation = tuple(engine.speculation.values())
         return ([out.get(str(i), []) for i in range(len(prompts))],
                 [logp.get(str(i), []) for i in range(len(prompts))])
 

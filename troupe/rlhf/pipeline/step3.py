@@ -170,6 +170,10 @@ def _rollout_metrics(cfg: RLHFConfig, data: Data, rollouts: list, it: int) -> di
     prompt_tokens, prefill_tokens = (sum(c) for c in zip(*(ro.prompt_tokens for ro in rollouts)))
     if prompt_tokens:  # what the rollout engine ran of the prompts (its prefix cache)
         rec["prompt_tokens"], rec["prefill_tokens"] = prompt_tokens, prefill_tokens
+    passes, proposed, accepted = (sum(c) for c in zip(*(ro.speculation for ro in rollouts)))
+    if passes:  # step3.speculate: how prompt lookup went
+        rec["spec_passes"], rec["spec_proposed"], rec["spec_accepted"] = passes, proposed, accepted
+        rec["spec_accept_rate"] = accepted / max(proposed, 1)
     agent = merged_agent([ro.agent for ro in rollouts])
     if agent:  # multi-turn rollouts: how the trajectories went (troupe.rlhf.agents.loop)
         failures = agent["env_failures"]

@@ -67,13 +67,15 @@ class RolloutEngine:
             tokens, logprobs = engine.generate(
                 prompt_ids, params, self.tok.eos_id, p.generation_batch,
                 keep_packed=p.keep_decode_weights and engine is model,
-                prefix_cache_mb=p.prefix_cache_mb, decode_graphs=self.cfg.decode_graphs)
+                prefix_cache_mb=p.prefix_cache_mb, decode_graphs=self.cfg.decode_graphs,
+                speculate=p.speculate)
         finally:
             if fused:
                 unfuse_lora(model)
         rollout = self._rollout(request.prompts, tokens, logprobs)
         rollout.seconds, rollout.groups = time.perf_counter() - t0, request.groups
         rollout.prompt_tokens = (sum(map(len, prompt_ids)), engine.prefill_tokens)
+        rollout.speculation = engine.speculation
         return rollout
 
     def _rollout(self, texts: list, tokens: list[list[int]],
