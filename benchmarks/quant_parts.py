@@ -6,8 +6,9 @@ For each (tokens M, in x out), microseconds per call, the mean of --iters back-t
 between two CUDA events (launch costs included, as a server sees them): bf16 ``F.linear`` (the
 baseline), ``torch._int_mm`` on the row-major (O, I) weight read through its transposed view
 (what ``int8_gemm`` does) and on a row-major (I, O) copy, token quantization
-(``quantize_tokens``), the whole ``int8_linear`` call, and fp8 (e4m3) ``torch._scaled_mm`` with
-unit scales for comparison. CUDA only.
+(``quantize_tokens``), the whole ``int8_linear`` call, fp8 (e4m3) ``torch._scaled_mm`` with
+unit scales, and the whole fp8 layer (troupe.compression.fp8.Fp8Linear: each token quantized
+with its scale, one ``_scaled_mm`` with row-wise scales and the bias). CUDA only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from troupe.compression import QuantizedLinear
+from troupe.compression.fp8 import Fp8Linear
 from troupe.kernels.quant import int8_linear, quantize_tokens, row_layout
 from machine import machine  # benchmarks/machine.py, beside this script
 
@@ -52,6 +54,7 @@ def main() -> None:
         wb = lin.weight.detach().to(dev, torch.bfloat16)
         w8 = wb.to(torch.float8_e4m3fn).t()  # column-major (I, O), as _scaled_mm wants
         one = torch.ones((), device=dev)
+        fp8 = Fp8Linear(lin).to(dev)
         for M in a.tokens:
             x = torch.randn(M, I, device=dev)
             xb, xq = x.bfloat16(), quantize_tokens(x)[0]
@@ -62,7 +65,8 @@ def main() -> None:
                  "quantize_tokens": lambda: quantize_tokens(x),
                  "int8_linear": lambda: int8_linear(x, qw),
                  "fp8_scaled_mm": lambda: torch._scaled_mm(x8, w8, one, one,
-                                                           out_dtype=torch.bfloat16)}
+                                                           out_dtype=torch.bfloat16),
+                 "fp8_linear": lambda: fp8(xb)}
             print(json.dumps({"bench": "quant_parts", "machine": machine(),
                               "device": torch.cuda.get_device_name(), "tokens": M, "in": I,
                               "out": O, **{f"{k}_us": timed_us(f, a.iters)

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from troupe.compression.fp8 import Fp8Linear
 from troupe.compression.quantize import (EMBEDDINGS, LOWBIT, QuantizedEmbedding,
-                                         QuantizedExperts, QuantizedLinear, _divisor)
+                                         QuantizedExperts, QuantizedLinear)
 from troupe.kernels.lowbit import LowbitWeight, row_bytes
-from troupe.kernels.quant import QuantizedWeight, row_layout
+from troupe.kernels.quant import QuantizedWeight, group_divisor, row_layout
 from troupe.models import GPT
 from troupe.models.hf import TOKENIZER_FILES, _SafetensorsFile, _write_safetensors
 from troupe.models.hf_config import config_to_hf, read_config
@@ -57,6 +58,10 @@ def save_quantized(model: GPT, directory: str | Path, tokenizer_from: str | Path
         if isinstance(m, QuantizedExperts):
             raise ValueError(f"save_quantized: {name} holds quantized MoE experts, which "
                              "quantized model directories do not store")
+        if isinstance(m, Fp8Linear):
+            raise ValueError(f"save_quantized: {name} is fp8, which quantized model "
+                             "directories do not store (serve the model with quantize rules "
+                             "of fp8 instead: it is quantized as it loads)")
         if isinstance(m, QuantizedLinear):
             if m.lorc_down is not None or m.outliers is not None:
                 raise ValueError(f"save_quantized: {name} has LoRC factors or outlier "
@@ -198,7 +203,7 @@ def _grouped(q: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
     """A row-layout QuantizedWeight as quantize_for makes it: INT8 per output row (w8a8), or
     groups along the input (weight-only modes and embeddings)."""
     O, I = shape
-    g = 1 if per_row else _divisor(I, group_size)
+    g = 1 if per_row else group_divisor(I, group_size)
     want_q = (O, I if bits == 8 else I // 2)
     want_s = (O,) if per_row else (O, I // g)
     if tuple(q.shape) != want_q or tuple(scales.shape) != want_s:

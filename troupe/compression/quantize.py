@@ -7,8 +7,10 @@ activations: token-wise INT16 in the native VNNI kernel; elsewhere fp32 activati
 row-at-a-time loop for a few tokens and the dequantized weight's fp32 GEMM for more),
 "ternary" and "binary" (XTC's extreme compression, troupe.compression.lowbit: weights in
 {-1, 0, +1} or {-1, +1} times one scale a row, packed 1.6 or 1 bit a weight, token-wise INT8
-activations, troupe.kernels.lowbit's product), "fp32" (leave the layer alone). MoE experts (stacked weights) are quantized expert by expert,
-each expert's two matrices like Linears (QuantizedExperts).
+activations, troupe.kernels.lowbit's product), "fp8" (e4m3 weights and activations with
+row-wise scales, one torch._scaled_mm: troupe.compression.fp8; dense layers only), "fp32"
+(leave the layer alone). MoE experts (stacked weights) are quantized expert by expert, each
+expert's two matrices like Linears (QuantizedExperts).
 
 LoRC (ZeroQuant-V2's low-rank compensation, ``lorc_rank`` > 0): the quantization error
 E = W - dq(q(W)) is approximated by its best rank-r factors U_r S_r V_r^T (truncated SVD), kept
@@ -33,17 +35,19 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from troupe.compression.embedding import QuantizedEmbedding
+from troupe.compression.fp8 import Fp8Linear
 from troupe.compression.lowbit import quantize_lowbit
 from troupe.config import ConfigError
 from troupe.kernels.grouped_mlp import activation
 from troupe.kernels.lowbit import LowbitWeight, lowbit_weight_linear, native_layout
-from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, int8_linear,
-                                  quantize_weight, row_layout, unpack_int4, vnni_layout,
+from troupe.kernels.quant import (QuantizedWeight, dequantize_weight, group_divisor,
+                                  int8_linear, quantize_weight, row_layout, vnni_layout,
                                   weight_only_linear)
 from troupe.models.moe.experts import Experts
 from troupe.models.moe.gate import TopKGate
 
-MODES = ("fp32", "w8a8", "w8a16", "w4a16", "ternary", "binary")
+MODES = ("fp32", "w8a8", "w8a16", "w4a16", "ternary", "binary", "fp8")
 LOWBIT = ("ternary", "binary")
 EMBEDDINGS = {"fp32": None, "int8": "w8a16", "int4": "w4a16"}  # -> the tied output's mode
 
@@ -151,51 +155,6 @@ class QuantizedLinear(nn.Module):
                 self.outliers, f32(self.outlier_w))
 
 
-class QuantizedEmbedding(nn.Module):
-    """A token embedding held as INT8 or INT4 rows with a scale per group of ``group_size``
-    values along the model dimension (as w8a16 / w4a16 hold a Linear's rows); a lookup
-    dequantizes the rows it gathers, in ``dtype``. For a model whose output projection is the
-    embedding (tied), ``quantize_model`` gives the head the same integers (a weight-only
-    QuantizedLinear): SmolLM2's 49152 x 576 matrix is a fifth of its weights."""
-
-    def __init__(self, qw: QuantizedWeight, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        if qw.axis != 1 or qw.layout != "rows":
-            raise ValueError("QuantizedEmbedding holds row-layout weights grouped along the "
-                             "model dimension")
-        self.qw, self.dtype = qw, dtype
-        self.num_embeddings, self.embedding_dim = qw.shape
-
-    @classmethod
-    def of(cls, emb: nn.Embedding, bits: int, group_size: int = 64) -> "QuantizedEmbedding":
-        """``emb`` quantized, its group scales rounded to fp16 (the integers quantized against
-        the rounded scales): stored as fp16, they cost half as much on disk, losslessly (for
-        SmolLM2 in INT4 with groups of 64: 0.9 MB instead of 1.8, of 15)."""
-        w = emb.weight.detach().float()
-        return cls(quantize_weight(w, bits, _divisor(w.shape[1], group_size), axis=1,
-                                   scale_dtype=torch.float16), emb.weight.dtype)
-
-    @property
-    def weight_nbytes(self) -> int:
-        return self.qw.nbytes
-
-    def _apply(self, fn, recurse: bool = True):
-        super()._apply(fn, recurse)
-        self.qw = dataclasses.replace(self.qw, q=fn(self.qw.q), scales=fn(self.qw.scales).float())
-        probe = fn(torch.zeros((), dtype=self.dtype))  # host: a probe of what fn casts to
-        self.dtype = probe.dtype if probe.is_floating_point() else self.dtype
-        return self
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        qw, C = self.qw, self.embedding_dim
-        q = qw.q[idx]
-        if qw.bits == 4:
-            q = unpack_int4(q, C)
-        g = qw.group_size
-        rows = q.float().reshape(*idx.shape, C // g, g) * qw.scales[idx][..., None]
-        return rows.reshape(*idx.shape, C).to(self.dtype)
-
-
 def requantize(quantized: nn.Module, source: nn.Module) -> None:
     """Bring ``quantized`` (a ``quantize_model`` copy of ``source``) up to date with source's
     current weights in place: each QuantizedLinear re-quantized from the nn.Linear of the same
@@ -268,16 +227,8 @@ def quantize_for(w_OI: torch.Tensor, mode: str, group_size: int = 64
         return vnni_layout(quantize_weight(w_OI, 8, 1, axis=0))
     if mode in ("w8a16", "w4a16"):
         return vnni_layout(quantize_weight(w_OI, 8 if mode == "w8a16" else 4,
-                                           _divisor(I, group_size), axis=1))
+                                           group_divisor(I, group_size), axis=1))
     raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
-
-
-def _divisor(n: int, want: int) -> int:
-    """The largest divisor of n not above ``want``."""
-    for g in range(min(want, n), 0, -1):
-        if n % g == 0:
-            return g
-    return 1
 
 
 def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64,
@@ -299,8 +250,9 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
         raise ValueError(f"embedding must be one of {tuple(EMBEDDINGS)}, got {embedding!r}")
     rules = gates_stay_fp32(model, rules)
     outliers = outliers or {}
-    done = replace_linears(model, rules, lambda lin, mode, name: QuantizedLinear(
-        lin, mode, group_size, lorc_rank, outliers.get(name)))
+    done = replace_linears(model, rules, lambda lin, mode, name: Fp8Linear(lin) if mode == "fp8"
+                           else QuantizedLinear(lin, mode, group_size, lorc_rank,
+                                                outliers.get(name)))
     done.update(quantize_experts(model, rules, group_size, lorc_rank))
     tied = tied_output(model)
     mode = rules.get("lm_head", EMBEDDINGS[embedding] or "fp32")
@@ -314,7 +266,8 @@ def quantize_model(model: nn.Module, rules: dict[str, str], group_size: int = 64
         model.lm_head = QuantizedLinear.from_quantized(emb.qw, mode, None, group_size)
         done["lm_head"] = mode  # the embedding's own integers and scales
     elif mode != "fp32" and tied is not None:
-        model.lm_head = QuantizedLinear(tied, mode, group_size, lorc_rank, outliers.get("lm_head"))
+        model.lm_head = Fp8Linear(tied) if mode == "fp8" else QuantizedLinear(
+            tied, mode, group_size, lorc_rank, outliers.get("lm_head"))
         done["lm_head"] = mode
     if emb is not None:
         model.tok_emb = emb
@@ -355,6 +308,9 @@ def quantize_experts(model: nn.Module, rules: dict[str, str], group_size: int = 
         mode = next((md for pat, md in rules.items() if fnmatch.fnmatch(name, pat)), "fp32")
         if mode == "fp32":
             return None
+        if mode == "fp8":
+            raise ValueError(f"{name}: fp8 holds dense layers; MoE experts take w8a8, w8a16, "
+                             "w4a16, ternary or binary")
         done[name] = mode
         return QuantizedExperts(module, mode, group_size, lorc_rank)
 

@@ -295,3 +295,11 @@ def int8_linear(x_TI: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     xq, xs = quantize_tokens(x_TI)
     y = int8_gemm(xq, qw.q).float() * xs[:, None] * channel_scales(qw)[None, :]
     return y + bias if bias is not None else y
+
+
+def group_divisor(n: int, want: int) -> int:
+    """The largest divisor of ``n`` not above ``want``: a group size that tiles n values."""
+    for g in range(min(want, n), 0, -1):
+        if n % g == 0:
+            return g
+    return 1
