@@ -125,7 +125,8 @@ class DecodeLayers:
             cols = cache.lengths
             valid_BS = torch.arange(cache.span, device=cols.device)[None] <= cols[:, None]
         else:
-            cols = torch.full((len(tokens),), cache.length, dtype=torch.long)
+            B = len(tokens)
+            cols = torch.full((B,), cache.length, dtype=torch.long)  # host: the C++ step's
         x = None
         if not self.own_embedding:  # a quantized embedding, say: the model's own lookup
             pos = valid_BS.sum(1, keepdim=True) - 1

@@ -95,8 +95,10 @@ class StaticDecode:
         columns = list(zip(*(rows + pad)))
         for buffer, values in zip((self.tokens, self.temperature, self.top_k, self.top_p,
                                    self.seeds, self.positions), columns):
-            buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-        self.counts[:size].copy_(torch.tensor([1] * B + [0] * (size - B)), non_blocking=True)
+            buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype),  # host: copied in
+                                non_blocking=True)
+        self.counts[:size].copy_(torch.tensor([1] * B + [0] * (size - B)),  # host: (as above)
+                                 non_blocking=True)
         tokens, logp, finite = self._step(size)
         for i in range(B):
             self.slots.host[i] += 1
