@@ -2,15 +2,17 @@
 without it, on SmolLM2-135M-Instruct, in one run.
 
     python benchmarks/speculative.py [--model DIR] [--batches 1 8] [--k 4 8] [--new 128]
+                                     [--draft-k 4]
 
 Two workloads, chat-templated, greedy: "copy" (rewrite a given passage of the standard
 library's documentation with one change: the answer repeats its prompt) and "chat" (open
-questions: little to look up). For each batch size and k: decode tokens per second with and
-without speculation (the prefill step left out), whether the tokens are the same, the
-acceptance rate (accepted over proposed), the tokens a verify pass yields per row, a verify
-pass's time over a plain decode step's, and the speed-up those imply (tokens a pass over its
-cost, were every step a verify pass) beside the one measured. One JSON line each. A draft model
-as proposer is not built yet (prompt lookup only).
+questions: little to look up). Proposers: prompt lookup with each k, and a draft model (a W8A8
+copy of the target: a quarter of its weight bytes, near its predictions; no smaller SmolLM2 is
+at hand offline) with ``--draft-k``. For each: decode tokens per second with and without
+speculation (the prefill step left out), whether the tokens are the same, the acceptance rate
+(accepted over proposed), the tokens a verify pass yields per row, a speculative step's time
+(draft and verify) over a plain decode step's, and the speed-up those imply (tokens a pass
+over its cost, were every step speculative) beside the one measured. One JSON line each.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from troupe.compression import quantize_model
 from troupe.data import load_tokenizer
 from troupe.data.corpus import stdlib_documents
 from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.generation.draft import DraftModel
 from troupe.models import from_pretrained
 from machine import machine  # benchmarks/machine.py, beside this script
 
@@ -44,10 +48,11 @@ def workloads(tok, n: int) -> dict[str, list[list[int]]]:
     return {"copy": copy, "chat": chat}
 
 
-def run(model, tok, prompts: list[list[int]], new: int, k: int) -> dict:
+def run(model, tok, prompts: list[list[int]], new: int, k: int, draft=None) -> dict:
     """Decode ``prompts`` at once; tokens/s after the prefill and each kind of step's time."""
     engine = ContinuousBatcher(model, tok.eos_id, max_batch=len(prompts), speculate=k,
-                               speculate_batch=len(prompts))
+                               speculate_batch=len(prompts),
+                               draft=None if draft is None else DraftModel(draft, len(prompts)))
     for i, p in enumerate(prompts):
         engine.add(str(i), p, SamplingParams(max_tokens=new))
     out: dict[str, list[int]] = {}
@@ -79,24 +84,30 @@ def main() -> None:
     p.add_argument("--k", nargs="+", type=int, default=[4, 8])
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft-k", type=int, default=4, help="0: no draft-model runs")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = from_pretrained(a.model).eval(), load_tokenizer(a.model)
+    draft = from_pretrained(a.model).eval()
+    quantize_model(draft, {"*": "w8a8"})
     loads = workloads(tok, max(a.batches))
     run(model, tok, loads["chat"][:1], 8, 0)  # warm-up: kernels, allocator
     for name, prompts in loads.items():
         for B in a.batches:
             base = run(model, tok, prompts[:B], a.new, 0)
             step_s = statistics.median(base["plain"])
-            for k in a.k:
-                spec = run(model, tok, prompts[:B], a.new, k)
+            for k, proposer in [(k, "lookup") for k in a.k] + (
+                    [(a.draft_k, "draft_w8a8")] if a.draft_k else []):
+                spec = run(model, tok, prompts[:B], a.new, k,
+                           draft if proposer != "lookup" else None)
                 verify_s = statistics.median(spec["verify"]) if spec["verify"] else float("nan")
                 in_passes = spec["tokens"] - len(spec["plain"]) * B  # what verify steps made
                 per_pass = in_passes / max(spec["passes"], 1) / B
                 bound = per_pass / (verify_s / step_s) if spec["verify"] else float("nan")
                 print(json.dumps({
                     "bench": "speculative", "machine": machine(), "workload": name,
-                    "batch": B, "k": k, "new": a.new, "threads": a.threads,
+                    "batch": B, "proposer": proposer, "k": k, "new": a.new,
+                    "threads": a.threads,
                     "tok_s": spec["tok_s"], "tok_s_without": base["tok_s"],
                     "speedup": spec["tok_s"] / base["tok_s"],
                     "same_tokens": spec["out"] == base["out"],

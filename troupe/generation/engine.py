@@ -50,12 +50,9 @@ class ContinuousBatcher:
     next turn that continues them (an agent's conversation) runs only its new tokens.
 
     A sequence whose parameters name an ``adapter`` runs with that LoRA adapter of
-    ``adapters`` (troupe.models.adapters: applied per row, so sequences of different adapters
-    share the batch).
-
-    A sequence whose parameters carry a ``constraint`` samples only the tokens its grammar
-    allows (``grammars``: troupe.generation.grammar.Grammars for the tokenizer) and ends when
-    the grammar is complete.
+    ``adapters`` (troupe.models.adapters: per row, so adapters share the batch); one whose
+    parameters carry a ``constraint`` samples only the tokens its grammar allows
+    (``grammars``: troupe.generation.grammar.Grammars) and ends when the grammar is complete.
 
     With ``lockstep`` every step runs exactly two forward passes (the decode and the prefill,
     a one-token stand-in for either when there is nothing to run): expert-parallel ranks,
@@ -70,10 +67,10 @@ class ContinuousBatcher:
     eagerly. ``static`` may be an earlier engine's ``self.static``: its slots and compiled
     graphs serve this one (an RL policy's engine of each rollout, say).
 
-    With ``speculate`` = k, batches of at most ``speculate_batch`` sequences decode by prompt
-    lookup (troupe.generation.speculative): up to k tokens proposed from each sequence's own
-    context, verified in one pass, the same tokens as without; ``speculation`` counts the
-    passes, the tokens proposed and those accepted.
+    With ``speculate`` = k, batches of at most ``speculate_batch`` sequences decode
+    speculatively (troupe.generation.speculative): up to k tokens proposed by prompt lookup or
+    by a ``draft`` model (troupe.generation.draft.DraftModel), verified in one pass, the same
+    tokens as without; ``speculation`` counts passes, tokens proposed and those accepted.
     """
 
     structured_outputs = True  # constraints are sampled here (the serving Batcher protocol)
@@ -84,7 +81,7 @@ class ContinuousBatcher:
                  prefix_cache: PrefixCache | None = None, adapters: Adapters | None = None,
                  keep_outputs: bool = False, static: "bool | StaticDecode" = False,
                  compile: str | None = None, static_len: int | None = None,
-                 speculate: int = 0, speculate_batch: int = 4):
+                 speculate: int = 0, speculate_batch: int = 4, draft=None):
         self.lockstep, self.tokenizer, self.grammars = lockstep, tokenizer, grammars
         self.adapters = adapters
         if prefix_cache is not None and lockstep:
@@ -118,7 +115,7 @@ class ContinuousBatcher:
         self.active: list[Sequence] = []  # sequence i holds slot i
         self.slots: Slots | None = None   # made at the first prefill
         self.static: StaticDecode | None = None
-        self.speculate, self.speculate_batch = speculate, speculate_batch
+        self.speculate, self.speculate_batch, self.draft = speculate, speculate_batch, draft
         self.speculation = {"passes": 0, "proposed": 0, "accepted": 0}
         if static:  # every slot a bucket may pad to, every column, at once
             self.static = StaticDecode.of(model, max_batch, static, compile, static_len)
@@ -441,9 +438,12 @@ class ContinuousBatcher:
             return
         spoilt = [i for i, s in enumerate(self.active) if s.seq_id in failed]
         order = self.slots.keep(live, spoilt)
+        if self.draft is not None:
+            self.draft.keep(live)
         self.active = [self.active[i] for i in order]
 
     def _drop_all(self) -> None:
         self.active = []
-        if self.slots is not None:
-            self.slots.clear()
+        for cache in (self.slots, self.draft):
+            if cache is not None:
+                cache.clear()

@@ -56,15 +56,19 @@ class PromptLookup:
         return []
 
 
-def proposals(seqs: list[Sequence], k: int, room: list[int]) -> list[list[int]]:
-    """Each sequence's proposals: at most ``k``, at most one fewer than the tokens it may still
-    make (the pass's own token counts), and within ``room`` (the columns its slot has left)."""
+def proposals(seqs: list[Sequence], k: int, room: list[int], draft=None) -> list[list[int]]:
+    """Each sequence's proposals, from ``draft`` (troupe.generation.draft.DraftModel) or by
+    prompt lookup: at most ``k``, at most one fewer than the tokens it may still make (the
+    pass's own token counts), and within ``room`` (the columns its slot has left)."""
+    want = [max(min(k, s.params.max_tokens - len(s.out) - 1, free - 1), 0)
+            for s, free in zip(seqs, room)]
+    if draft is not None:
+        return draft.propose([s.prompt + s.out for s in seqs], want)
     out = []
-    for s, free in zip(seqs, room):
+    for s, left in zip(seqs, want):
         if s.lookup is None:
             s.lookup = PromptLookup()
-        left = min(k, s.params.max_tokens - len(s.out) - 1, free - 1)
-        out.append(s.lookup.propose(s.prompt + s.out, left) if left > 0 else [])
+        out.append(s.lookup.propose(s.prompt + s.out, left) if left else [])
     return out
 
 
@@ -96,8 +100,11 @@ def step(engine, seqs: list[Sequence], k: int) -> list[Event] | None:
     slots = engine.slots
     B = len(seqs)
     lengths = slots.host[:B]
-    props = proposals(seqs, k, [slots.context - n for n in lengths])
+    props = proposals(seqs, k, [slots.context - n for n in lengths], engine.draft)
     if not any(props):
+        if engine.draft is not None:  # it caught up: within what the target will have run
+            for b, n in enumerate(lengths):
+                engine.draft.rolled_back(b, n + 1)
         return None
     rows = [b for b, p in enumerate(props) for _ in range(len(p) + 1)]
     cols = [lengths[b] + t for b, p in enumerate(props) for t in range(len(p) + 1)]
@@ -107,6 +114,8 @@ def step(engine, seqs: list[Sequence], k: int) -> list[Event] | None:
     events, matched = accept(seqs, props, logits, greedy, finite, engine.eos_id)
     for b, n in enumerate(matched):  # the rejected proposals' columns are dropped
         slots.set_length(b, lengths[b] + 1 + n)
+        if engine.draft is not None:
+            engine.draft.rolled_back(b, lengths[b] + 1 + n)
     stats = engine.speculation
     stats["passes"] += 1
     stats["proposed"] += sum(map(len, props))

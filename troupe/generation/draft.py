@@ -1,0 +1,71 @@
+"""A draft model as speculative decoding's proposer (troupe.generation.speculative).
+
+A smaller model that shares the target's tokenizer (a smaller Hugging Face model of the same
+family, or a student from apps/compress.py) proposes each sequence's next k tokens greedily;
+the target verifies them in one pass as it does prompt lookup's. The draft keeps slots of its
+own (troupe.generation.slots), one per sequence, in the engine's order (the engine gives both
+the same ``keep`` when sequences leave). Before proposing, each row catches up on the context
+its slot has not run (a newcomer's whole prompt, the tokens accepted since), all rows in one
+right-padded pass, then k - 1 single-token steps. After the verify, a row keeps what the
+target accepted of its proposals (``rolled_back``): the draft ran its proposals but the last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from troupe.generation.slots import Slots
+
+
+class DraftModel:
+    """Greedy proposals from ``model`` for up to ``max_batch`` sequences."""
+
+    def __init__(self, model, max_batch: int):
+        self.model, self.max_batch = model.eval(), max_batch
+        self.slots: Slots | None = None
+
+    @torch.no_grad()
+    def propose(self, contexts: list[list[int]], want: list[int]) -> list[list[int]]:
+        """For row b (slot b) with context ``contexts[b]`` (the tokens so far, the last not yet
+        run by the target), up to ``want[b]`` proposed tokens (0: none for that row, which
+        still catches up)."""
+        B, k = len(contexts), max(want)
+        if k <= 0:
+            return [[] for _ in contexts]
+        cfg, device = self.model.cfg, self.model.device
+        if self.slots is None:
+            self.slots = Slots(cfg, self.max_batch, B, max(map(len, contexts)) + k + 16,
+                               device, self.model.dtype)
+        # what each slot has not run: at least the context's last token, which the target
+        # has not run either (``rolled_back`` keeps a slot within the target's)
+        todo = [c[self.slots.host[b]:] for b, c in enumerate(contexts)]
+        counts = [len(t) for t in todo]
+        T = max(counts)
+        idx = torch.zeros(B, T, dtype=torch.long)  # host: right-padded, then moved
+        for b, t in enumerate(todo):
+            idx[b, :len(t)] = torch.tensor(t)  # host: (as idx)
+        h, _ = self.model.hidden(idx.to(device), cache=self.slots.view(0, B, T, counts))
+        last = torch.tensor(counts, device=device) - 1
+        token = self.model.logits(h[torch.arange(B, device=device), last]).argmax(-1)
+        out = [[t] for t in token.tolist()]
+        for _ in range(k - 1):
+            h, _ = self.model.hidden(token[:, None], cache=self.slots.view(0, B, 1))
+            token = self.model.logits(h[:, -1]).argmax(-1)
+            for row, t in zip(out, token.tolist()):
+                row.append(t)
+        return [row[:n] for row, n in zip(out, want)]
+
+    def rolled_back(self, row: int, kept: int) -> None:
+        """Row ``row``'s slot after the verify: its context is the target's ``kept`` run
+        tokens and what follows them; the draft's own ran past them are dropped."""
+        if self.slots is not None and self.slots.host[row] > kept:
+            self.slots.set_length(row, kept)
+
+    def keep(self, live: list[int]) -> None:
+        """The engine's sequences ``live`` stay (troupe.generation.slots.Slots.keep)."""
+        if self.slots is not None:
+            self.slots.keep(live)
+
+    def clear(self) -> None:
+        if self.slots is not None:
+            self.slots.clear()
