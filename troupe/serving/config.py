@@ -97,7 +97,9 @@ class ServeConfig(AppConfig):
     log-probabilities run eagerly. speculate: batches of at most 4 requests decode by prompt
     lookup, up to this many tokens proposed a step from each request's own context and
     verified in one pass (troupe.generation.speculative: the same tokens as without; 0: off);
-    /metrics counts the passes, the tokens proposed and those accepted."""
+    /metrics counts the passes, the tokens proposed and those accepted. speculate_draft: the
+    proposals come from a draft model instead (troupe.generation.draft): "w8a8", a W8A8 copy
+    of the served model, or a Hugging Face model directory of the same tokenizer."""
 
     model: ModelSource
     quantize: dict[str, str] = Field(default_factory=lambda: {"*": "w8a8"})
@@ -120,10 +122,14 @@ class ServeConfig(AppConfig):
     num_gpus: float = Field(default=1.0, gt=0)
     decode_graphs: bool = False
     speculate: int = Field(default=0, ge=0)
+    speculate_draft: str | None = None
 
     @model_validator(mode="after")
     def _graphs_on_gpus(self) -> "ServeConfig":
         check_decode_graphs(self.decode_graphs, self.device)
+        if self.speculate_draft is not None and not self.speculate:
+            raise ValueError(f"speculate_draft={self.speculate_draft} proposes for speculative "
+                             "decoding, which speculate=0 turns off: set speculate (e.g. 4)")
         return self
 
     @field_validator("quantize")

@@ -175,6 +175,26 @@ def load_served_model(cfg: ServeConfig, tok: Tokenizer | None = None
     return model, quantize_served(model, cfg, calibrate(model, cfg, tok))
 
 
+def load_draft(cfg: ServeConfig, model: GPT) -> GPT | None:
+    """The draft model ``cfg.speculate_draft`` names for ``model`` (speculative decoding,
+    troupe.generation.draft): "w8a8" a W8A8 copy of the served model (before its own
+    quantization, from the source), a directory a Hugging Face model of the same vocabulary;
+    None without one. ConfigError naming the key for a draft of another vocabulary."""
+    name = cfg.speculate_draft
+    if name is None:
+        return None
+    if name == "w8a8":
+        draft = placed(load_source(cfg.model), cfg)
+        quantize_model(draft, {"*": "w8a8"})
+        return draft.eval()
+    draft = placed(from_pretrained(Path(name).expanduser()), cfg).eval()
+    if draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ConfigError(f"speculate_draft={name}: its vocabulary of {draft.cfg.vocab_size} "
+                          f"tokens is not the served model's {model.cfg.vocab_size}: a draft "
+                          "shares the tokenizer")
+    return draft
+
+
 def placed(model: GPT, cfg: ServeConfig) -> GPT:
     """``model`` on this replica's device (``cfg.device``: its Ray GPU or the CPU) in
     ``cfg.precision``, before quantization (which reads the weights in fp32 and keeps its

@@ -22,6 +22,7 @@ import torch
 
 from troupe.config import validate
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation.draft import DraftModel
 from troupe.generation.grammar import Constraint, GrammarError, Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import check_tokens
@@ -32,7 +33,7 @@ from troupe.serving.auth import KeyDigest, authorize
 from troupe.serving.config import ServeConfig
 from troupe.serving.endpoints import ENDPOINTS, Endpoint, StreamedChoices, sse
 from troupe.serving.metrics import ServerMetrics
-from troupe.serving.model import load_served_model, source_tokenizer, weight_bytes
+from troupe.serving.model import load_draft, load_served_model, source_tokenizer, weight_bytes
 from troupe.serving.prompts import Prompts
 from troupe.serving.protocol import (ChatRequest, DetokenizeRequest, RequestError,
                                      TokenizeRequest, named_field, parse)
@@ -71,6 +72,8 @@ class ServeReplica:
         """The batcher this replica decodes with, and what /health reports of its model."""
         model, modes = load_served_model(self.cfg, self.tok)
         mb, limits = self.cfg.prefix_cache_mb, self.cfg.limits
+        draft = load_draft(self.cfg, model)
+        draft = None if draft is None else DraftModel(draft, limits.max_batch)
         adapters = Adapters(model)
         for name, path in self.cfg.adapters.items():
             adapters.add(load_peft(path, model, name))
@@ -82,7 +85,7 @@ class ServeReplica:
                                     static=self.cfg.decode_graphs and model.device.type == "cuda",
                                     compile="reduce-overhead",
                                     static_len=limits.max_prompt_tokens + limits.max_tokens,
-                                    speculate=self.cfg.speculate)
+                                    speculate=self.cfg.speculate, draft=draft)
         return batcher, {"seq_len": model.cfg.seq_len, "vocab_size": model.cfg.vocab_size,
                          "weight_bytes": weight_bytes(model),
                          "quantized": modes, "expert_parallel": 1,
