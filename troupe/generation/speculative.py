@@ -101,6 +101,9 @@ def step(engine, seqs: list[Sequence], k: int) -> list[Event] | None:
     B = len(seqs)
     lengths = slots.host[:B]
     props = proposals(seqs, k, [slots.context - n for n in lengths], engine.draft)
+    if _native(engine):  # the verify in one native call: its rows at most MAX_ROWS
+        while sum(len(p) + 1 for p in props) > MAX_ROWS:
+            max(props, key=len).pop()
     if not any(props):
         if engine.draft is not None:  # it caught up: within what the target will have run
             for b, n in enumerate(lengths):
@@ -123,14 +126,21 @@ def step(engine, seqs: list[Sequence], k: int) -> list[Event] | None:
     return events
 
 
+def _native(engine) -> bool:
+    """Whether the verify can run as one native call (the decode step's own kernels: the same
+    numbers a row gets decoding, which the W8A8 layers' token-wise rounding would otherwise
+    amplify into other tokens)."""
+    fused = engine._fused()
+    return fused is not None and fused.has_logits and engine.slots.dtype == torch.float32
+
+
 def _verify(engine, seqs, props, tokens, rows, cols):
     """The verify pass: the logits (N, V) of every token run, each row's greedy choice and
     finiteness; through the native step where it applies, else the model's own, right-padded."""
     slots, device = engine.slots, engine.device
     names = [s.params.adapter for s in seqs]
     fused = engine._fused()
-    if fused is not None and fused.has_logits and len(tokens) <= MAX_ROWS \
-            and slots.dtype == torch.float32:
+    if _native(engine) and len(tokens) <= MAX_ROWS:
         per_token = [names[b] for b in rows]
         adapter_slots = engine.adapters.slot_ids(per_token) if engine._adapted() else None
         with engine._routed(per_token) if fused.routed else contextlib.nullcontext():
