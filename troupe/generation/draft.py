@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import torch
 
+from troupe.generation.decode_layers import DecodeLayers
 from troupe.generation.slots import Slots
+from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 
 
 class DraftModel:
-    """Greedy proposals from ``model`` for up to ``max_batch`` sequences."""
+    """Greedy proposals from ``model`` for up to ``max_batch`` sequences. Its single-token
+    steps run as the engine's do, in one native call where the model allows
+    (troupe.generation.decode_layers: a draft step must cost a fraction of the target's)."""
 
     def __init__(self, model, max_batch: int):
         self.model, self.max_batch = model.eval(), max_batch
         self.slots: Slots | None = None
+        cpu = self.model.device.type == "cpu"
+        self.fused = DecodeLayers.of(self.model, DecodeWeights(self.model)) if cpu else None
+        if self.fused is not None and not self.fused.has_logits:
+            self.fused = None
 
     @torch.no_grad()
     def propose(self, contexts: list[list[int]], want: list[int]) -> list[list[int]]:
@@ -39,21 +47,46 @@ class DraftModel:
         # what each slot has not run: at least the context's last token, which the target
         # has not run either (``rolled_back`` keeps a slot within the target's)
         todo = [c[self.slots.host[b]:] for b, c in enumerate(contexts)]
-        counts = [len(t) for t in todo]
+        token = self._catch_up(todo, device)
+        out = [[t] for t in token.tolist()]
+        for _ in range(k - 1):
+            token = self._step(token, B)
+            for row, t in zip(out, token.tolist()):
+                row.append(t)
+        return [row[:n] for row, n in zip(out, want)]
+
+    def _catch_up(self, todo: list[list[int]], device) -> torch.Tensor:
+        """Run each row's ``todo`` tokens after its slot's; each row's greedy next token."""
+        B, counts = len(todo), [len(t) for t in todo]
+        slots = self.slots
+        if self.fused is not None and sum(counts) <= MAX_ROWS and slots.dtype == torch.float32:
+            rows = [b for b, n in enumerate(counts) for _ in range(n)]
+            cols = [slots.host[b] + t for b, n in enumerate(counts) for t in range(n)]
+            slots.reserve(B, max(cols) + 1)
+            _, greedy, _ = self.fused.tokens(
+                torch.tensor([t for row in todo for t in row], device=device),
+                torch.tensor(rows, device=device), torch.tensor(cols, device=device),
+                slots.k, slots.v, max(cols) + 1)
+            for b, n in enumerate(counts):
+                slots.set_length(b, slots.host[b] + n)
+            ends = [sum(counts[:b + 1]) - 1 for b in range(B)]
+            return torch.tensor([greedy[i] for i in ends], device=device)
         T = max(counts)
         idx = torch.zeros(B, T, dtype=torch.long)  # host: right-padded, then moved
         for b, t in enumerate(todo):
             idx[b, :len(t)] = torch.tensor(t)  # host: (as idx)
-        h, _ = self.model.hidden(idx.to(device), cache=self.slots.view(0, B, T, counts))
+        h, _ = self.model.hidden(idx.to(device), cache=slots.view(0, B, T, counts))
         last = torch.tensor(counts, device=device) - 1
-        token = self.model.logits(h[torch.arange(B, device=device), last]).argmax(-1)
-        out = [[t] for t in token.tolist()]
-        for _ in range(k - 1):
-            h, _ = self.model.hidden(token[:, None], cache=self.slots.view(0, B, 1))
-            token = self.model.logits(h[:, -1]).argmax(-1)
-            for row, t in zip(out, token.tolist()):
-                row.append(t)
-        return [row[:n] for row, n in zip(out, want)]
+        return self.model.logits(h[torch.arange(B, device=device), last]).argmax(-1)
+
+    def _step(self, token: torch.Tensor, B: int) -> torch.Tensor:
+        """Each row's next greedy token after ``token`` (B,)."""
+        cache = self.slots.view(0, B, 1)
+        if self.fused is not None and B <= MAX_ROWS and self.slots.dtype == torch.float32:
+            _, greedy, _ = self.fused.logits(token[:, None], None, cache)
+            return torch.tensor(greedy, device=token.device)
+        h, _ = self.model.hidden(token[:, None], cache=cache)
+        return self.model.logits(h[:, -1]).argmax(-1)
 
     def rolled_back(self, row: int, kept: int) -> None:
         """Row ``row``'s slot after the verify: its context is the target's ``kept`` run
