@@ -200,3 +200,28 @@ def test_a_draft_models_proposals_give_the_same_tokens(draft_seed):
         _, _, engine = _run(model, prompts, greedy, speculate=3, draft=DraftModel(draft, 4))
         stats = engine.speculation
         assert stats["accepted"] == stats["proposed"] > 0, stats
+
+
+def test_rows_under_adapters_speculate_to_their_own_tokens(tmp_path):
+    """LoRA adapters applied per row (troupe.models.adapters): a batch mixing two adapters and
+    the base, speculating, gives each sequence the tokens it gets without speculation."""
+    pytest.importorskip("transformers")
+    from tests.models.test_adapters import make_base, write_adapter
+    from troupe.models import from_pretrained
+    from troupe.models.adapters import Adapters, load_peft
+    base_dir = make_base(tmp_path / "llama")
+    model = from_pretrained(base_dir).eval()
+    adapters = Adapters(model)
+    for i in range(2):
+        adapter_dir, _ = write_adapter(base_dir, tmp_path / f"a{i}", i)
+        adapters.add(load_peft(adapter_dir, model, name=f"a{i}"))
+    rng = random.Random(2)
+    prompts = []
+    for _ in range(6):
+        text = [rng.randrange(300) for _ in range(8)]
+        prompts.append(text + text[:3])
+    params = [SamplingParams(max_tokens=16, adapter=(None, "a0", "a1")[i % 3])
+              for i in range(len(prompts))]
+    want, _, _ = _run(model, prompts, params, adapters=adapters)
+    got, _, engine = _run(model, prompts, params, adapters=adapters, speculate=4)
+    assert got == want and engine.speculation["passes"] > 0

@@ -21,7 +21,11 @@ PROJ = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
+    return make_base(tmp_path_factory.mktemp("llama"))
+
+
+def make_base(d):
+    """A tiny random Llama saved as a Hugging Face directory ``d``, the adapters' base."""
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=128,
