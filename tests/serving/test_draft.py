@@ -18,9 +18,11 @@ def _cfg(tmp_path, **kw):
     return ServeConfig(model={"file": str(path), "name": "m"}, device="cpu", **kw)
 
 
-def test_a_draft_needs_speculation_on(tmp_path):
+def test_a_draft_needs_speculation_on_and_no_lockstep(tmp_path):
     with pytest.raises(ValueError, match="speculate_draft=w8a8.*speculate=0"):
         _cfg(tmp_path, speculate_draft="w8a8")
+    with pytest.raises(ValueError, match="speculate=4 with expert_parallel=2"):
+        _cfg(tmp_path, speculate=4, expert_parallel=2)
 
 
 def test_the_drafts_a_server_can_name(tmp_path):

@@ -130,6 +130,11 @@ class ServeConfig(AppConfig):
         if self.speculate_draft is not None and not self.speculate:
             raise ValueError(f"speculate_draft={self.speculate_draft} proposes for speculative "
                              "decoding, which speculate=0 turns off: set speculate (e.g. 4)")
+        if self.expert_parallel > 1 and (self.speculate or self.decode_graphs):
+            key = f"speculate={self.speculate}" if self.speculate else "decode_graphs=true"
+            raise ValueError(f"{key} with expert_parallel={self.expert_parallel}: the expert "
+                             "ranks decode in lockstep, two passes a step, which neither "
+                             "speculation nor a captured step keeps: use one or the other")
         return self
 
     @field_validator("quantize")
