@@ -30,7 +30,8 @@ def test_agent_rollouts_train(rlhf_graphs, tmp_path, algorithm, replicas, hazard
     """With hazards, environments that raise, hang, die and run out of memory: each a counted
     failure with its cause (and those sharing a replaced process lost with it), the run goes
     on. With a rollout replica: one-step-off, the trajectories generated on an actor of their
-    own while the policy trains."""
+    own while the policy trains. RLOO's rollouts speculate (prompt lookup, batches of 4): the
+    second turns continue the first, and the records count the passes."""
     _rows(tmp_path / "tasks.jsonl", hazards)
     cfg = RLHFConfig(
         algorithm=algorithm, steps=["sft", "step3"], sft=dict(steps=4, batch_size=4),
@@ -40,7 +41,8 @@ def test_agent_rollouts_train(rlhf_graphs, tmp_path, algorithm, replicas, hazard
                  workers=4, timeout_s=3, memory_mb=1024),
         step3=dict(iterations=2, prompts_per_iter=8, max_new_tokens=6, eval_every=2,
                    checkpoint_every=2, temperature=1.0,
-                   rollout=dict(replicas=replicas, max_staleness=replicas)),
+                   rollout=dict(replicas=replicas, max_staleness=replicas),
+                   **(dict(speculate=4, generation_batch=4) if algorithm == "rloo" else {})),
         workers=2, out_dir=str(tmp_path / algorithm))
     assert "reward" not in rlhf.roles(cfg)  # the environment gives the rewards
     rlhf_graphs.run(cfg)
@@ -61,6 +63,8 @@ def test_agent_rollouts_train(rlhf_graphs, tmp_path, algorithm, replicas, hazard
         assert r["prefill_tokens"] < r["prompt_tokens"]  # the second turns reuse the first
         if replicas:  # generated on the replica, one step off at most
             assert r["staleness_max"] <= 1 and "staleness_mean" in r
+        if algorithm == "rloo":
+            assert r["spec_passes"] > 0 and 0 <= r["spec_accept_rate"] <= 1
     assert sum(r["env_failures"] for r in steps) > 0
     seen = {c for r in steps for c in r["env_failure_causes"]}
     assert "raised" in seen and (len(hazards) == 1 or seen & {"timeout", "exited"})

@@ -113,13 +113,14 @@ class RolloutEngine:
         engine = ContinuousBatcher(lm.gpt, self.tok.eos_id, max_batch=p.generation_batch or 16,
                                    tokenizer=self.tok.hf, packed_decode=packed,
                                    prefix_cache=PrefixCache(int(max(p.prefix_cache_mb, 64) * 2**20)),
-                                   keep_outputs=True)
+                                   keep_outputs=True, speculate=p.speculate)
         rows = [{"prompt": q, **f} for q, f in
                 zip(request.prompts, request.fields or [{}] * len(request.prompts))]
         trajs = self._agent.run(engine, rows, request.seeds, temperature, p.top_p, p.top_k)
         rollout = rollout_of(trajs, self.tok, e.failure_score)
         opening = sum(len(t.prompt_ids) + len(t.tokens) - sum(t.generated) for t in trajs)
         rollout.prompt_tokens = (opening, engine.prefill_tokens)
+        rollout.speculation = tuple(engine.speculation.values())
         return rollout
 
     def _int8_engine(self, model: torch.nn.Module) -> torch.nn.Module:
