@@ -222,7 +222,8 @@ def test_a_shared_system_prompt_is_run_once(client):
 @pytest.mark.xfail(strict=False, reason=(
     "its last assertion, the same greedy text whatever shares the batch, failed in 2 of 3 "
     "suite runs on this session's AMD EPYC (passing alone): a random adapter's near ties flip "
-    "with the batch's composition; the per-row engine of issue 57 is to make it hold"))
+    "with the batch's composition (the products round by the rows a call holds, per-row "
+    "cache or not: passing in the two suite runs since it landed)"))
 def test_adapters_by_model_name_listed_and_loaded_at_run_time(client, smollm2, tmp_path):
     """Two adapters from the recipe, a third loaded through the admin route; a request picks
     one by ``model``; the same prompt gets other greedy answers under each (the batch mixes
