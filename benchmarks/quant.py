@@ -1,5 +1,6 @@
 """INT8 linear layers and INT8 decoding against fp32 on this CPU, with torch's dynamic
-quantization beside them; or, with --device cuda, against bf16 on a GPU.
+quantization beside them; or, with --device cuda, against bf16 on a GPU (with fp8, e4m3 with
+row-wise scales through torch._scaled_mm, beside W8A8).
 
     python benchmarks/quant.py [--shapes 1024x1024 576x1536] [--tokens 1 8 64 256] [--threads 1]
     python benchmarks/quant.py --device cuda --shapes 4096x4096 --tokens 16 256 4096 \
@@ -37,6 +38,7 @@ import time
 import torch
 
 from troupe.compression import QuantizedLinear, quantize_model
+from troupe.compression.fp8 import Fp8Linear
 from troupe.compression.quantize import outlier_channels
 from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.kernels import small_gemm
@@ -50,6 +52,7 @@ from machine import machine  # benchmarks/machine.py, beside this script
 # projection in fp32 (torch.ao cannot reach it: it is no Linear), so the two compare like for like
 DECODE_MODES = {"fp32": None, "w8a8": {"*": "w8a8"},
                 "w4/8a16": {"*.attn.*": "w8a16", "*.ffn.*": "w4a16", "lm_head": "w8a16"},
+                "fp8": {"*": "fp8"},  # e4m3 through torch._scaled_mm: timed on cuda only
                 "torch_dynamic": "ao"}
 
 
@@ -118,8 +121,7 @@ def decode(a) -> None:
                              d_model=a.decode_width), seed=0).eval().requires_grad_(False)
     prompts = [[(7 * i + j) % 256 for j in range(24 + 4 * i)] for i in range(a.batch)]
     modes = {a.baseline: None, **{m: r for m, r in DECODE_MODES.items() if m != "fp32"}}
-    if a.cuda:
-        modes.pop("torch_dynamic")
+    modes.pop("torch_dynamic" if a.cuda else "fp8")
     rates = {}
     for mode, rules in modes.items():
         model = copy.deepcopy(base)
@@ -212,6 +214,7 @@ def linears(a) -> None:
         K, N = (int(v) for v in shape.split("x"))
         lin = torch.nn.Linear(K, N)
         w8a8 = QuantizedLinear(lin, "w8a8").to(a.device)
+        fp8 = Fp8Linear(lin).to(a.device) if a.cuda else None
         rows = row_layout(w8a8.qw)  # the torch path: torch._int_mm on the (O, I) rows
         w4 = QuantizedLinear(lin, "w4a16")
         dyn = None if a.cuda else torch.ao.quantization.quantize_dynamic(
@@ -229,6 +232,11 @@ def linears(a) -> None:
                 rel = ((w8a8(x) - exact).norm() / exact.norm()).item()
                 rel_base = ((ref(xb).float() - exact).norm() / exact.norm()).item()
                 extra = {}
+                if fp8 is not None:  # e4m3 with row-wise scales, for Hopper-class GPUs
+                    t["fp8"] = timed(lambda: fp8(xb), a.repeats, a.cuda)
+                    extra = {"fp8_speedup": round(t[a.baseline] / t["fp8"], 2),
+                             "fp8_rel_error": round(
+                                 ((fp8(xb).float() - exact).norm() / exact.norm()).item(), 5)}
                 if dyn is not None:
                     t["torch_dynamic"] = timed(lambda: dyn(x), a.repeats)
                     extra = {"w8a8_vs_torch_dynamic": round(t["torch_dynamic"] / t["w8a8"], 2),
