@@ -81,3 +81,11 @@ def test_a_stored_config_in_the_old_shape_still_loads():
     cfg = PretrainConfig.model_validate(old)
     assert (cfg.workers, cfg.seed, cfg.out_dir, cfg.train.steps) == (1, 3, "runs/old", 5)
     assert old["train"]["num_workers"] == 1  # the caller's dict is left as it was
+
+
+def test_a_rollout_draft_needs_speculation_and_no_int8_rollouts():
+    with pytest.raises(ValueError, match=r"step3.speculate_draft=w8a8.*step3.speculate=0"):
+        RLHFConfig(step3=dict(speculate_draft="w8a8"))
+    with pytest.raises(ValueError, match=r"speculate_draft=w8a8.*int8_generation"):
+        RLHFConfig(step3=dict(speculate=4, speculate_draft="w8a8", int8_generation=True))
+    assert RLHFConfig(step3=dict(speculate=4, speculate_draft="w8a8")).step3.speculate == 4

@@ -197,10 +197,12 @@ def flaky(prompt, response, **fields):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "gspo", "dpo"])
 def test_each_algorithm_end_to_end(rlhf_graphs, tmp_path, algorithm):
-    """Each algorithm's pipeline; GRPO's rollouts speculate (step3.speculate: prompt lookup
-    over each prompt's digits, batches of 4) and its records say how it went."""
+    """Each algorithm's pipeline; GRPO's and RLOO's rollouts speculate (step3.speculate,
+    batches of 4: prompt lookup over each prompt's digits, and a W8A8 copy of the policy as the
+    draft) and their records say how it went."""
+    spec = {"grpo": dict(speculate=4), "rloo": dict(speculate=4, speculate_draft="w8a8")}
     over = dict(step3=dict(_cfg(tmp_path, "").step3.model_dump(exclude_unset=True),
-                           speculate=4, generation_batch=4)) if algorithm == "grpo" else {}
+                           generation_batch=4, **spec[algorithm])) if algorithm in spec else {}
     cfg = _cfg(tmp_path, algorithm, algorithm=algorithm, dpo=dict(steps=4, batch_size=8),
                **over)
     assert rlhf.roles(cfg) == {"dpo": ["policy", "reference"], "gspo": ["policy", "reward"]
@@ -219,7 +221,7 @@ def test_each_algorithm_end_to_end(rlhf_graphs, tmp_path, algorithm):
     else:
         assert all(r["algorithm"] == algorithm and r["entropy"] > 0 and r["response_length"] > 0
                    and r["generated_tokens_per_s"] > 0 and "gold" in r for r in steps)
-        if algorithm == "grpo":
+        if algorithm in spec:
             assert sum(r.get("spec_passes", 0) for r in steps) > 0
             assert all(0 <= r["spec_accept_rate"] <= 1 for r in steps if "spec_passes" in r)
         assert not (tmp_path / algorithm / "step3" / "iter-00003" / "critic.trp").exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from troupe.config import Config
 from troupe.models import GPTConfig
@@ -265,7 +265,10 @@ class Step3Config(Config):
     most 4 sequences at a time decode by prompt lookup, up to this many tokens proposed a step
     from each response's own context and verified in one pass (troupe.generation.speculative:
     the same tokens as without; 0: off); each record says how it went (spec_passes,
-    spec_proposed, spec_accepted, spec_accept_rate).
+    spec_proposed, spec_accepted, spec_accept_rate). speculate_draft: "w8a8" proposes with a
+    W8A8 copy of the policy instead (troupe.generation.draft; re-quantized in place after each
+    update, as int8_generation's copy is; not with int8_generation, whose rollouts decode that
+    copy already).
     temperature, top_p, top_k: how rollouts and the held-out evaluation sample (top_k 0: from
     every token); the engine's log-probabilities, like the trainer's, are of the model's whole
     distribution, whatever narrower one sampled (as OpenRLHF and verl take them).
@@ -293,6 +296,7 @@ class Step3Config(Config):
     generation_batch: int | None = Field(default=16, ge=1)
     keep_decode_weights: bool = False
     speculate: int = Field(default=0, ge=0)
+    speculate_draft: Literal["w8a8"] | None = None
     release_memory: bool = False
     quantize_frozen: Literal["none", "w8a8"] = "none"
     micro_batch_size: int | None = Field(default=None, ge=1)
@@ -318,6 +322,16 @@ class Step3Config(Config):
     rollout: RolloutConfig = RolloutConfig()
     checkpoint_every: int = Field(default=40, ge=0)
     eval_every: int = Field(default=20, ge=1)
+
+    @model_validator(mode="after")
+    def _draft_needs_speculation(self) -> "Step3Config":
+        if self.speculate_draft and (not self.speculate or self.int8_generation):
+            raise ValueError(f"step3.speculate_draft={self.speculate_draft} proposes for "
+                             + ("speculative decoding, which step3.speculate=0 turns off: set "
+                                "step3.speculate (e.g. 4)" if not self.speculate else
+                                "the W8A8 rollouts of step3.int8_generation, which decode "
+                                "that copy already: use one or the other"))
+        return self
 
 
 def module_attribute(v: str | None, what: str, example: str) -> str | None:

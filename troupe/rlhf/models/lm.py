@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from troupe.data import micro_batches, token_micro_batches
-from troupe.generation import ContinuousBatcher, SamplingParams
+from troupe.generation import ContinuousBatcher, DraftModel, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, PrefixTree
@@ -161,7 +161,7 @@ class GPTLM(nn.Module):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams],
                  eos_id: int, max_batch: int | None = None,
                  keep_packed: bool = False, prefix_cache_mb: float = 0,
-                 decode_graphs: bool = False, speculate: int = 0
+                 decode_graphs: bool = False, speculate: int = 0, draft=None
                  ) -> tuple[list[list[int]], list[list[float]]]:
         """Each prompt's sampled continuation (its eos included when it ends on one), through
         troupe.generation's engine (``max_batch`` at once, all by default): the server's
@@ -175,8 +175,9 @@ class GPTLM(nn.Module):
         says how many prompt tokens the call ran. ``decode_graphs`` (on cuda): decode steps
         in fixed shapes captured as CUDA graphs (troupe.generation.static_step), the step and
         its cache kept between calls while they fit (the weights are updated in place).
-        ``speculate``: prompt lookup's proposals a step (troupe.generation.speculative);
-        ``speculation`` then counts its passes, proposals and acceptances."""
+        ``speculate``: proposals a step (troupe.generation.speculative), by prompt lookup or
+        from the model ``draft`` (a GPT of the same vocabulary); ``speculation`` then counts
+        its passes, proposals and acceptances."""
         packed = self.packed_weights() if keep_packed else True
         B = max(min(len(prompts), max_batch or len(prompts)), 1)
         static = decode_graphs and self.gpt.device.type == "cuda"
@@ -188,7 +189,8 @@ class GPTLM(nn.Module):
                                    prefix_cache=(PrefixCache(int(prefix_cache_mb * 2**20))
                                                  if prefix_cache_mb else None),
                                    static=static, compile="reduce-overhead",
-                                   static_len=longest, speculate=speculate)
+                                   static_len=longest, speculate=speculate,
+                                   draft=None if draft is None else DraftModel(draft, B))
         self._static = engine.static or kept
         for i, (ids, p) in enumerate(zip(prompts, params)):
             engine.add(str(i), ids, p)

@@ -64,11 +64,12 @@ class RolloutEngine:
                                      top_p=p.top_p, top_k=p.top_k, seed=seed, logprobs=0)
                       for seed in request.seeds]
             prompt_ids = [self.tok.prompt(t) for t in request.prompts]
+            draft = self._int8_engine(model).gpt if p.speculate_draft == "w8a8" else None
             tokens, logprobs = engine.generate(
                 prompt_ids, params, self.tok.eos_id, p.generation_batch,
                 keep_packed=p.keep_decode_weights and engine is model,
                 prefix_cache_mb=p.prefix_cache_mb, decode_graphs=self.cfg.decode_graphs,
-                speculate=p.speculate)
+                speculate=p.speculate, draft=draft)
         finally:
             if fused:
                 unfuse_lora(model)
