@@ -114,3 +114,30 @@ def test_cuda_graphs_of_the_step_give_the_cpu_engines_tokens():
                                compile="reduce-overhead")
     got, _, _ = _drive(engine, requests)
     assert got == want
+
+
+def test_weights_updated_in_place_are_read_by_the_traced_step_without_a_new_graph():
+    """An RL update writes the parameters in place (an optimizer step, a weight sync's copy):
+    the traced step reads them as they are, with no new graph, and decodes what an engine
+    built afresh on the new weights decodes."""
+    model = _model(**LLAMA, n_kv_head=2)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    engine = ContinuousBatcher(model, None, max_batch=2, static=True, compile=backend,
+                               static_len=40)
+    requests = {"a": (0, [3, 4, 5, 6], SamplingParams(max_tokens=8)),
+                "b": (0, [7, 8, 9], SamplingParams(max_tokens=8))}
+    before, _, _ = _drive(engine, requests)
+    made = len(graphs)
+    with torch.no_grad():  # "the update": new values in the same storage
+        for p in model.parameters():
+            p.mul_(-1.5).add_(0.01)
+    after, _, _ = _drive(engine, requests)
+    assert len(graphs) == made and after != before
+    fresh, _, _ = _drive(ContinuousBatcher(model, None, max_batch=2), requests)
+    assert after == fresh
