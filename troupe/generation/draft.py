@@ -12,10 +12,12 @@ target accepted of its proposals (``rolled_back``): the draft ran its proposals 
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from troupe.generation.decode_layers import DecodeLayers
-from troupe.generation.slots import Slots
+from troupe.generation.slots import Slots, right_padded
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 
 
@@ -69,13 +71,9 @@ class DraftModel:
                 slots.k, slots.v, max(cols) + 1)
             for b, n in enumerate(counts):
                 slots.set_length(b, slots.host[b] + n)
-            ends = [sum(counts[:b + 1]) - 1 for b in range(B)]
-            return torch.tensor([greedy[i] for i in ends], device=device)
-        T = max(counts)
-        idx = torch.zeros(B, T, dtype=torch.long)  # host: right-padded, then moved
-        for b, t in enumerate(todo):
-            idx[b, :len(t)] = torch.tensor(t)  # host: (as idx)
-        h, _ = self.model.hidden(idx.to(device), cache=slots.view(0, B, T, counts))
+            return torch.tensor([greedy[end - 1] for end in accumulate(counts)], device=device)
+        idx, counts = right_padded(todo, 0)
+        h, _ = self.model.hidden(idx.to(device), cache=slots.view(0, B, idx.shape[1], counts))
         last = torch.tensor(counts, device=device) - 1
         return self.model.logits(h[torch.arange(B, device=device), last]).argmax(-1)
 

@@ -7,8 +7,8 @@ finish, so a long request does not hold back the ones behind it.
 Each sequence of the batch has a row of the KV cache, a slot, with a length of its own
 (troupe.generation.slots): a step writes each row's new keys and values at that row's position,
 in place. A newcomer is prefilled straight into a free slot (prompts of different lengths
-together, right-padded: the padding's keys land past each row's end, where its next tokens
-overwrite them); a sequence that finishes gives its slot up. Nothing else in the cache is
+together, right-padded: the padding's keys are not written); a sequence that finishes gives
+its slot up. Nothing else in the cache is
 copied when sequences join and leave, and rows may advance by different counts.
 """
 
@@ -26,7 +26,7 @@ from troupe.generation.grammar import Grammars
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.generation.sampling import SamplingParams
 from troupe.generation.sequence import Event, Sequence, choose, chosen, drawn_on_device
-from troupe.generation.slots import Slots
+from troupe.generation.slots import Slots, right_padded
 from troupe.generation.static_step import StaticDecode
 from troupe.kernels.small_gemm import MAX_ROWS, DecodeWeights
 from troupe.models import GPT
@@ -297,16 +297,10 @@ class ContinuousBatcher:
                                   cache=slots.view(base, base + 1, L))
             for j in range(1, B):
                 slots.copy(base, base + j)
-        rests = [x[L:] for x in prompts]
-        counts = [len(x) for x in rests]
-        R = max(counts)
-        # filled from Python lists in host memory, then moved to the model's device in one copy
-        idx = torch.full((B, R), self.eos_id or 0, dtype=torch.long)  # host: padding
-        for i, x in enumerate(rests):
-            idx[i, :len(x)] = torch.tensor(x)  # host: (as idx)
+        idx, counts = right_padded([x[L:] for x in prompts], self.eos_id or 0)
         with self._routed(adapters):
             h, _ = self.model.hidden(idx.to(self.device),
-                                     cache=slots.view(base, base + B, R, counts))
+                                     cache=slots.view(base, base + B, idx.shape[1], counts))
         self.prefill_tokens += L + sum(counts)
         last = torch.tensor(counts, device=self.device) - 1
         logits = self.model.logits(h[torch.arange(B, device=self.device), last])
@@ -345,14 +339,13 @@ class ContinuousBatcher:
         which the prefill wrote in slot base + rows[i] (base: the first it took); the first
         sequence of each prompt holds that slot, the others a copy of it. Their first tokens
         chosen from the prompts' ``logits``."""
-        base, seen, extra = len(self.active), set(), []
+        base, extra = len(self.active), []
         holders: list[Sequence | None] = [None] * (max(rows) + 1)
         for s, r in zip(seqs, rows):
-            if r in seen:
-                extra.append((s, r))
-            else:
-                seen.add(r)
+            if holders[r] is None:
                 holders[r] = s
+            else:
+                extra.append((s, r))
         for j, (_, r) in enumerate(extra):
             self.slots.copy(base + r, base + len(holders) + j)
         order = holders + [s for s, _ in extra]

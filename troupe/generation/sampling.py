@@ -91,15 +91,16 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return (z >> k) & ((1 << (64 - k)) - 1)
 
     def mix(z):
-        z = (z ^ shr(z, 30)) * _signed(_MIX1)  # int64 products wrap, as the host's mask does
-        z = (z ^ shr(z, 27)) * _signed(_MIX2)
+        z = (z ^ shr(z, 30)) * as_int64(_MIX1)  # int64 products wrap, as the host's mask does
+        z = (z ^ shr(z, 27)) * as_int64(_MIX2)
         return z ^ shr(z, 31)
-    z = mix(mix(seeds + _signed(_GOLDEN)) + (positions + 1) * _signed(_GOLDEN))
+    z = mix(mix(seeds + as_int64(_GOLDEN)) + (positions + 1) * as_int64(_GOLDEN))
     return shr(z, 11).double() * 2.0 ** -53
 
 
-def _signed(x: int) -> int:
-    """A 64-bit pattern as the int64 that holds it."""
+def as_int64(x: int) -> int:
+    """A 64-bit pattern (a seed of SEED_RANGE, a mixing constant) as the int64 that holds
+    it."""
     return x - (1 << 64) if x >= 1 << 63 else x
 
 

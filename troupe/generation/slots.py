@@ -45,8 +45,8 @@ class Slots:
         """Rows ``first``..``end`` - 1 for a pass of ``new`` tokens a row (``counts``: the
         real ones of each row, when fewer), with room made for them; the host lengths counted
         as the pass will."""
-        self.reserve(end, max(self.host[first:end]) + new)
         span = max(self.host[first:end]) + new
+        self.reserve(end, span)
         for i in range(first, end):
             self.host[i] += new if counts is None else counts[i - first]
         return RowCache([t[first:end] for t in self.k], [t[first:end] for t in self.v],
@@ -137,3 +137,14 @@ class Slots:
     def used(self, live: int) -> int:
         """Positions held by the first ``live`` slots."""
         return sum(self.host[:live])
+
+
+def right_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, list[int]]:
+    """``rows`` of tokens as one (B, longest) int64 tensor in host memory, each padded on the
+    right with ``pad`` (a pass over slots: ``Slots.view(..., counts)`` writes only the real
+    ones), and each row's count."""
+    counts = [len(r) for r in rows]
+    idx = torch.full((len(rows), max(counts)), pad, dtype=torch.long)  # host: moved in one copy
+    for i, r in enumerate(rows):
+        idx[i, :len(r)] = torch.tensor(r)  # host: (as idx)
+    return idx, counts

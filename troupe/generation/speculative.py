@@ -29,6 +29,7 @@ import torch
 
 from troupe.generation.sampling import finite_rows
 from troupe.generation.sequence import Event, Sequence, choose
+from troupe.generation.slots import right_padded
 from troupe.kernels.small_gemm import MAX_ROWS
 
 
@@ -148,13 +149,9 @@ def _verify(engine, seqs, props, tokens, rows, cols):
                                 torch.tensor(rows, device=device),
                                 torch.tensor(cols, device=device), slots.k, slots.v,
                                 max(cols) + 1, adapter_slots)
-    counts = [len(p) + 1 for p in props]
-    T = max(counts)
-    idx = torch.full((len(seqs), T), engine.eos_id or 0, dtype=torch.long)  # host: padding
-    at = 0
-    for b, n in enumerate(counts):
-        idx[b, :n] = torch.tensor(tokens[at:at + n])  # host: (as idx)
-        at += n
+    idx, counts = right_padded([[s.out[-1], *p] for s, p in zip(seqs, props)],
+                               engine.eos_id or 0)
+    T = idx.shape[1]
     with engine._routed(names), engine._products():
         h, _ = engine.model.hidden(idx.to(device), cache=slots.view(0, len(seqs), T, counts))
     real = torch.arange(T)[None] < torch.tensor(counts)[:, None]  # host: (as idx)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from troupe.generation.sampling import draw_rows
+from troupe.generation.sampling import as_int64, draw_rows, finite_rows
 from troupe.generation.slots import Slots
 from troupe.models import RowCache
 
@@ -88,7 +88,7 @@ class StaticDecode:
         temperature, top_k, top_p, seed (64 bits), output position). Returns the tokens,
         their log-probabilities under the model's distribution and whether each row was
         finite."""
-        rows = [(*r[:4], r[4] - (1 << 64) if r[4] >= 1 << 63 else r[4], r[5]) for r in rows]
+        rows = [(*r[:4], as_int64(r[4]), r[5]) for r in rows]
         B = len(rows)
         size = bucket(B, self.slots.rows)
         pad = [(0, 0.0, 0, 1.0, 0, 0)] * (size - B)
@@ -111,7 +111,7 @@ class StaticDecode:
                          s.columns, self.counts[:size])
         h, _ = self.model.hidden(self.tokens[:size, None], cache=cache)
         logits = self.model.logits(h[:, -1]).float()
-        finite = torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+        finite = finite_rows(logits)
         tokens = draw_rows(torch.nan_to_num(logits), self.temperature[:size], self.top_k[:size],
                            self.top_p[:size], self.seeds[:size], self.positions[:size])
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
