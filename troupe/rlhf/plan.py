@@ -70,18 +70,18 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
     data = _data(cfg)
-    tok = _Lengths(recipe_tokenizer(cfg.model, cfg.env.tools or None))  # the roles' tokenizer
+    tok = _Lengths(recipe_tokenizer(cfg.model, cfg.env.tools or None))  # the roles' tokenizer's
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
     if "sft" in steps:
         out.data.sft = _fitting(out, "demonstrations", data.sft, C,
-                                lambda d: tok.prompt(d[0]) + len(tok.encode(d[1])) + 1,
+                                lambda d: tok.prompt_len(d[0]) + len(tok.encode(d[1])) + 1,
                                 f"sft: no demonstration of {source} fits {where}")
     pairs_needed = ("reward" in steps and cfg.uses_reward_model()) or (
         STEP3 in steps and not cfg.algo().online)
     if pairs_needed:
         def pair(p):
-            prompt = tok.prompt(p[0])
+            prompt = tok.prompt_len(p[0])
             return prompt + max(len(tok.encode(p[1])), len(tok.encode(p[2]))) + 1
         out.data.pairs = _fitting(out, "pairs", data.pairs, C, pair,
                                   f"no preference pair of {source} fits {where}")
@@ -97,14 +97,14 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
 
 
 class _Lengths:
-    """A tokenizer's ``prompt`` as a length, each text's measured once: the task's
-    demonstrations, pairs and prompts share their prompts."""
+    """A tokenizer's ``encode``, and its ``prompt`` as a length, each prompt text measured
+    once: the task's demonstrations, pairs and prompts share their prompts."""
 
     def __init__(self, tok):
         self.encode, self.known = tok.encode, {}
         self._prompt = tok.prompt
 
-    def prompt(self, p) -> int:
+    def prompt_len(self, p) -> int:
         if not isinstance(p, str):  # a conversation
             return len(self._prompt(p))
         if p not in self.known:
@@ -161,7 +161,7 @@ def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> No
     """Step 3's and the evaluation's prompts that leave room for step3.max_new_tokens."""
     N = cfg.step3.max_new_tokens
     budget = out.context - N
-    length = tok.prompt
+    length = tok.prompt_len
     d = out.data
     source = cfg.data.path or "the task"
 
