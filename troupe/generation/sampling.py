@@ -229,11 +229,14 @@ NON_FINITE = "the model produced non-finite logits for this sequence"
 def sample(logits_V: torch.Tensor, p: SamplingParams, u: float | None = None) -> int:
     """A token from one sequence's logits (V,): argmax at temperature 0, else a draw from the
     tempered (and top-k/top-p truncated) distribution with the uniform number ``u`` (see
-    ``uniform``). Raises FloatingPointError for logits that are not all finite."""
+    ``uniform``; None: the draw of ``p.seed`` at position 0, or of a fresh seed without one).
+    Raises FloatingPointError for logits that are not all finite."""
     if not bool(torch.isfinite(logits_V).all()):
         raise FloatingPointError(NON_FINITE)
     if p.temperature <= 0:
         return int(logits_V.argmax())
+    if u is None:
+        u = uniform(p.seed if p.seed is not None else torch.seed() % SEED_RANGE, 0)
     return draw(logits_V, p, u)
 
 
