@@ -1,5 +1,10 @@
-"""all_to_all that autograd can differentiate: the backward pass is the all_to_all with the
-input and output splits swapped.
+"""Collectives that autograd can differentiate.
+
+``all_to_all``: the backward pass is the all_to_all with the input and output splits swapped.
+Tensor parallelism's (troupe.parallel.tensor), each pair the other's transpose: ``copy_in``
+(identity; gradients all-reduced) and ``reduce_out`` (all-reduced; gradient passed through);
+``split_rows`` (this rank's share of the rows; gradients gathered) and ``gather_rows``
+(every rank's rows; this rank's share of the gradient).
 
 ``int8_all_to_all`` carries each row (a token's activations; in backward, its gradient) as
 int8 with a scale of its own: absmax / 127, sent as 4 bytes after the row's M bytes, so a row
@@ -83,3 +88,100 @@ def all_to_all(x: torch.Tensor, group: Communicator, output_splits: Sequence[int
     elif output_splits is None:
         output_splits = group.exchange_splits(list(input_splits))
     return _AllToAll.apply(x, group, list(output_splits), list(input_splits), int8, meter)
+
+
+class _Copy(torch.autograd.Function):
+    """Identity forward; gradients summed over the group backward (a column-parallel input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Communicator) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
+
+
+class _Reduce(torch.autograd.Function):
+    """Summed over the group forward (a row-parallel output); the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Communicator) -> torch.Tensor:
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _rows(n: int, group: Communicator) -> tuple[int, int, int]:
+    """This rank's rows [lo, hi) of n split in chunks of ceil(n / T), and the chunk."""
+    chunk = -(-n // group.world_size)
+    lo = min(group.rank * chunk, n)
+    return lo, min(lo + chunk, n), chunk
+
+
+def _gather_rows(x: torch.Tensor, group: Communicator, n: int) -> torch.Tensor:
+    """Every rank's rows (dim 0, each padded to the chunk) laid end to end: the n rows."""
+    chunk = -(-n // group.world_size)
+    if x.shape[0] < chunk:
+        x = torch.cat([x, x.new_zeros(chunk - x.shape[0], *x.shape[1:])])
+    return group.all_gather(x.contiguous()).reshape(-1, *x.shape[1:])[:n]
+
+
+class _Split(torch.autograd.Function):
+    """This rank's rows forward; every rank's gradient rows gathered backward (TED's tokens)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Communicator) -> torch.Tensor:
+        ctx.group, ctx.n = group, x.shape[0]
+        lo, hi, _ = _rows(x.shape[0], group)
+        return x[lo:hi].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad, ctx.group, ctx.n), None
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's rows gathered forward; this rank's gradient rows backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Communicator, n: int) -> torch.Tensor:
+        ctx.group, ctx.n = group, n
+        return _gather_rows(x, group, n)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lo, hi, _ = _rows(ctx.n, ctx.group)
+        return grad[lo:hi], None, None
+
+
+def copy_in(x: torch.Tensor, group: Communicator) -> torch.Tensor:
+    """``x`` as it is, its gradient all-reduced over ``group`` (a column-parallel layer's input,
+    or a replicated weight each rank uses for part of the work)."""
+    return _Copy.apply(x, group)
+
+
+def reduce_out(x: torch.Tensor, group: Communicator) -> torch.Tensor:
+    """``x`` summed over ``group`` (a row-parallel layer's partial products)."""
+    return _Reduce.apply(x, group)
+
+
+def split_rows(x: torch.Tensor, group: Communicator) -> torch.Tensor:
+    """This rank's contiguous share of ``x``'s rows (chunks of ceil(n / T); the last ones may
+    be short or empty); ``gather_rows`` is its inverse."""
+    return _Split.apply(x, group)
+
+
+def gather_rows(x: torch.Tensor, group: Communicator, n: int) -> torch.Tensor:
+    """The n rows that ``split_rows`` shared out, from every rank's share."""
+    return _Gather.apply(x, group, n)
+
+
+def gather_vocab(logits: torch.Tensor, group: Communicator, vocab: int) -> torch.Tensor:
+    """Whole logits (..., vocab) from each rank's vocabulary shard (..., Vp / T), for
+    sampling; no gradient."""
+    parts = group.all_gather(logits.detach().contiguous())  # (T, ..., Vp / T)
+    return torch.cat(list(parts.unbind(0)), dim=-1)[..., :vocab]

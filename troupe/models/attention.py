@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from troupe.collectives import Communicator, copy_in
 from troupe.kernels.decode_attention import decode_attention
-from troupe.models.layers import (RMSNorm, apply_rope, rope_angles, rope_attention_factor,
-                                  rope_frequencies)
+from troupe.models.layers import (RMSNorm, apply_rope, row_parallel, rope_angles,
+                                  rope_attention_factor, rope_frequencies)
 
 if TYPE_CHECKING:
     from troupe.models.gpt import GPTConfig
@@ -189,7 +190,9 @@ class PrefixTree:
 
 class Attention(nn.Module):
     """Causal self-attention; q, k and v come from one projection (q heads, then k and v with
-    ``n_kv_head`` heads each); rotary positions when the config says so."""
+    ``n_kv_head`` heads each); rotary positions when the config says so. ``tp``: the
+    tensor-parallel group, once troupe.parallel.tensor has kept this rank's heads
+    (``n_head`` and ``n_kv`` then count this rank's)."""
 
     def __init__(self, cfg: GPTConfig, window: int | None = None):
         super().__init__()
@@ -211,6 +214,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.tp: Communicator | None = None
 
     def forward(self, x_BTC: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: KVCache | RowCache | PrefixTree | None = None, layer: int = 0,
@@ -219,10 +223,11 @@ class Attention(nn.Module):
         for all layers (GPT.hidden); else they come from ``pos`` (default 0..T-1)."""
         B, T, _ = x_BTC.shape
         H, Hkv, D = self.n_head, self.n_kv, self.head_dim
-        qkv = self.qkv(x_BTC).view(B, T, H + 2 * Hkv, D)
-        if self.qk_norm:
+        tp = self.tp
+        qkv = self.qkv(x_BTC if tp is None else copy_in(x_BTC, tp)).view(B, T, H + 2 * Hkv, D)
+        if self.qk_norm:  # the norms' weights serve every head: summed over a split's ranks
             q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
-            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], 2)
+            qkv = torch.cat([self.q_norm(q, tp), self.k_norm(k, tp), v], 2)
         if self.rope:  # q and k rotated together (their heads side by side in qkv)
             if angles is None:
                 pos = torch.arange(T, device=x_BTC.device) if pos is None else pos
@@ -236,22 +241,22 @@ class Attention(nn.Module):
         gqa = Hkv != H  # grouped-query attention: each k/v head serves H / Hkv query heads,
         # read in place by the attention kernel (no copy of the cache per step)
         if isinstance(cache, PrefixTree):
-            return self.proj(cache.attend(q, k, v, dropout, gqa, self.window).transpose(1, 2)
-                             .reshape(B, T, H * D))
+            y = cache.attend(q, k, v, dropout, gqa, self.window)
+            return row_parallel(self.proj, y.transpose(1, 2).reshape(B, T, H * D), tp)
         if cache is not None:  # append this step's keys and values, attend over all so far
             k, v = cache.extend(layer, k, v)
         # a decode step on the CPU: the native kernel (None where it does not apply)
         y = decode_attention(q, k, v, mask) if cache is not None and T == 1 and not dropout \
             else None
         if y is not None:
-            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+            return row_parallel(self.proj, y.transpose(1, 2).reshape(B, T, H * D), tp)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, dropout_p=dropout,
                                                enable_gqa=gqa)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                enable_gqa=gqa)
-        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+        return row_parallel(self.proj, y.transpose(1, 2).reshape(B, T, H * D), tp)
 
 
 def attention_mask(valid_BS: torch.Tensor, T: int) -> torch.Tensor:

@@ -13,12 +13,13 @@ import torch.utils.checkpoint
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from troupe.collectives import Communicator, copy_in, gather_vocab, reduce_out
 from troupe.config import Config
 from troupe.devices import precision_dtype
 from troupe.models.attention import (Attention, KVCache, PrefixTree, RowCache, attention_mask,
                                      within_window)
 from troupe.models.layers import (ROPE_TYPES, MLP, norm, rope_angles, rope_frequencies,
-                                  rope_type)
+                                  rope_type, vocab_parallel_cross_entropy)
 from troupe.models.moe import Experts, MoE, MoEConfig, ResidualMoE
 from troupe.models.packing import segment_mask, segment_positions
 
@@ -161,11 +162,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT with tied input/output embeddings, built whole (troupe.parallel splits its experts).
+    """GPT with tied input/output embeddings, built whole (troupe.parallel splits its experts,
+    and its layers over a tensor-parallel group ``tp``).
 
     forward(idx_BT, targets_BT=None, ltd=None) returns (logits_BTV, lm_loss, aux_loss); lm_loss
     is None without targets. ``ltd`` = (keep, layers, generator): in those layers only ``keep``
     random tokens per sequence (kept in order) pass through the block; the rest skip it.
+    Tensor-parallel, the loss is the vocabulary-parallel cross-entropy and forward with
+    targets returns no logits (None: they are never gathered); ``logits`` gathers them.
     """
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
@@ -195,6 +199,10 @@ class GPT(nn.Module):
         if not cfg.tie_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
+        # set by troupe.parallel.apply_tensor_parallel: the group, and which rows or columns
+        # of each split parameter this rank holds
+        self.tp: Communicator | None = None
+        self.tp_layout: dict = {}
         self.init_weights(seed)
         # Recompute each block's activations in the backward instead of keeping them
         # (training only): a block's input per layer is kept, not its internals.
@@ -205,7 +213,8 @@ class GPT(nn.Module):
         unit LayerNorms; every tensor from its own generator, so the expert-parallel split
         does not change any value, nor does initialising a few at a time: ``only`` names the
         parameters to set (the rest are left as they are), for a model built on the meta
-        device and materialised block by block (troupe.parallel.zero3)."""
+        device and materialised block by block (troupe.parallel.zero3). A tensor-parallel
+        parameter gets its shard of the whole tensor drawn (the same model as one rank's)."""
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, Experts) and (only is None or f"{name}.w1" in only):
@@ -221,14 +230,25 @@ class GPT(nn.Module):
                 else:
                     g = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
                     s = out_std if name.endswith("proj.weight") else std
+                    split = self.tp_layout.get(name)
+                    shape = list(p.shape)
+                    if split is not None:
+                        shape[split.dim] = split.whole
                     # drawn with a CPU generator: every device starts from the same weights
-                    p.copy_(torch.randn(p.shape, generator=g) * s)  # host: then copied into p
+                    w = torch.randn(shape, generator=g) * s  # host: then copied into p
+                    p.copy_(w if split is None else split.shard(w, self.tp.rank))
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None,
                 ltd: tuple[int, range, torch.Generator] | None = None, **kw):
         """Logits (B, T, V), the mean next-token loss against ``targets_BT`` (None without),
         and the MoE auxiliary loss. Keywords as for ``hidden``."""
         h, aux = self.hidden(idx_BT, ltd=ltd, **kw)
+        if self.tp is not None and targets_BT is not None:
+            shard = self.logits_shard(h)
+            loss = vocab_parallel_cross_entropy(shard.reshape(-1, shard.shape[-1]),
+                                                targets_BT.reshape(-1), self.tp,
+                                                self.cfg.vocab_size)
+            return None, loss, aux
         logits = self.logits(h)  # (B, T, V)
         loss = None
         if targets_BT is not None:
@@ -246,11 +266,20 @@ class GPT(nn.Module):
     def embed(self, idx_BT: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """The input of block 0 (B, T, C): token embeddings, plus learned position embeddings
         at ``pos`` (default 0..T-1) when the model has them (rotary ones act in attention)."""
-        x = self.tok_emb(idx_BT)
+        x = self.tok_emb(idx_BT) if self.tp is None else self._embed_shard(idx_BT)
         if self.cfg.positions == "learned":
             x = x + self.pos_emb(torch.arange(idx_BT.shape[1], device=idx_BT.device)
                                  if pos is None else pos)
         return self.drop(x)
+
+    def _embed_shard(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Token embeddings from this rank's vocabulary rows (zero for the others' tokens),
+        summed over the tensor-parallel group."""
+        rows = self.tok_emb.weight.shape[0]
+        local = idx_BT - self.tp.rank * rows
+        mine = (local >= 0) & (local < rows)
+        x = F.embedding(local.clamp(0, rows - 1), self.tok_emb.weight) * mine[..., None]
+        return reduce_out(x, self.tp)
 
     @property
     def device(self) -> torch.device:
@@ -275,8 +304,17 @@ class GPT(nn.Module):
         """Next-token logits of hidden states (..., C): the lm_head (a Linear, or what
         quantization made of it: a tied model gets one when its output projection is
         quantized, troupe.compression.quantize_model), else the tied embedding."""
+        if self.tp is not None:
+            return gather_vocab(self.logits_shard(h), self.tp, self.cfg.vocab_size)
         head = getattr(self, "lm_head", None)
         return F.linear(h, self.tok_emb.weight) if head is None else head(h)
+
+    def logits_shard(self, h: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel: this rank's columns of the logits (..., padded vocabulary / T),
+        from its rows of the output head (the tied embedding's, or lm_head's)."""
+        head = getattr(self, "lm_head", None)
+        weight = self.tok_emb.weight if head is None else head.weight
+        return F.linear(copy_in(h, self.tp), weight)
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,

@@ -1,5 +1,6 @@
 """The pieces that tell the decoder families apart: RMSNorm, rotary position embeddings (with
-Llama 3's frequency scaling), the norm a config asks for, and the MLP (GELU or SwiGLU)."""
+Llama 3's frequency scaling), the norm a config asks for, the MLP (GELU or SwiGLU); and the
+cross-entropy of logits split by vocabulary (tensor parallelism, troupe.parallel.tensor)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from troupe.collectives import Communicator, copy_in, reduce_out
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 (Llama, Qwen2, Mistral)."""
+    """x / rms(x) * weight, computed in fp32 (Llama, Qwen2, Mistral). ``tp``: a
+    tensor-parallel group whose ranks each normalise part of the rows with the same weight
+    (Qwen3's per-head q and k norms over split heads): the weight's gradient is summed."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tp: Communicator | None = None) -> torch.Tensor:
+        weight = self.weight if tp is None else copy_in(self.weight, tp)
         if x.dtype == torch.float32:  # one fused op (a decode step has 60 of these)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         x32 = x.float()
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        return weight * y.to(x.dtype)
 
 
 def norm(kind: str, dim: int, eps: float, bias: bool = True) -> nn.Module:
@@ -124,7 +130,8 @@ def apply_rope(x_BTHD: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) 
 
 class MLP(nn.Module):
     """GELU (exact or tanh) MLP, or SwiGLU with ``fc`` holding the gate and up projections
-    stacked (gate first)."""
+    stacked (gate first). ``tp``: the tensor-parallel group, once troupe.parallel.tensor has
+    split ``fc`` by rows and ``proj`` by columns."""
 
     def __init__(self, d_model: int, d_ff: int, kind: str = "gelu", bias: bool = True):
         super().__init__()
@@ -132,12 +139,50 @@ class MLP(nn.Module):
         width = 2 * d_ff if kind == "swiglu" else d_ff
         self.fc, self.proj = nn.Linear(d_model, width, bias=bias), nn.Linear(d_ff, d_model,
                                                                               bias=bias)
+        self.tp: Communicator | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.fc(x)
+        h = self.fc(x if self.tp is None else copy_in(x, self.tp))
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate="tanh" if self.kind == "gelu_tanh" else "none")
-        return self.proj(h), x.new_zeros(())
+        return row_parallel(self.proj, h, self.tp), x.new_zeros(())
+
+
+def row_parallel(linear: nn.Module, x: torch.Tensor, group: Communicator | None) -> torch.Tensor:
+    """``linear(x)``, or with a tensor-parallel ``group`` (``linear`` holding this rank's
+    columns), the partial products summed over the group and then the bias added once."""
+    if group is None:
+        return linear(x)
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"a row-parallel {type(linear).__name__}: only nn.Linear layers are "
+                        "split by tensor parallelism")
+    y = reduce_out(F.linear(x, linear.weight), group)
+    return y if linear.bias is None else y + linear.bias
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                                 group: Communicator, vocab: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """The mean next-token loss of targets (N,) under logits (N, Vp / T) that hold this rank's
+    vocabulary shard (columns rank * Vp/T ...; those at or past ``vocab`` are padding): as
+    F.cross_entropy of the whole logits, without gathering them. Targets equal to
+    ``ignore_index`` do not count."""
+    logits = logits.float()
+    width = logits.shape[-1]
+    lo = group.rank * width
+    if lo + width > vocab:  # the padding rows of the vocabulary are no token
+        logits = logits.masked_fill(torch.arange(lo, lo + width, device=logits.device) >= vocab,
+                                    float("-inf"))
+    with torch.no_grad():  # the shift changes no value (softmax ignores it)
+        top = group.all_reduce(logits.max(-1).values.contiguous(), "max")
+    shifted = logits - top[:, None]
+    sum_exp = reduce_out(shifted.exp().sum(-1), group)
+    local = targets - lo
+    mine = (local >= 0) & (local < width)
+    picked = torch.where(mine, shifted.gather(1, local.clamp(0, width - 1)[:, None])[:, 0], 0.0)
+    loss = sum_exp.log() - reduce_out(picked, group)
+    keep = targets != ignore_index
+    return (loss * keep).sum() / keep.sum().clamp_min(1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from troupe.collectives import Communicator, all_to_all
+from troupe.collectives import Communicator, all_to_all, gather_rows, split_rows
 from troupe.collectives.autograd import Meter
 from troupe.kernels.moe import permute, unpermute
 from troupe.models.layers import MLP
@@ -26,6 +26,14 @@ class MoE(nn.Module):
 
     forward(x) returns (y, aux_loss) with y of x's shape. ``meter.bytes``: what its token
     exchanges sent to the other ranks so far (``cfg.dispatch``: in the model's dtype or int8).
+
+    ``tp`` (set by troupe.parallel.apply_tensor_parallel): the tensor-parallel group, whose
+    ranks hold the same tokens. The gate routes all of them on every rank (the same
+    decisions and load-balancing loss as without the split); then each rank dispatches only
+    its 1/T of the tokens and the outputs are gathered back (TED's duplicate-token dropping).
+    ``drop_duplicates=False`` dispatches every token from every rank instead, as if the
+    ranks were unaware of each other: the same outputs for T times the exchange (for
+    measuring what the dropping saves; the experts' gradients are then T times too large).
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, cfg: MoEConfig,
@@ -38,6 +46,8 @@ class MoE(nn.Module):
         self.gate = TopKGate(d_model, num_experts, cfg)
         self.experts = Experts(num_experts, 0, d_model, d_ff, mlp, bias)
         self.last_routing: Routing | None = None
+        self.tp: Communicator | None = None
+        self.drop_duplicates = True
         self.shared: MLP | None = None
         self.shared_gate: nn.Linear | None = None
         if cfg.shared_expert_d_ff:  # Qwen2-MoE: one more MLP for every token, gated
@@ -48,10 +58,20 @@ class MoE(nn.Module):
         x_SM = x.reshape(-1, x.shape[-1])
         routing = self.gate(x_SM)
         self.last_routing = routing
-        x_AM, plan = permute(x_SM, routing.experts_SK, routing.weights_SK, routing.kept_SK,
-                             self.num_experts)
+        tokens, weights_SK = x_SM, routing.weights_SK
+        experts_SK, kept_SK = routing.experts_SK, routing.kept_SK
+        split = self.tp is not None and self.drop_duplicates
+        if split:  # this rank's share of the tokens (and of their routing)
+            tokens, weights_SK = split_rows(x_SM, self.tp), split_rows(weights_SK, self.tp)
+            lo = -(-x_SM.shape[0] // self.tp.world_size) * self.tp.rank
+            experts_SK = experts_SK[lo:lo + tokens.shape[0]]
+            kept_SK = kept_SK[lo:lo + tokens.shape[0]]
+        x_AM, plan = permute(tokens, experts_SK, weights_SK, kept_SK, self.num_experts)
         y_AM = self._run_experts(x_AM, plan.counts_E)
-        y = unpermute(y_AM, plan).view_as(x)
+        y = unpermute(y_AM, plan)
+        if split:
+            y = gather_rows(y, self.tp, x_SM.shape[0])
+        y = y.view_as(x)
         if self.shared is not None:
             y = y + torch.sigmoid(self.shared_gate(x)) * self.shared(x)[0]
         return y, routing.aux_loss
