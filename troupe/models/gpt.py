@@ -255,6 +255,18 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets_BT.reshape(-1))
         return logits, loss, aux
 
+    def materialize(self, device: torch.device | str) -> "GPT":
+        """A model built on the meta device given uninitialised memory on ``device`` (to be
+        initialised or loaded), its buffers recomputed and its experts' parameters still
+        marked as experts (``to_empty`` makes new parameters, without the mark). In place."""
+        self.to_empty(device=device)
+        self.reset_buffers()
+        for m in self.modules():
+            if isinstance(m, Experts):
+                for p in m.parameters():
+                    p.expert = True
+        return self
+
     def reset_buffers(self) -> None:
         """Recompute the buffers that are not weights (rotary frequencies), e.g. after the
         model was built on the meta device and moved with ``to_empty``."""
@@ -278,7 +290,7 @@ class GPT(nn.Module):
         rows = self.tok_emb.weight.shape[0]
         local = idx_BT - self.tp.rank * rows
         mine = (local >= 0) & (local < rows)
-        x = F.embedding(local.clamp(0, rows - 1), self.tok_emb.weight) * mine[..., None]
+        x = self.tok_emb(local.clamp(0, rows - 1)) * mine[..., None]  # called: ZeRO-3's hook
         return reduce_out(x, self.tp)
 
     @property

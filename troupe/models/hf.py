@@ -246,8 +246,7 @@ def from_pretrained(directory: str | Path, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):
         model = GPT(cfg)
     check_fits(model, dtype, device, where)
-    model = model.to(dtype).to_empty(device=device)  # allocated once, in the dtype asked for
-    model.reset_buffers()
+    model = model.to(dtype).materialize(device)  # allocated once, in the dtype asked for
     tensors = _Tensors(directory)
     params = dict(model.named_parameters())
     for name, (sources, how) in _weight_map(cfg, hf["model_type"]).items():

@@ -12,6 +12,8 @@ pass over each buffer.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from troupe.collectives import Communicator
@@ -32,9 +34,12 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale_value
 
-    def unscale_(self, flats: list[FlatParams], group: Communicator | None) -> bool:
+    def unscale_(self, flats: list[FlatParams],
+                 group: Communicator | None | Sequence[Communicator | None]) -> bool:
         """Divide the gradients by the scale; True when every rank's are finite (then step),
-        False when some rank overflowed (the caller skips the step, the scale has backed off)."""
+        False when some rank overflowed (the caller skips the step, the scale has backed off).
+        The ranks agree over ``group``, or over several groups that together span them (data
+        and tensor parallelism's: a max over one, then over the other, is over the grid)."""
         bad = None
         for flat in flats:
             if flat.grad.numel():
@@ -43,8 +48,9 @@ class LossScaler:
                 bad = b if bad is None else bad | b
         flag = (bad if bad is not None else torch.zeros((), dtype=torch.bool,
                                                         device=flats[0].device)).float()
-        if group is not None and group.world_size > 1:
-            flag = group.all_reduce(flag.reshape(1), op="max")
+        for g in (group if isinstance(group, (list, tuple)) else [group]):
+            if g is not None and g.world_size > 1:
+                flag = g.all_reduce(flag.reshape(1), op="max")
         overflow = bool(flag.item())
         self._update(overflow)
         return not overflow

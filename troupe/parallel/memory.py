@@ -61,14 +61,15 @@ def size(nbytes: int) -> str:
 
 def plan(model: nn.Module, cfg: OptimizerConfig, world: int, zero_stage: int = 1,
          prefetch: int = 1, ep_size: int = 1, offload: bool = False,
-         blocks: nn.ModuleList | None = None) -> MemoryPlan:
+         blocks: nn.ModuleList | None = None, tp: int = 1) -> MemoryPlan:
     """The plan of one of ``world`` data-parallel ranks training ``model`` (built whole,
-    e.g. on the meta device: only shapes are read) with ``cfg`` at ``zero_stage`` (3:
-    ``prefetch`` blocks gathered ahead); experts are split over ``ep_size`` ranks and their
-    state over world / ep_size. ``blocks``: the model's decoder blocks (default
-    ``model.blocks``), the units of stage 3."""
+    e.g. on the meta device: only shapes are read; tensor-parallel, one rank's shards)
+    with ``cfg`` at ``zero_stage`` (3: ``prefetch`` blocks gathered ahead); experts are split
+    over ``ep_size`` ranks and their state over the ranks that hold the same ones, world /
+    ep_size of each of the ``tp`` tensor-parallel ranks. ``blocks``: the model's decoder
+    blocks (default ``model.blocks``), the units of stage 3."""
     units = unit_parameters(model, blocks)
-    edp = world // ep_size
+    edp = world * tp // ep_size
     dense = [[p.numel() for p in u if not getattr(p, "expert", False)] for u in units]
     expert = [[p.numel() // ep_size for p in u if getattr(p, "expert", False)] for u in units]
     if zero_stage == 3:

@@ -57,12 +57,12 @@ class Split:
 
     def shard(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s part of the whole tensor ``full``."""
-        idx = self.index[rank].to(full.device)
-        out = full.index_select(self.dim, idx.clamp_min(0))
+        idx = self.index[rank]
+        out = full.index_select(self.dim, idx.clamp_min(0).to(full.device))
         if bool((idx < 0).any()):
             shape = [1] * full.dim()
             shape[self.dim] = -1
-            out = out * (idx >= 0).view(shape).to(out.dtype)
+            out = out * (idx >= 0).view(shape).to(out.device, out.dtype)
         return out
 
     def merge(self, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -79,15 +79,21 @@ class Split:
         return out
 
 
+def _arange(lo: int, hi: int) -> torch.Tensor:
+    """Indices on the host (also while a model is built under torch.device("meta"))."""
+    return torch.arange(lo, hi, device="cpu")
+
+
 def _heads_index(H: int, Hkv: int, D: int, T: int, rank: int) -> tuple[torch.Tensor, ...]:
     """Rows of a fused qkv projection (H query heads, then Hkv key and Hkv value heads, D rows
     each) that rank ``rank`` holds, and the columns of the output projection (its query
     heads)."""
-    q = torch.arange(rank * H // T, (rank + 1) * H // T)
-    kv = (torch.arange(rank * Hkv // T, (rank + 1) * Hkv // T) if Hkv % T == 0
-          else torch.tensor([rank * H // T // (H // Hkv)]))
+    q = _arange(rank * H // T, (rank + 1) * H // T)
+    kv = (_arange(rank * Hkv // T, (rank + 1) * Hkv // T) if Hkv % T == 0
+          else _arange(0, 1) + rank * H // T // (H // Hkv))
+
     def rows(heads: torch.Tensor, first: int) -> torch.Tensor:
-        return ((first + heads) * D)[:, None].add(torch.arange(D)).flatten()
+        return ((first + heads) * D)[:, None].add(_arange(0, D)).flatten()
     return torch.cat([rows(q, 0), rows(kv, H), rows(kv, H + Hkv)]), rows(q, 0)
 
 
@@ -107,6 +113,23 @@ def check_heads(n_head: int, n_kv: int, T: int, training: bool, where: str = "mo
         "are not padded in: they would cost their share of compute on every rank)")
 
 
+def check_split(cfg, T: int, training: bool = True) -> None:
+    """ValueError when T does not split a model of config ``cfg`` (a GPTConfig): its heads
+    (``check_heads``) and every MLP width (d_ff, the shared expert's), naming the sizes
+    that do."""
+    check_heads(cfg.n_head, cfg.kv_heads, T, training)
+    d_ff = cfg.d_ff or 4 * cfg.d_model
+    widths = {"d_ff": d_ff} if len(cfg.moe_layers()) < cfg.n_layer else {}
+    if cfg.moe is not None and cfg.moe.shared_expert_d_ff:
+        widths["moe.shared_expert_d_ff"] = cfg.moe.shared_expert_d_ff
+    for key, width in widths.items():
+        if width % T:
+            ok = [t for t in range(1, min(width, 64) + 1) if width % t == 0
+                  and cfg.n_head % t == 0 and cfg.kv_heads % t == 0]
+            raise ValueError(f"tensor_parallel={T}: {key}={width} does not split over {T} "
+                             f"ranks; sizes that split it and the heads: {ok}")
+
+
 def layout(model: nn.Module, T: int) -> dict[str, Split]:
     """Which parameters of ``model`` (a whole GPT) tensor parallelism of size T splits, and
     how; replicated parameters are not listed."""
@@ -115,7 +138,7 @@ def layout(model: nn.Module, T: int) -> dict[str, Split]:
     vocab = cfg.vocab_size
     per = -(-vocab // T)
     rows = tuple(torch.where(i < vocab, i, -1) for i in
-                 (torch.arange(r * per, (r + 1) * per) for r in range(T)))
+                 (_arange(r * per, (r + 1) * per) for r in range(T)))
     out["tok_emb.weight"] = Split(0, rows, vocab)
     if getattr(model, "lm_head", None) is not None:
         out["lm_head.weight"] = Split(0, rows, vocab)
@@ -133,7 +156,7 @@ def layout(model: nn.Module, T: int) -> dict[str, Split]:
             if d_ff % T:
                 raise ValueError(f"tensor_parallel={T}: {name} has d_ff={d_ff}, which "
                                  f"{T} ranks do not split evenly")
-            own = [torch.arange(r * d_ff // T, (r + 1) * d_ff // T) for r in range(T)]
+            own = [_arange(r * d_ff // T, (r + 1) * d_ff // T) for r in range(T)]
             fc = tuple(torch.cat([i, i + d_ff]) if m.kind == "swiglu" else i for i in own)
             width = m.fc.out_features
             out[f"{name}.fc.weight"] = Split(0, fc, width)
@@ -143,9 +166,18 @@ def layout(model: nn.Module, T: int) -> dict[str, Split]:
     return out
 
 
+@dataclass(frozen=True)
+class Place:
+    """A rank's place in a tensor-parallel group without the group: for a model that is only
+    shapes (on the meta device: a driver's memory plan, a checkpoint's layout)."""
+
+    rank: int
+    world_size: int
+
+
 # --- applying it ---------------------------------------------------------------------------------
 
-def apply_tensor_parallel(model: nn.Module, group: Communicator | None,
+def apply_tensor_parallel(model: nn.Module, group: Communicator | Place | None,
                           training: bool = True) -> nn.Module:
     """Make ``model`` (a whole GPT, on any device or the meta device) hold group rank r's
     shard of every split layer (see the module's docstring) and compute with the group. In

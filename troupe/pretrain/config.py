@@ -15,6 +15,7 @@ from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import read_config
 from troupe.models.record import ModelRecord
 from troupe.optim import OptimizerConfig
+from troupe.parallel.layout import ParallelLayout
 from troupe.runtime.metrics import LoggingConfig
 
 
@@ -80,9 +81,14 @@ class TrainConfig(Config):
 class PretrainConfig(AppConfig):
     """A pretraining recipe (apps/configs/*.yaml).
 
-    workers: data-parallel trainer ranks; threads: torch threads of each (it asks Ray for as
+    workers: trainer ranks; threads: torch threads of each (it asks Ray for as
     many CPUs: one rank of two threads trains a small model faster than two ranks of one,
-    which exchange its gradients every step). device: where the trainers compute (auto: cuda
+    which exchange its gradients every step). tensor_parallel: T, how many of the workers
+    split each dense layer between them (troupe.parallel.tensor: attention heads, MLPs and
+    the vocabulary; MoE layers dispatch 1/T of the tokens from each); the workers are
+    workers / T data-parallel ranks of T each, tensor parallelism innermost
+    (troupe.parallel.layout.ParallelLayout). T must divide the query and key/value heads
+    and the MLP width. device: where the trainers compute (auto: cuda
     when the cluster has GPUs, else cpu; the shard owners of ``train.offload`` always hold
     host memory); num_gpus: GPUs each trainer asks Ray for on cuda (one: NCCL wants one GPU
     per rank). precision: "bf16" runs the forward and backward under bf16 autocast (matmuls,
@@ -112,6 +118,7 @@ class PretrainConfig(AppConfig):
     random_ltd: RandomLTDConfig = RandomLTDConfig()
     train: TrainConfig = TrainConfig()
     workers: int = Field(default=2, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
     threads: int = Field(default=1, ge=1)
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
@@ -136,17 +143,36 @@ class PretrainConfig(AppConfig):
         gives a distillation loss ``(model, x, y, ltd) -> (loss, MoE aux loss)``."""
         return None
 
+    def layout(self) -> ParallelLayout:
+        """The trainers' ranks laid out tp x ep x dp (troupe.parallel.layout)."""
+        moe = self.model.architecture().moe
+        return ParallelLayout.of(self.workers, self.tensor_parallel, moe.ep_size if moe else 1)
+
+    @property
+    def data_parallel(self) -> int:
+        """How many different batches a step reads: workers / tensor_parallel."""
+        return self.workers // self.tensor_parallel
+
     @model_validator(mode="after")
     def _fits(self) -> "PretrainConfig":
-        W = self.workers
+        T = self.tensor_parallel
+        if self.workers % T:
+            raise ValueError(f"workers={self.workers} must be a multiple of tensor_parallel={T} "
+                             f"(the workers are data-parallel ranks of {T} tensor-parallel "
+                             "ranks each)")
+        W = self.data_parallel
+        if T > 1:
+            _check_tensor_parallel(self)
         check_zero_stage(self.zero_stage, {"optimizer": self.optimizer})
         if self.train.offload and self.zero_stage == 3:
             raise ValueError("train.offload moves ZeRO-1's master weights and optimizer state "
                              "to shard owners; zero_stage=3 keeps 1/W of them on each trainer "
                              "already: use one or the other")
         if self.train.batch_size % W:
+            ranks = f"workers={W}" if T == 1 else \
+                f"the {W} data-parallel ranks (workers={self.workers} / tensor_parallel={T})"
             raise ValueError(f"train.batch_size={self.train.batch_size} must be a multiple of "
-                             f"workers={W}")
+                             f"{ranks}")
         if self.train.offload and self.precision == "fp16":
             raise ValueError("precision=fp16 with train.offload: the shard owners step "
                              "in lockstep with the trainers and cannot skip an overflowed "
@@ -159,6 +185,27 @@ class PretrainConfig(AppConfig):
                              f"ids need at least {BYTE_VOCAB} (set model.pretrained for "
                              "another tokenizer)")
         if self.model.moe is not None and W % self.model.moe.ep_size:
-            raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide "
-                             f"workers={W}")
+            ranks = f"workers={W}" if T == 1 else f"the {W} data-parallel ranks"
+            raise ValueError(f"model.moe.ep_size={self.model.moe.ep_size} must divide {ranks}")
         return self
+
+
+def _check_tensor_parallel(cfg: PretrainConfig) -> None:
+    """What tensor parallelism does not combine with (ValueError naming the key): optimizers
+    that take norms of whole tensors (LAMB's trust ratio, 0/1 Adam's update clipping would see
+    each rank's shard instead), offloaded master weights; and, for troupe's own GPT (a
+    pretrained one's config.json is read on the driver, troupe.pretrain.rank.plan), heads
+    and widths that T does not split."""
+    T, opt = cfg.tensor_parallel, cfg.optimizer
+    if opt.name in ("lamb", "onebit_lamb") or (opt.name == "zero_one_adam" and opt.update_clip):
+        what = "LAMB's trust ratio" if "lamb" in opt.name else \
+            "0/1 Adam's update clipping (optimizer.update_clip=0 turns it off)"
+        raise ValueError(f"tensor_parallel={T} with optimizer.name={opt.name!r}: {what} takes "
+                         "the norm of whole tensors, which the ranks hold in shards; use adam, "
+                         "adamw or onebit_adam")
+    if cfg.train.offload:
+        raise ValueError(f"tensor_parallel={T} with train.offload: the shard owners hold "
+                         "whole dense parameters; use zero_stage=3 to spread them instead")
+    if cfg.model.pretrained is None:
+        from troupe.parallel.tensor import check_split
+        check_split(cfg.model.architecture(), T)

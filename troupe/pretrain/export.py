@@ -1,5 +1,6 @@
 """Rebuild one full model from a sharded pretraining checkpoint: the dense parameters from the
-ranks' shards (ZeRO-1) or any rank (replicated), the experts from every expert-parallel slice.
+ranks' shards (ZeRO-1) or any rank (replicated), the experts from every expert-parallel slice,
+the tensor-parallel shards put together.
 The result is an ordinary single-process GPT, for evaluation, quantization and serving
 (troupe.parallel.apply_expert_parallel splits it again)."""
 
@@ -15,9 +16,11 @@ from troupe.config import ConfigError, validate
 from troupe.models import GPT, expert_parameters
 from troupe.models.record import ModelRecord
 from troupe.optim import padded_size
-from troupe.parallel import expert_layout
+from troupe.parallel import apply_tensor_parallel
+from troupe.parallel.layout import ParallelLayout
 from troupe.parallel.partition import unit_parameters
 from troupe.parallel.reshard import assemble
+from troupe.parallel.tensor import Place
 from troupe.pretrain.config import PretrainConfig
 
 
@@ -37,33 +40,63 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
         raise ValueError(f"{directory}: offloaded checkpoints are not supported here")
     arch = checkpoint_model(manifest, directory, cfg).architecture
     states = [ckpt.read_rank(directory, r, manifest) for r in range(W)]
-    moe = arch.moe
+    moe, T = arch.moe, cfg.tensor_parallel
     P = moe.ep_size if moe else 1
-    full = GPT(arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})}))
-    if manifest.get("zero_stage") == 3:
-        _fill_partitioned(full, states, W, P, str(directory))
+    layout = ParallelLayout.of(W, T, P)
+    whole = arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})})
+    stage3 = manifest.get("zero_stage") == 3
+    if T == 1:
+        full = GPT(whole)
+        _fill_rank(full, states, layout, 0, stage3, cfg.optimizer.sharded, str(directory))
         return full.eval()
-    dense, experts = expert_parameters(full)
-    sharded = cfg.optimizer.sharded  # ZeRO-1 shards; the 1-bit optimizers keep whole copies
-    _fill(dense, _bucket(states, "dense", range(W), sharded), W if sharded else 1,
-          f"{directory}: dense parameters")
-    for e in range(P if experts else 0):  # slice e lives on ranks e, e + P, ... (strided)
-        # slice e's expert bucket holds, parameter by parameter, experts e*n .. (e+1)*n - 1
-        # (see troupe.parallel.apply_expert_parallel)
-        part = [p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in experts]
-        _fill(part, _bucket(states, "expert", range(e, W, P), sharded),
-              W // P if sharded else 1, f"{directory}: experts of slice {e}")
+    # each tensor-parallel rank's shards, then put together (troupe.parallel.tensor)
+    parts = []
+    for t in range(T):
+        with torch.device("meta"):
+            part = apply_tensor_parallel(GPT(whole), Place(t, T))
+        part.materialize("cpu")  # every value comes from the checkpoint
+        _fill_rank(part, states, layout, t, stage3, cfg.optimizer.sharded,
+                   f"{directory} (tensor-parallel rank {t})")
+        parts.append(part.state_dict())
+    splits = part.tp_layout
+    with torch.device("meta"):
+        full = GPT(whole)
+    full.materialize("cpu").load_state_dict({name: splits[name].merge([p[name] for p in parts]) if name in splits
+                          else value for name, value in parts[0].items()})
     return full.eval()
 
 
-def _fill_partitioned(full: GPT, states: list[dict], W: int, P: int, where: str) -> None:
-    """``full``'s parameters from a zero_stage 3 checkpoint of W ranks: each bucket's
-    partitions assembled from its group's shards (troupe.parallel.zero3), the experts slice
-    by slice (slice e on the ranks of its expert-data-parallel group)."""
+def _fill_rank(model: GPT, states: list[dict], layout: ParallelLayout, t: int, stage3: bool,
+               sharded: bool, where: str) -> None:
+    """``model``'s parameters (tensor-parallel rank t's shards, or the whole model) from the
+    checkpoint's rank ``states``: the dense ones from the ranks holding them (the data-parallel
+    group of t: ZeRO shards, or any rank's whole copy), the experts slice by slice from each
+    slice's expert-data-parallel group."""
+    P = layout.ep
+    if stage3:
+        _fill_partitioned(model, states, layout.dp_groups[t], layout.edp_groups, P, where)
+        return
+    dense, experts = expert_parameters(model)
+    ranks = layout.dp_groups[t]
+    _fill(dense, _bucket(states, "dense", ranks, sharded), len(ranks) if sharded else 1,
+          f"{where}: dense parameters")
+    for e, group in enumerate(layout.edp_groups if experts else []):
+        # slice e's expert bucket holds, parameter by parameter, experts e*n .. (e+1)*n - 1
+        # (see troupe.parallel.apply_expert_parallel)
+        part = [p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in experts]
+        _fill(part, _bucket(states, "expert", group, sharded),
+              len(group) if sharded else 1, f"{where}: experts of slice {e}")
+
+
+def _fill_partitioned(full: GPT, states: list[dict], dense_ranks: list[int],
+                      expert_groups: list[list[int]], P: int, where: str) -> None:
+    """``full``'s parameters from a zero_stage 3 checkpoint: each bucket's partitions
+    assembled from its group's shards (troupe.parallel.zero3), the dense ones from
+    ``dense_ranks``, the experts slice by slice (slice e from ``expert_groups[e]``)."""
     units = unit_parameters(full)
     dense = [[p.data for p in u if not getattr(p, "expert", False)] for u in units]
-    buckets = [("dense", range(W), dense)]
-    for e, ranks in enumerate(expert_layout(W, P).edp_groups if any(
+    buckets = [("dense", dense_ranks, dense)]
+    for e, ranks in enumerate(expert_groups if any(
             getattr(p, "expert", False) for u in units for p in u) else []):
         part = [[p.data[e * (p.shape[0] // P):(e + 1) * (p.shape[0] // P)] for p in u
                  if getattr(p, "expert", False)] for u in units]
@@ -101,7 +134,7 @@ def checkpoint_model(manifest: dict, directory: str | Path,
     return cfg.model.record()
 
 
-def _bucket(states: list[dict], name: str, ranks: range, sharded: bool) -> torch.Tensor:
+def _bucket(states: list[dict], name: str, ranks: list[int], sharded: bool) -> torch.Tensor:
     """The flat buffer of a bucket: shards concatenated in group order, or rank 0's copy
     (after 0/1 Adam's local steps the copies differ by at most one sync; rank 0's is taken)."""
     parts = [states[r]["buckets"][name]["params"] for r in ranks]

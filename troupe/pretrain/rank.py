@@ -33,9 +33,11 @@ from troupe.optim import (
     build_shard_rule,
     padded_size,
 )
-from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, expert_layout
-from troupe.parallel.memory import MemoryPlan, check_budget, device_budget_gib
+from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, apply_tensor_parallel
+from troupe.parallel.layout import ParallelLayout
+from troupe.parallel.memory import GIB, MemoryPlan, check_budget, device_budget_gib, size
 from troupe.parallel.memory import plan as memory_plan
+from troupe.parallel.tensor import Place, check_split
 from troupe.pretrain.config import PretrainConfig
 from troupe.runtime.cluster import check_local_capacity
 from troupe.runtime.metrics import peak_memory_mb
@@ -139,6 +141,11 @@ def plan(cfg: PretrainConfig, local: bool = False) -> MemoryPlan:
     if cfg.curriculum.enabled and cfg.curriculum.min_len > window:
         raise ConfigError(f"curriculum.min_len={cfg.curriculum.min_len} exceeds the training "
                           f"window of {window} tokens (model.seq_len)")
+    if cfg.tensor_parallel > 1 and cfg.model.pretrained is not None:
+        try:
+            check_split(arch, cfg.tensor_parallel)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
     planned = check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
     if local:
         cpus, what = cfg.workers * cfg.threads, f"workers={cfg.workers} x threads={cfg.threads}"
@@ -151,33 +158,58 @@ def plan(cfg: PretrainConfig, local: bool = False) -> MemoryPlan:
 
 def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int | None,
                  world: int) -> MemoryPlan:
-    """This rank's memory plan (troupe.parallel.memory), from the model's shapes alone;
-    MemoryBudgetError when it exceeds the budget (memory_per_worker, or the GPU's); ``rank``
-    None: every rank's (each plans the same)."""
-    with torch.device("meta"):
-        shapes = GPT(arch)
-    ep_size = arch.moe.ep_size if arch.moe else 1
-    mine = memory_plan(shapes, cfg.optimizer, world, cfg.zero_stage, cfg.zero_prefetch, ep_size,
-                cfg.train.offload)
-    other = memory_plan(shapes, cfg.optimizer, world, 4 - cfg.zero_stage, cfg.zero_prefetch, ep_size,
-                 cfg.train.offload)
-    check_budget(mine, device_budget_gib(device, cfg.memory_per_worker),
-                 f"every rank of {world}" if rank is None else f"rank {rank} of {world}", other)
+    """This rank's memory plan (troupe.parallel.memory), from the model's shapes alone (its
+    tensor-parallel shards); MemoryBudgetError when it exceeds the budget (memory_per_worker,
+    or the GPU's), naming what the other ZeRO stage and a larger tensor_parallel would plan;
+    ``rank`` None: every rank's (each plans the same; tensor-parallel rank 0 holds the most)."""
+    budget = device_budget_gib(device, cfg.memory_per_worker)
+    mine = _memory_plan(cfg, arch, cfg.tensor_parallel)
+    who = f"every rank of {world}" if rank is None else f"rank {rank} of {world}"
+    if budget is not None and mine.total > budget * GIB:
+        larger = [t for t in (2, 4, 8, 16, 32, 64) if t > cfg.tensor_parallel and
+                  _splits(arch, t) and _memory_plan(cfg, arch, t).total <= budget * GIB]
+        if larger:
+            who += (f" (tensor_parallel={larger[0]} would plan "
+                    f"{size(_memory_plan(cfg, arch, larger[0]).total)} a rank, with workers a "
+                    f"multiple of {larger[0]})")
+    other = _memory_plan(cfg, arch, cfg.tensor_parallel, 4 - cfg.zero_stage)
+    check_budget(mine, budget, who, other)
     return mine
+
+
+def _splits(arch: GPTConfig, T: int) -> bool:
+    try:
+        check_split(arch, T)
+        return True
+    except ValueError:
+        return False
+
+
+def _memory_plan(cfg: PretrainConfig, arch: GPTConfig, T: int,
+                 zero_stage: int | None = None) -> MemoryPlan:
+    """The plan of tensor-parallel rank 0 with tensor_parallel=T (the same data-parallel
+    degree as the recipe's when T is its own; with another T, workers scaled to keep it)."""
+    with torch.device("meta"):
+        shapes = apply_tensor_parallel(GPT(arch), Place(0, T) if T > 1 else None)
+    ep_size = arch.moe.ep_size if arch.moe else 1
+    return memory_plan(shapes, cfg.optimizer, cfg.data_parallel, zero_stage or cfg.zero_stage,
+                       cfg.zero_prefetch, ep_size, cfg.train.offload, tp=T)
 
 
 def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device,
                       dp: Communicator | None, ep: Communicator | None,
-                      edp: Communicator | None, expert_scale: float) -> tuple[GPT, Zero3]:
-    """The model of ``cfg`` partitioned over ``dp`` (experts over ``edp``), zero_stage 3.
-    troupe's GPT is built on the meta device and each block initialised as it is
-    partitioned, so no rank ever holds it whole; a pretrained checkpoint is loaded whole
-    and then cut."""
+                      edp: Communicator | None, expert_scale: float,
+                      tp: Communicator | None = None) -> tuple[GPT, Zero3]:
+    """The model of ``cfg`` (this rank's tensor-parallel shards of it) partitioned over
+    ``dp`` (experts over ``edp``), zero_stage 3. troupe's GPT is built on the meta device
+    and each block initialised as it is partitioned, so no rank ever holds it whole; a
+    pretrained checkpoint is loaded whole and then cut."""
     if cfg.model.pretrained is not None:
         model, init = cfg.prepare_model(from_pretrained(cfg.model.pretrained).train()), None
+        model = apply_tensor_parallel(model, tp)
     else:
         with torch.device("meta"):
-            model = GPT(arch, seed=cfg.seed)
+            model = apply_tensor_parallel(GPT(arch, seed=cfg.seed), tp)
         init = functools.partial(model.init_weights, cfg.seed)  # init(names): those only
     model = apply_expert_parallel(model, ep)
     zero3 = Zero3(model, dp, edp, prefetch=cfg.zero_prefetch,
@@ -188,16 +220,22 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
 
 
 class Trainer:
-    """Rank ``rank`` of ``world``. Groups: ``dp`` over all ranks; with MoE, ``ep`` (this rank's
+    """Rank ``rank`` of ``world`` (laid out by troupe.pretrain.topology). Groups: ``tp`` (the
+    ranks splitting each dense layer with this one), ``dp`` (the ranks holding the same
+    shards; all ranks without tensor parallelism); with MoE, ``ep`` (this rank's
     expert-parallel group) and ``edp`` (the ranks holding the same experts); None where a group
     would have one member. ``offload``: the trainers + ParameterShard owners group, when the
     dense parameters are offloaded (the owners must construct in step: see ShardOwner)."""
 
     def __init__(self, cfg: PretrainConfig, rank: int, world: int, dp: Communicator | None,
                  ep: Communicator | None = None, edp: Communicator | None = None,
-                 offload: Communicator | None = None):
+                 offload: Communicator | None = None, tp: Communicator | None = None):
         self.cfg, self.rank, self.world = cfg, rank, world
-        torch.manual_seed(cfg.seed * 1000 + rank)  # dropout and gate noise differ per rank
+        # the batch this rank reads: its data-parallel rank's (the same on its tp ranks)
+        self.dp_rank, self.dp_world = cfg.layout().coords(rank)[0], cfg.data_parallel
+        self.tp = tp
+        # dropout and gate noise differ per data-parallel rank (the same on its tp ranks)
+        torch.manual_seed(cfg.seed * 1000 + self.dp_rank)
         self.device = worker_device(cfg.device)
         self.arch = cfg.model.architecture()
         self.window = cfg.model.window(self.arch)
@@ -207,20 +245,24 @@ class Trainer:
         check_memory(cfg, self.arch, self.device, rank, world)
         self.zero3: Zero3 | None = None
         self.buckets: list[Bucket | PartitionedState]
+        # the experts' gradients: summed over the ranks holding them, then a share of the
+        # data-parallel mean (edp counts the tp ranks, each with its own share of the tokens)
+        expert_scale = edp_size / self.dp_world
         if cfg.zero_stage == 3:
             self.model, self.zero3 = partitioned_model(cfg, self.arch, self.device, dp, ep,
-                                                       edp, edp_size / world)
+                                                       edp, expert_scale, tp)
             self.buckets = [PartitionedState(b, cfg.optimizer, self.zero3.comm)
                             for b in self.zero3.buckets.values()]
         else:
-            self.model = apply_expert_parallel(build_model(cfg, self.arch).to(self.device), ep)
+            model = build_model(cfg, self.arch, tp, self.device)
+            self.model = apply_expert_parallel(model, ep)
             dense, expert = expert_parameters(self.model)
             self.buckets = [Bucket("dense", dense, dp, cfg.optimizer, 1.0, offload)]
             if offload is not None:
                 self.buckets[0].optimizer.push_params()
             if expert:
                 self.buckets.append(Bucket("expert", expert, edp, cfg.optimizer,
-                                           edp_size / world))
+                                           expert_scale))
         self.model.checkpoint_activations = cfg.train.activation_checkpointing
         self.ep_size = ep.world_size if ep is not None else 1
         self.dp, self.step = dp, 0
@@ -232,12 +274,13 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         full = self.window
         seq_len = cfg.curriculum.seq_len_at(step, full)
-        x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.rank, self.world)
+        x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.dp_rank,
+                                     self.dp_world)
         x, y = x[:, :seq_len].to(self.device), y[:, :seq_len].to(self.device)
         keep = cfg.random_ltd.keep_at(step, seq_len)
         ltd = None
         if cfg.random_ltd.enabled and keep < seq_len:
-            gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 131 + self.rank)
+            gen = torch.Generator().manual_seed(cfg.seed * 7919 + step * 131 + self.dp_rank)
             ltd = (keep, cfg.random_ltd.layers(self.arch.n_layer), gen)
         self.model.train()
         coef = self.arch.moe.aux_loss_coef if self.arch.moe else 0.0
@@ -256,7 +299,8 @@ class Trainer:
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered
             self.zero3.release()
-        if self.scaler is None or self.scaler.unscale_([b.flat for b in self.buckets], self.dp):
+        if self.scaler is None or self.scaler.unscale_([b.flat for b in self.buckets],
+                                                       [self.dp, self.tp]):
             for b in self.buckets:
                 b.optimizer.step(lr)
         for b in self.buckets:
@@ -266,7 +310,8 @@ class Trainer:
         sent = sum(b.optimizer.comm.bytes_sent for b in self.buckets)
         if self.zero3 is not None:  # the gathers and reduce-scatters of the partitions
             sent += self.zero3.comm.bytes_sent
-        return StepStats(step, lm_loss_value, aux_value, lr, seq_len, keep, x.numel(), sent,
+        tokens = x.numel() if self.tp is None or self.tp.rank == 0 else 0  # counted once
+        return StepStats(step, lm_loss_value, aux_value, lr, seq_len, keep, tokens, sent,
                          time.perf_counter() - t0, peak_memory_mb(),
                          loss_scale=s.scale_value if s else 1.0,
                          skipped_steps=s.skipped if s else 0,
@@ -277,7 +322,7 @@ class Trainer:
     def _comm_wait_s(self) -> float:
         """Seconds this rank's data-parallel groups have spent in operations (gloo's count;
         0 for communicators that keep none)."""
-        found = [self.dp] + [getattr(b, "group", None) for b in self.buckets]
+        found = [self.dp, self.tp] + [getattr(b, "group", None) for b in self.buckets]
         groups = {id(g): g for g in found if g is not None}
         return sum(getattr(g, "wait_s", 0.0) for g in groups.values())
 
@@ -289,7 +334,8 @@ class Trainer:
         with self.model.mixed_precision(c.precision):
             losses = [self.model(x.to(self.device), y.to(self.device))[1].item()
                       for x, y in self.data.val_batches(c.train.eval_batches, c.train.batch_size,
-                                                        self.window, self.rank, self.world)]
+                                                        self.window, self.dp_rank,
+                                                        self.dp_world)]
         if self.zero3 is not None:
             self.zero3.release()
         return sum(losses) / len(losses)
@@ -307,6 +353,7 @@ class Trainer:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "rank": self.rank, "world": self.world,
+                "tensor_parallel": self.cfg.tensor_parallel,
                 "zero_stage": self.cfg.zero_stage,
                 **rng_state(self.device),
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
@@ -317,24 +364,35 @@ class Trainer:
         bucket's shards are cut again for this world); ``read(r)`` gives old rank r's state.
         The random streams are old rank ``rank % old_world``'s (the same rank's when the
         world is the same)."""
+        T = self.cfg.tensor_parallel
         own = read(self.rank % old_world)
         if own.get("zero_stage") != 3:
             raise ValueError(f"{where}: not written with zero_stage 3 (this run partitions its "
                              "parameters: resume from a stage-3 checkpoint or start over)")
-        if old_world % self.ep_size:
+        self._check_tensor_parallel(own, where)
+        if old_world % (self.ep_size * T):
             raise ValueError(f"{where}: written by {old_world} ranks, which do not split into "
-                             f"expert-parallel groups of {self.ep_size}")
-        layout = expert_layout(old_world, self.ep_size)
+                             f"expert-parallel groups of {self.ep_size} (and tensor-parallel "
+                             f"groups of {T})")
+        layout = ParallelLayout.of(old_world, T, self.ep_size)
+        dense = layout.dp_groups[self.rank % T]  # the old ranks holding these shards
         for b in self.buckets:
             if b.name == "dense":
-                trainer, group_world = (lambda k: k), old_world
+                trainer, group_world = (lambda k: dense[k]), len(dense)
             else:
                 s = b.part.slice
                 trainer, group_world = (lambda k, s=s: layout.edp_groups[s][k]), \
-                    old_world // self.ep_size
+                    len(layout.edp_groups[s])
             b.part.load_state_dict(b.optimizer, lambda k, b=b, t=trainer:
                                    read(t(k))["buckets"][b.name], group_world, where)
         self._load_common(own, where)
+
+    def _check_tensor_parallel(self, state: dict, where: str) -> None:
+        saved = state.get("tensor_parallel", 1)
+        if saved != self.cfg.tensor_parallel:
+            raise ValueError(f"{where}: written with tensor_parallel={saved}, this run has "
+                             f"tensor_parallel={self.cfg.tensor_parallel}: resume with the same "
+                             "size")
 
     def _load_common(self, state: dict, where: str) -> None:
         set_rng_state(state, self.device)
@@ -355,6 +413,7 @@ class Trainer:
             raise ValueError(f"{where}: buckets {sorted(state['buckets'])}, model has {names}")
         if self.zero3 is not None:
             return self.load_partitioned(lambda r: state, self.world, where)
+        self._check_tensor_parallel(state, where)
         for b in self.buckets:
             b.load_state_dict(state["buckets"][b.name], where)
         self._load_common(state, where)
@@ -367,12 +426,21 @@ def language_model_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,
     return loss, aux
 
 
-def build_model(cfg: PretrainConfig, arch: GPTConfig) -> GPT:
-    """The whole model a run starts from (``arch``: ``cfg.model.architecture()``): the
-    pretrained checkpoint, or troupe's GPT seeded."""
+def build_model(cfg: PretrainConfig, arch: GPTConfig, tp: Communicator | None = None,
+                device: torch.device | str = "cpu") -> GPT:
+    """The model a run starts from (``arch``: ``cfg.model.architecture()``), on ``device``:
+    the pretrained checkpoint, or troupe's GPT seeded; with a tensor-parallel group ``tp``
+    this rank's shards of it (troupe's GPT built on the meta device and each shard drawn
+    from the whole model's seed, so no rank holds more than a shard and one tensor)."""
     if cfg.model.pretrained is not None:
-        return cfg.prepare_model(from_pretrained(cfg.model.pretrained).train())
-    return cfg.prepare_model(GPT(arch, seed=cfg.seed))
+        model = cfg.prepare_model(from_pretrained(cfg.model.pretrained).train())
+        return apply_tensor_parallel(model, tp).to(device)
+    if tp is None:
+        return cfg.prepare_model(GPT(arch, seed=cfg.seed)).to(device)
+    with torch.device("meta"):
+        model = apply_tensor_parallel(GPT(arch, seed=cfg.seed), tp)
+    model.materialize(device).init_weights(cfg.seed)
+    return cfg.prepare_model(model)
 
 
 class ShardOwner:

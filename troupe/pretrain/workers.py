@@ -44,7 +44,8 @@ def _config(config: dict | PretrainConfig) -> PretrainConfig:
 
 
 class TrainerActor:
-    """One data-parallel trainer rank. The driver calls ``setup`` once the groups are wired."""
+    """One trainer rank (of tensor and data parallelism: troupe.pretrain.topology). The
+    driver calls ``setup`` once the groups are wired."""
 
     def __init__(self, config: dict | PretrainConfig):
         self.cfg = _config(config)
@@ -63,7 +64,8 @@ class TrainerActor:
         """Build the model and optimizers, with this rank's communicators in ``topology``."""
         ctx, t = get_context(), topology
         self.worker = Trainer(self.cfg, ctx.rank, ctx.world_size, communicator(t.dp),
-                              communicator(t.ep), communicator(t.edp), communicator(t.offload))
+                              communicator(t.ep), communicator(t.edp), communicator(t.offload),
+                              communicator(t.tp))
         return RankInfo(os.getpid(), **self.worker.memory(), threads=torch.get_num_threads())
 
     @dispatch(Dispatch.ALL)
