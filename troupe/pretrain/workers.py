@@ -8,6 +8,7 @@ trainers' method of the same name, which the driver calls at the same time."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -103,8 +104,17 @@ class TrainerActor:
             read = _OneFile(lambda r: ckpt.read_rank(directory, r, manifest))
             self._w.load_partitioned(read, manifest["roles"]["trainer"], str(directory))
             return self._w.step
-        path = ckpt.rank_file(directory, self._w.rank)
-        self._w.load_state_dict(ckpt.read_rank(directory, self._w.rank, manifest), str(path))
+        old_world = manifest["roles"]["trainer"]
+        same = old_world == self._w.world
+        if same:
+            own = ckpt.read_rank(directory, self._w.rank, manifest)
+            same = own.get("tensor_parallel", 1) == self.cfg.tensor_parallel
+        if not same:  # another layout: put together and cut again
+            # every old rank's file is read once (the buckets are put together whole)
+            read = functools.cache(lambda r: ckpt.read_rank(directory, r, manifest))
+            self._w.load_other_layout(read, old_world, str(directory))
+            return self._w.step
+        self._w.load_state_dict(own, str(ckpt.rank_file(directory, self._w.rank)))
         return self._w.step
 
     @property
