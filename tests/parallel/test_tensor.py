@@ -5,13 +5,13 @@ as one rank does and dispatch 1/T of the tokens (TED). Ranks are threads with gl
 import pytest
 import torch
 
+from troupe.collectives.threads import run_groups, run_ranks
 from troupe.models import GPT, GPTConfig
 from troupe.models.moe import MoE
 from troupe.parallel import apply_tensor_parallel, full_state_dict
 from troupe.parallel.layout import ParallelLayout
 from troupe.parallel.tensor import check_heads, layout
 
-from tests.parallel.ranks import run_layout, run_ranks
 
 BYTES = GPTConfig(vocab_size=257, seq_len=16, n_layer=2, n_head=4, d_model=32)
 # SmolLM2's kind of attention (9 query heads over 3 key/value heads), with every option a
@@ -108,7 +108,7 @@ def test_moe_routes_as_one_rank_and_dispatches_a_share_of_the_tokens():
                 sum(m.meter.bytes for m in moes))
 
     grid = ParallelLayout.of(4, tp=2, ep=2)
-    dropped, duplicated = (run_layout(grid, rank, drop) for drop in (True, False))
+    dropped, duplicated = (run_groups(grid.world, grid.groups(), rank, drop) for drop in (True, False))
     for got, logits, experts, _ in dropped + duplicated:
         assert abs(got - loss.item()) <= 1e-5 * loss.item() and _close(logits, whole)
         assert all(torch.equal(a, b) for a, b in zip(experts, routing))
@@ -162,3 +162,25 @@ def test_a_split_cuts_and_merges_back():
     parts = [split.shard(whole, r) for r in range(3)]
     assert all(p.shape == (3 * 8 + 2 * 8, 36) for p in parts)  # 3 query heads, 1 k, 1 v
     assert torch.equal(split.merge(parts), whole)
+
+
+def test_engines_of_three_ranks_decode_the_tokens_of_one():
+    """Greedy decoding over 9 query and 3 key/value heads split over 3 ranks (each caching
+    its own key/value head), in the native one-call decode step where this machine builds it
+    (its row-parallel products and the logits called back for the all-reduce and gather):
+    the tokens of the unsplit engine, for 32 tokens of two prompts of different lengths."""
+    from troupe.generation import ContinuousBatcher, SamplingParams
+    cfg = GPTConfig(**{**LLAMA.model_dump(), "seq_len": 64, "qkv_bias": False})
+    prompts = [[5, 17, 3, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+    def generate(model):
+        engine = ContinuousBatcher(model, eos_id=0, max_batch=4)
+        for i, p in enumerate(prompts):
+            engine.add(str(i), p, SamplingParams(max_tokens=32, temperature=0.0))
+        return engine.run(), engine.fused is not None, model.cache_heads
+
+    whole, fused, heads = generate(GPT(cfg, seed=3).eval())
+    assert heads == 3 and all(len(t) == 32 for t in whole.values())
+    out = run_ranks(3, lambda g: generate(
+        apply_tensor_parallel(GPT(cfg, seed=3), g, training=False).eval()))
+    assert all(tokens == whole and f == fused and h == 1 for tokens, f, h in out)

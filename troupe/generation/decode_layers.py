@@ -58,6 +58,7 @@ class DecodeLayers:
                 or model.ln_f.weight.dtype != torch.float32 or model.device.type != "cpu":
             return None
         products = _Products(native, packed)
+        tp = getattr(model, "tp", None)  # tensor-parallel: the row-parallel products reduce
         layers = []
         for block in blocks:
             if not (type(block) is Block and type(block.ffn) is MLP and block.ffn.kind == "swiglu"
@@ -67,15 +68,16 @@ class DecodeLayers:
             norms = ((attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
                      if attn.qk_norm else (None, None))
             layers.append((block.ln1.weight.detach(), block.ln2.weight.detach(),
-                           products.of(attn.qkv), products.of(attn.proj), products.of(mlp.fc),
-                           products.of(mlp.proj), *norms, attn.window is not None))
+                           products.of(attn.qkv), products.row(attn.proj, tp),
+                           products.of(mlp.fc), products.row(mlp.proj, tp), *norms,
+                           attn.window is not None))
         emb = model.tok_emb
-        embedding = (emb.weight.detach() if type(emb) is nn.Embedding
+        embedding = (emb.weight.detach() if type(emb) is nn.Embedding and tp is None
                      and emb.weight.dtype == torch.float32 else None)
         logits = products.logits(model, embedding)
-        attn = blocks[0].attn
-        step = native.Step(layers, model.ln_f.weight.detach(), cfg.d_model, cfg.n_head,
-                           cfg.kv_heads, D, float(model.ln_f.eps), embedding,
+        attn = blocks[0].attn  # this rank's heads (tensor-parallel: its share)
+        step = native.Step(layers, model.ln_f.weight.detach(), cfg.d_model, attn.n_head,
+                           attn.n_kv, D, float(model.ln_f.eps), embedding,
                            attn.inv_freq.float(), attn.rope_scale, cfg.sliding_window or 0,
                            logits)
         return cls(model, step, embedding is not None, logits is not None,
@@ -166,9 +168,21 @@ class _Products:
             self.routed.append(module)
         return self.kernel(module) or self.native.python(module.forward, module.out_features)
 
+    def row(self, module: nn.Module, tp):
+        """A row-parallel layer's product (``of``'s), or with a tensor-parallel group its
+        partial products summed over the group (troupe.models.layers.row_parallel), called
+        back: the all-reduce is Python's."""
+        if tp is None:
+            return self.of(module)
+        from troupe.models.layers import row_parallel
+        return self.native.python(lambda x: row_parallel(module, x, tp), module.out_features)
+
     def logits(self, model: nn.Module, embedding: torch.Tensor | None):
         """The output projection: the model's head, the packed tied embedding, the fp32
-        embedding through MKL, or None (the engine's own)."""
+        embedding through MKL, or None (the engine's own); tensor-parallel, the model's own
+        (each rank's vocabulary shard, gathered), called back."""
+        if getattr(model, "tp", None) is not None:
+            return self.native.python(model.logits, model.cfg.vocab_size)
         head = getattr(model, "lm_head", None)
         if head is not None:
             return self.of(head)

@@ -45,7 +45,7 @@ class DraftModel:
         cfg, device = self.model.cfg, self.model.device
         if self.slots is None:
             self.slots = Slots(cfg, self.max_batch, B, max(map(len, contexts)) + k + 16,
-                               device, self.model.dtype)
+                               device, self.model.dtype, kv_heads=self.model.cache_heads)
         # what each slot has not run: at least the context's last token, which the target
         # has not run either (``rolled_back`` keeps a slot within the target's)
         todo = [c[self.slots.host[b]:] for b, c in enumerate(contexts)]

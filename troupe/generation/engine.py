@@ -419,7 +419,7 @@ class ContinuousBatcher:
         columns = min(columns + 16, self.slots.context if self.slots else self.cfg.seq_len)
         if self.slots is None:
             self.slots = Slots(self.cfg, self.max_batch, rows, columns, self.device,
-                               self.model.dtype)
+                               self.model.dtype, kv_heads=self.model.cache_heads)
         self.slots.reserve(rows, columns)
         return self.slots
 

@@ -19,15 +19,17 @@ from troupe.models import RowCache
 
 class Slots:
     """Up to ``max_rows`` slots of keys and values for every layer of a model of config
-    ``cfg`` (``rows`` and ``columns`` of them to begin with); ``lengths`` on the device and
+    ``cfg`` (``rows`` and ``columns`` of them to begin with; ``kv_heads``: the heads a layer's
+    cache holds, when not the config's); ``lengths`` on the device and
     ``host`` (the same, on the host) count each slot's filled positions."""
 
     def __init__(self, cfg, max_rows: int, rows: int, columns: int, device, dtype: torch.dtype,
-                 context: int | None = None):
+                 context: int | None = None, kv_heads: int | None = None):
         self.max_rows, self.device, self.dtype = max_rows, device, dtype
         self.context = min(context or cfg.seq_len, cfg.seq_len)  # the most columns a row has
         rows, columns = min(rows, max_rows), min(columns, self.context)
-        shape = (rows, cfg.kv_heads, columns, cfg.head_size)
+        # a tensor-parallel rank's cache holds its own key/value heads (GPT.cache_heads)
+        shape = (rows, kv_heads or cfg.kv_heads, columns, cfg.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)

@@ -79,7 +79,7 @@ class StaticDecode:
             return None
         rows, cfg = bucket(max_batch, 1 << 30), model.cfg
         slots = Slots(cfg, rows, rows, static_len or cfg.seq_len, model.device, model.dtype,
-                      context=static_len)
+                      context=static_len, kv_heads=model.cache_heads)
         return cls(model, slots, compile)
 
     def __call__(self, rows: list[tuple[int, float, int, float, int, int]]

@@ -90,9 +90,10 @@ class DecodeWeights:
         weights = {module: module.weight for module in model.modules()
                    if type(module) is nn.Linear and module.weight.dtype == torch.float32
                    and module.weight.device.type == "cpu"}
-        emb = getattr(model, "tok_emb", None)
+        emb = getattr(model, "tok_emb", None)  # a tensor-parallel rank's is a shard: not packed
         if getattr(getattr(model, "cfg", None), "tie_embeddings", False) and emb is not None \
                 and getattr(model, "lm_head", None) is None \
+                and getattr(model, "tp", None) is None \
                 and emb.weight.dtype == torch.float32 and emb.weight.device.type == "cpu":
             weights[None] = emb.weight
         chosen = choices({tuple(w.shape) for w in weights.values()})

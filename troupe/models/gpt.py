@@ -300,6 +300,12 @@ class GPT(nn.Module):
         return self.ln_f.weight.device
 
     @property
+    def cache_heads(self) -> int:
+        """The key/value heads a layer's cache holds here: the config's, or a tensor-parallel
+        rank's own."""
+        return self.blocks[0].attn.n_kv
+
+    @property
     def dtype(self) -> torch.dtype:
         """The type of its unquantized weights and activations."""
         return self.ln_f.weight.dtype

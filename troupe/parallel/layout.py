@@ -80,6 +80,11 @@ class ParallelLayout:
         """The data-parallel world: how many different batches a step reads."""
         return self.world // self.tp
 
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Each kind's groups by name ("tp", "dp", "ep", "edp")."""
+        return {"tp": self.tp_groups, "dp": self.dp_groups, "ep": self.ep_groups,
+                "edp": self.edp_groups}
+
     def coords(self, rank: int) -> tuple[int, int]:
         """(data-parallel rank, tensor-parallel rank) of global rank ``rank``."""
         return rank // self.tp, rank % self.tp

@@ -203,6 +203,8 @@ def apply_tensor_parallel(model: nn.Module, group: Communicator | Place | None,
             old = params[name]
             new = nn.Parameter(split.shard(old.data, r), requires_grad=old.requires_grad)
             setattr(module, leaf, new)
+            if isinstance(module, nn.Linear) and leaf == "weight":  # its shape, as it says
+                module.out_features, module.in_features = new.shape
     for name, m in model.named_modules():
         if isinstance(m, Attention):
             m.n_head //= T

@@ -1,5 +1,10 @@
-"""Ranks as threads of this process, each with gloo communicators on shared in-memory stores:
-for the maths of tensor parallelism, which needs the collectives but not Ray."""
+"""Ranks as threads of one process, each with gloo communicators on shared in-memory stores:
+for code that needs real collectives but not processes (the tests and benchmarks of tensor
+parallelism's maths; a user's check of a parallel model), in a fraction of a second. gloo
+releases the GIL while it waits, so the ranks run side by side.
+
+    losses = run_ranks(2, lambda group: train_step(apply_tensor_parallel(model(), group)))
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,6 @@ import torch.distributed as dist
 
 from troupe.collectives.rendezvous import PrefixStore
 from troupe.collectives.torch_backend import TorchCommunicator, make_process_group
-from troupe.parallel.layout import ParallelLayout
 
 TIMEOUT_S = 120.0
 
@@ -31,12 +35,11 @@ def run_ranks(world: int, fn: Callable, *args) -> list:
         return [f.result() for f in futures]
 
 
-def run_layout(layout: ParallelLayout, fn: Callable, *args) -> list:
-    """``fn(groups, rank, *args)`` on ``layout.world`` threads, ``groups`` holding this rank's
-    communicator of each kind of ``layout`` ("tp", "dp", "ep", "edp"; None for a group of
+def run_groups(world: int, kinds: dict[str, list[list[int]]], fn: Callable, *args) -> list:
+    """``fn(groups, rank, *args)`` on ``world`` threads, ``groups`` holding this rank's
+    communicator of each kind (``kinds[kind]``: that kind's groups, lists of ranks covering
+    the world, such as troupe.parallel.layout.ParallelLayout.groups(); None for a group of
     one); the results in rank order."""
-    kinds = {"tp": layout.tp_groups, "dp": layout.dp_groups, "ep": layout.ep_groups,
-             "edp": layout.edp_groups}
     stores = {(kind, i): dist.HashStore() for kind, groups in kinds.items()
               for i in range(len(groups))}
 
@@ -48,5 +51,5 @@ def run_layout(layout: ParallelLayout, fn: Callable, *args) -> list:
                 f"{kind}{i}", stores[kind, i], members.index(r), len(members))
         return fn(groups, r, *args)
 
-    with ThreadPoolExecutor(layout.world) as pool:
-        return [f.result() for f in [pool.submit(rank, r) for r in range(layout.world)]]
+    with ThreadPoolExecutor(world) as pool:
+        return [f.result() for f in [pool.submit(rank, r) for r in range(world)]]

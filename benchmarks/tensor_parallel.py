@@ -1,0 +1,228 @@
+"""Tensor parallelism (troupe.parallel.tensor) measured, one JSON line per figure:
+
+    python benchmarks/tensor_parallel.py [--parts maths ted steps budget]
+
+maths: a GPT (width 512, 4 blocks, byte vocabulary) on T = 1, 2, 4 ranks (threads of this
+    process with gloo groups, troupe.collectives.threads): each rank's parameter bytes
+    against P / T for the split layers (the goal: at most 1.02 x), the activation bytes a
+    rank keeps for the backward (every tensor autograd saves, counted by a saved-tensors
+    hook: exact, where a resident-memory peak on the CPU is mostly the process), the bytes
+    the tensor-parallel group all-reduces and gathers a step (forward and backward), and
+    the loss against one rank's.
+ted: an MoE GPT on tp=2 x ep=2 (4 ranks): the expert-parallel all-to-all bytes of a forward
+    and backward with TED's duplicate-token dropping and without (each tp rank dispatching
+    every token), the outputs of both against one rank's (the goal: with <= 1/T of without,
+    equal outputs).
+steps: pretraining steps of the same GPT in Ray actors (apps' driver): T = 1 (one trainer of
+    2 threads) against T = 2 (two trainers of 1 thread: the same cores), the median step
+    time and each one's peak resident memory.
+budget: a GPT of about 100M parameters under memory_per_worker: refused at T = 1 before any
+    process starts (the refusal names the size that fits), trained at T = 2 for 3 steps,
+    each rank's measured peak (VmHWM, the whole process) against the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from machine import machine  # noqa: E402  benchmarks/machine.py, beside this script
+from troupe.collectives.threads import run_groups, run_ranks  # noqa: E402
+from troupe.config import ConfigError  # noqa: E402
+from troupe.models import GPT, GPTConfig  # noqa: E402
+from troupe.models.moe import MoE  # noqa: E402
+from troupe.parallel import apply_expert_parallel, apply_tensor_parallel  # noqa: E402
+from troupe.parallel.layout import ParallelLayout  # noqa: E402
+from troupe.parallel.tensor import layout  # noqa: E402
+
+GPT_512 = dict(vocab_size=257, seq_len=128, n_layer=4, n_head=8, d_model=512)
+GPT_100M = dict(vocab_size=257, seq_len=64, n_layer=8, n_head=16, d_model=1024)
+
+
+def emit(line: dict) -> None:
+    print(json.dumps({"bench": "tensor_parallel", "machine": machine(), **line}), flush=True)
+
+
+class Counted:
+    """A communicator that counts the bytes its all-reduces and all-gathers carry."""
+
+    def __init__(self, group):
+        self.group, self.bytes = group, 0
+        self.rank, self.world_size = group.rank, group.world_size
+
+    def all_reduce(self, x, op="sum"):
+        self.bytes += x.numel() * x.element_size()
+        return self.group.all_reduce(x, op)
+
+    def all_gather(self, x, out=None):
+        self.bytes += x.numel() * x.element_size()
+        return self.group.all_gather(x, out)
+
+
+def _saved_bytes(fn) -> tuple[object, int]:
+    """``fn()`` and the bytes of every tensor autograd saved for its backward (each storage
+    once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def maths(a) -> None:
+    cfg = GPTConfig(**GPT_512)
+    B = 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (B, cfg.seq_len), generator=g)
+    whole = GPT(cfg, seed=1)
+    P = sum(p.numel() for p in whole.parameters())
+    names = set(layout(whole, 2))  # the parameters tensor parallelism splits
+    split_whole = 4 * sum(p.numel() for n, p in whole.named_parameters() if n in names)
+    reference = None
+    for T in (1, 2, 4):
+        def rank(group):
+            torch.set_num_threads(1)
+            counted = Counted(group) if group is not None else None
+            model = apply_tensor_parallel(GPT(cfg, seed=1), counted)
+            split = sum(p.numel() for n, p in model.named_parameters() if n in names)
+            params = sum(p.numel() for p in model.parameters())
+            t0 = time.perf_counter()
+            (_, loss, _), saved = _saved_bytes(lambda: model(x, y))
+            loss.backward()
+            seconds = time.perf_counter() - t0
+            return (loss.item(), params * 4, split * 4, saved, counted.bytes if counted else 0,
+                    seconds)
+        out = [rank(None)] if T == 1 else run_ranks(T, rank)
+        if T == 1:
+            reference = out[0]
+        emit({"part": "maths", "T": T, "params": P, "tokens": B * cfg.seq_len,
+              "param_bytes_per_rank": max(o[1] for o in out),
+              "split_param_bytes_per_rank": max(o[2] for o in out),
+              "split_over_ideal": round(max(o[2] for o in out) / (split_whole / T), 4),
+              "replicated_param_bytes": out[0][1] - out[0][2],
+              "saved_activation_bytes_per_rank": max(o[3] for o in out),
+              "activations_over_T1": round(max(o[3] for o in out) / reference[3], 3),
+              "tp_collective_bytes_per_step": out[0][4],
+              "loss": out[0][0], "loss_T1": reference[0],
+              "rel_diff": abs(out[0][0] - reference[0]) / reference[0]})
+
+
+def ted(a) -> None:
+    cfg = GPTConfig(**{**GPT_512, "n_layer": 2, "seq_len": 64,
+                       "moe": dict(num_experts=4, expert_interval=1, top_k=2,
+                                   capacity_factor=1.25)})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=g)
+    with torch.no_grad():
+        whole = GPT(cfg, seed=1)(x)[0]
+    grid = ParallelLayout.of(4, tp=2, ep=2)
+
+    def rank(groups, r, drop):
+        torch.set_num_threads(1)
+        model = apply_expert_parallel(apply_tensor_parallel(GPT(cfg, seed=1), groups["tp"]),
+                                      groups["ep"])
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        for m in moes:
+            m.drop_duplicates = drop
+        _, loss, aux = model(x, y)
+        (loss + 0.01 * aux).backward()
+        with torch.no_grad():
+            logits = model(x)[0]
+        return sum(m.meter.bytes for m in moes), (logits - whole).abs().max().item()
+    results = {drop: run_groups(grid.world, grid.groups(), rank, drop) for drop in (True, False)}
+    sent = {drop: sum(b for b, _ in out) for drop, out in results.items()}
+    emit({"part": "ted", "tp": 2, "ep": 2, "tokens": x.numel(),
+          "a2a_bytes_with_dropping": sent[True], "a2a_bytes_without": sent[False],
+          "with_over_without": round(sent[True] / sent[False], 4),
+          "max_logit_diff_with": max(d for _, d in results[True]),
+          "max_logit_diff_without": max(d for _, d in results[False])})
+
+
+def _pretrain_cfg(model: dict, workers: int, T: int, threads: int, steps: int,
+                  budget: float | None = None):
+    from troupe.pretrain.config import PretrainConfig
+    return PretrainConfig(
+        model=model, optimizer=dict(name="adamw", lr=3e-4, warmup_steps=0),
+        train=dict(steps=steps, batch_size=4, eval_every=0, checkpoint_every=0,
+                   placement_timeout_s=120),
+        data=dict(max_chars=400_000), workers=workers, tensor_parallel=T, threads=threads,
+        device="cpu", memory_per_worker=budget, out_dir=f"/tmp/troupe-tp-bench/{T}")
+
+
+def _train(cfg, steps: int) -> dict:
+    from troupe.pretrain import driver as pretrain
+    from troupe.pretrain.topology import TRAINER
+    from troupe.pretrain.workers import TrainerActor
+    built = pretrain.build_graph(cfg, name=f"tp-{cfg.tensor_parallel}")
+    try:
+        times, losses, peaks = [], [], []
+        for step in range(1, steps + 1):
+            stats = built.graph[TRAINER].invoke(TrainerActor.train_step, step)
+            if step > 1:
+                times.append(max(s.seconds for s in stats))
+            losses.append(round(stats[0].loss, 4))
+            peaks = [max(p, s.peak_memory_mb) for p, s in
+                     zip(peaks or [0.0] * len(stats), stats)]
+        info = built.trainers
+    finally:
+        built.shutdown()
+    return {"step_s": round(statistics.median(times), 3), "losses": losses,
+            "peak_rss_mb_per_rank": [round(p) for p in peaks],
+            "persistent_bytes_per_rank": [i.param_bytes + i.grad_bytes + i.optimizer_bytes
+                                          for i in info]}
+
+
+def steps(a) -> None:
+    out = {}
+    for T, threads in ((1, 2), (2, 1)):
+        out[T] = _train(_pretrain_cfg(GPT_512, T, T, threads, a.steps), a.steps)
+        emit({"part": "steps", "T": T, "threads_per_rank": threads, **out[T]})
+    emit({"part": "steps", "step_time_T2_over_T1": round(out[2]["step_s"] / out[1]["step_s"], 3)})
+
+
+def budget(a) -> None:
+    from troupe.pretrain.rank import plan
+    line = {"part": "budget", "memory_per_worker_gib": a.memory_per_worker,
+            "params": sum(p.numel() for p in GPT(GPTConfig(**GPT_100M)).parameters())}
+    try:
+        plan(_pretrain_cfg(GPT_100M, 1, 1, 1, 3, a.memory_per_worker))
+        line["T1"] = "planned within the budget (raise the model or lower the budget)"
+    except ConfigError as e:
+        line["T1_refused"] = str(e)
+    cfg = _pretrain_cfg(GPT_100M, 2, 2, 1, 3, a.memory_per_worker)
+    line["T2_planned_bytes"] = plan(cfg).total
+    got = _train(cfg, 3)
+    line.update({f"T2_{k}": v for k, v in got.items()})
+    line["T2_peak_within_budget"] = all(p <= a.memory_per_worker * 1024
+                                        for p in got["peak_rss_mb_per_rank"])
+    emit(line)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--parts", nargs="*", default=["maths", "ted", "steps", "budget"])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--memory-per-worker", type=float, default=1.4)
+    a = p.parse_args()
+    if {"steps", "budget"} & set(a.parts):
+        import troupe
+        troupe.init(num_cpus=4)
+    for part in a.parts:
+        globals()[part](a)
+
+
+if __name__ == "__main__":
+    main()
