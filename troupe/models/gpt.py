@@ -330,9 +330,9 @@ class GPT(nn.Module):
     def logits_shard(self, h: torch.Tensor) -> torch.Tensor:
         """Tensor-parallel: this rank's columns of the logits (..., padded vocabulary / T),
         from its rows of the output head (the tied embedding's, or lm_head's)."""
-        head = getattr(self, "lm_head", None)
-        weight = self.tok_emb.weight if head is None else head.weight
-        return F.linear(copy_in(h, self.tp), weight)
+        head = getattr(self, "lm_head", None)  # a Linear, or the quantized tied projection's
+        h = copy_in(h, self.tp)
+        return F.linear(h, self.tok_emb.weight) if head is None else head(h)
 
     def hidden(self, idx_BT: torch.Tensor, ltd: tuple[int, range, torch.Generator] | None = None,
                valid_BS: torch.Tensor | None = None,

@@ -156,9 +156,9 @@ def row_parallel(linear: nn.Module, x: torch.Tensor, group: Communicator | None)
     columns), the partial products summed over the group and then the bias added once."""
     if group is None:
         return linear(x)
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"a row-parallel {type(linear).__name__}: only nn.Linear layers are "
-                        "split by tensor parallelism")
+    if not isinstance(linear, nn.Linear):  # a quantized layer (troupe.compression) adds its
+        # own bias: held by rank 0 alone (troupe.parallel.tensor.bias_on_first_rank)
+        return reduce_out(linear(x), group)
     y = reduce_out(F.linear(x, linear.weight), group)
     return y if linear.bias is None else y + linear.bias
 

@@ -216,6 +216,19 @@ def apply_tensor_parallel(model: nn.Module, group: Communicator | Place | None,
     return model
 
 
+def bias_on_first_rank(model: nn.Module) -> None:
+    """After quantization (troupe.compression) of a tensor-parallel model: the row-parallel
+    layers that are no longer nn.Linear add their bias inside their forward, before the
+    partial products are summed; so only rank 0 keeps it (troupe.models.layers.row_parallel)."""
+    group = getattr(model, "tp", None)
+    if group is None or group.rank == 0:
+        return
+    for m in model.modules():
+        if isinstance(m, (Attention, MLP)) and not isinstance(m.proj, nn.Linear) \
+                and getattr(m.proj, "bias", None) is not None:
+            m.proj.bias = None
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict, gathered from a tensor-parallel model's ranks (every rank
     calls it and gets it); a model without tensor parallelism gives its own."""

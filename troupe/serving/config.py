@@ -77,6 +77,11 @@ class ServeConfig(AppConfig):
     holding the bearer token clients must send (unset or empty: no authentication).
     expert_parallel: for MoE models, spread each replica's experts over this many expert
     actors, which exchange tokens with all_to_all (1: the replica holds every expert).
+    tensor_parallel: split each replica's model over this many actors (troupe.parallel.tensor:
+    attention heads, MLPs and the vocabulary; each rank quantizes its own shards), which run
+    every sequence together (a model larger than one worker; T must divide the query heads,
+    and the key/value heads or be a multiple of them). Under it the embedding stays fp32 and
+    adapters, speculation and captured steps are not available.
     precision: "bf16" holds the weights that stay unquantized (embeddings, norms, fp32 layers)
     and the KV cache in bf16 and computes in it; "fp16" likewise in fp16 (for GPUs: the CPU
     has few fp16 kernels); "fp32" (default) in fp32.
@@ -117,6 +122,7 @@ class ServeConfig(AppConfig):
     prefix_cache_mb: float = Field(default=512.0, ge=0)
     adapters: dict[str, str] = Field(default_factory=dict)
     expert_parallel: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
     precision: Precision = "fp32"
     device: Device = "auto"
     num_gpus: float = Field(default=1.0, gt=0)
@@ -135,6 +141,17 @@ class ServeConfig(AppConfig):
             raise ValueError(f"{key} with expert_parallel={self.expert_parallel}: the expert "
                              "ranks decode in lockstep, two passes a step, which neither "
                              "speculation nor a captured step keeps: use one or the other")
+        T = self.tensor_parallel
+        if T > 1:
+            other = [k for k, on in (("expert_parallel", self.expert_parallel > 1),
+                                     ("speculate", self.speculate),
+                                     ("decode_graphs", self.decode_graphs),
+                                     ("adapters", self.adapters),
+                                     ("embedding", self.embedding != "fp32")) if on]
+            if other:
+                raise ValueError(f"tensor_parallel={T} with {other[0]}: not available over "
+                                 "tensor-parallel ranks (their shards and all-reduces); use "
+                                 "one or the other")
         return self
 
     @field_validator("quantize")

@@ -1,7 +1,9 @@
 """Driver side of serving: the OpenAI-compatible app on Ray Serve, one ServeReplica per
 replica, behind Serve's HTTP proxy. With ``expert_parallel`` > 1 each replica of a MoE model
 builds a graph of ServeRank actors that hold its experts between them and decode its
-sequences in lockstep, exchanging tokens through all_to_all (troupe.serving.expert_parallel)."""
+sequences in lockstep, exchanging tokens through all_to_all; with ``tensor_parallel`` > 1 its
+ServeRank actors hold a shard of every layer and run every sequence together
+(troupe.serving.ranks)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from troupe.devices import cluster_device
 from troupe.runtime.cluster import init
 from troupe.serving.auth import KeyDigest, take_key
 from troupe.serving.config import ServeConfig
-from troupe.serving.expert_parallel import ExpertParallelReplica
+from troupe.serving.ranks import RankedReplica
 from troupe.serving.model import locate
 from troupe.serving.replica import ServeReplica
 
@@ -48,14 +50,15 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
 
     locate(cfg.model)  # a missing model fails here, not in a replica's traceback
     info = init()
-    needed = cfg.num_replicas * cfg.expert_parallel * cfg.num_gpus
+    ranks = max(cfg.expert_parallel, cfg.tensor_parallel)  # the actors of a replica
+    needed = cfg.num_replicas * ranks * cfg.num_gpus
     cfg = cfg.model_copy(update={"device": cluster_device(cfg.device, info.num_gpus, needed,
                                                           info.embedded)})
     serve.start(proxy_location=proxy_location(cfg.host),
                 http_options={"host": cfg.host, "port": cfg.port,
                               "request_timeout_s": cfg.limits.request_timeout_s})
     options: dict = {"num_cpus": cfg.num_cpus}
-    if cfg.device == "cuda" and cfg.expert_parallel == 1:  # else the expert ranks hold GPUs
+    if cfg.device == "cuda" and ranks == 1:  # else the replica's ranks hold the GPUs
         options["num_gpus"] = cfg.num_gpus
     if key is None:
         key = take_key(cfg.api_key_env)[1]
@@ -63,10 +66,10 @@ def deploy(cfg: ServeConfig, name: str = APP, timeout_s: float = 300.0,
         log.warning("serving on %s without an API key: anyone who reaches this address can "
                     "use the model (export %s=... to require one)", cfg.host, cfg.api_key_env)
     digest = asdict(key) if key else None
-    cls = ExpertParallelReplica if cfg.expert_parallel > 1 else ServeReplica
+    cls = RankedReplica if ranks > 1 else ServeReplica
     # a replica whose expert rank died is replaced within seconds
     health = (dict(health_check_period_s=1.0, health_check_timeout_s=30.0,
-                   graceful_shutdown_timeout_s=5.0) if cls is ExpertParallelReplica else {})
+                   graceful_shutdown_timeout_s=5.0) if cls is RankedReplica else {})
     deployment = serve.deployment(cls, name=cls.__name__).options(
         num_replicas=cfg.num_replicas, **health,
         # a stopping replica looks for requests still in flight every 0.25 s (Serve's default,

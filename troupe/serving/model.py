@@ -23,6 +23,7 @@ from troupe.generation.tools import template_text
 from troupe.models import GPT, GPTConfig, from_pretrained
 from troupe.models.hf_config import read_config
 from troupe.models.io import load_state, read_module_file, save_module
+from troupe.parallel.tensor import check_split
 from troupe.pretrain.export import checkpoint_model, load_full_model
 from troupe.serving.config import ModelSource, ServeConfig
 
@@ -93,6 +94,10 @@ def check_source(cfg: ServeConfig) -> None:
         if cfg.expert_parallel > 1:
             raise ConfigError("expert_parallel: a quantized model directory holds no MoE "
                               "experts to spread; set expert_parallel=1")
+        if cfg.tensor_parallel > 1:
+            raise ConfigError("tensor_parallel: a quantized model directory's integer weights "
+                              "are not split again; serve the fp32 model (each rank quantizes "
+                              "its shards) or set tensor_parallel=1")
     if cfg.model.pretrained is not None:
         try:
             model_cfg = read_config(path).model_dump()
@@ -113,6 +118,11 @@ def check_source(cfg: ServeConfig) -> None:
     if model_cfg is None:
         return  # an older file or manifest without a config: the replica checks the weights
     arch = validate(GPTConfig, model_cfg, f"{path}: config")
+    if cfg.tensor_parallel > 1:
+        try:
+            check_split(arch, cfg.tensor_parallel, training=False)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({where})") from None
     if cfg.quantize and not quantized_dir:
         with torch.device("meta"):
             check_patterns(GPT(arch), cfg.quantize)
@@ -205,8 +215,9 @@ def placed(model: GPT, cfg: ServeConfig) -> GPT:
 def calibrate(model: GPT, cfg: ServeConfig, tok: Tokenizer) -> dict[str, torch.Tensor] | None:
     """The outlier input channels the W8A8 layers keep in fp32 (``cfg.outlier_channels`` per
     layer, from 2 x 4 windows of the standard library's docstrings); None when there are
-    none to find. Run on the whole model (before an expert-parallel split), so that every
-    rank finds the same channels."""
+    none to find. Run on the whole model before an expert-parallel split, so that every rank
+    finds the same channels; on a tensor-parallel one after its split (all ranks at once),
+    so that each finds its own shards' (a row-parallel layer's input is its columns)."""
     if not cfg.outlier_channels or "w8a8" not in cfg.quantize.values():
         return None
     data = TokenDataset(DataConfig(), tok if isinstance(tok, HFTokens) else None)

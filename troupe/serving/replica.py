@@ -4,7 +4,7 @@ too; troupe.serving.endpoints says how the two differ), /v1/models, /tokenize, /
 /v1/load_lora_adapter, /metrics and /health. Ray Serve hosts it as a deployment
 (troupe.serving.deploy); every request it refuses gets a 4xx with an OpenAI-style error body,
 and the replica goes on serving. An expert-parallel replica is a subclass whose model lives in
-other actors (troupe.serving.expert_parallel)."""
+other actors (troupe.serving.ranks)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class ServeReplica:
                                     speculate=self.cfg.speculate, draft=draft)
         return batcher, {"seq_len": model.cfg.seq_len, "vocab_size": model.cfg.vocab_size,
                          "weight_bytes": weight_bytes(model),
-                         "quantized": modes, "expert_parallel": 1,
+                         "quantized": modes, "expert_parallel": 1, "tensor_parallel": 1,
                          "device": str(model.device)}
 
     def _metrics(self):

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 class Batcher(Protocol):
     """What a replica decodes with: troupe.generation.ContinuousBatcher, or the expert-parallel
-    batcher over rank actors (troupe.serving.expert_parallel). The attributes say what the
+    batcher over rank actors (troupe.serving.ranks). The attributes say what the
     engine offers beyond decoding: per-row LoRA adapters (``adapters``, None: none), a prefix
     cache (``prefix_cache``, None: none), structured outputs (``structured_outputs``; then
     ``grammars`` is made at the first constrained request)."""

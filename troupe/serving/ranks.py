@@ -1,10 +1,17 @@
-"""Expert-parallel serving: a replica of a MoE model whose experts live in ``expert_parallel``
-ServeRank actors (rank r holds every dense weight and experts r*n .. (r+1)*n - 1 of each MoE
-layer). The replica (``ExpertParallelReplica``, a ServeReplica) decodes through
-``ExpertParallelBatcher``: new sequences go to the rank with the fewest, and every step runs
-on all ranks at once, since each forward pass exchanges tokens with the other ranks' experts
-through all_to_all over the "ep" group. Should a rank die, the replica is broken for good and
-Ray Serve replaces it (troupe.serving.deploy)."""
+"""A replica whose model lives in several ServeRank actors, which step together:
+
+- expert-parallel (``expert_parallel`` ranks of a MoE model: rank r holds every dense weight
+  and experts r*n .. (r+1)*n - 1 of each MoE layer): new sequences go to the rank with the
+  fewest, and every step runs on all ranks at once, since each forward pass exchanges tokens
+  with the other ranks' experts through all_to_all over the "ep" group;
+- tensor-parallel (``tensor_parallel`` ranks, troupe.parallel.tensor: each holds its share of
+  every layer's heads, MLP and vocabulary, quantized on its own): every rank runs every
+  sequence, since each pass all-reduces over the "tp" group; they decide the same tokens
+  (the logits are gathered whole on each, and sampling draws by (seed, request, position)),
+  so the replica reads rank 0's events.
+
+The replica (``RankedReplica``, a ServeReplica) decodes through ``RankBatcher``. Should a rank
+die, the replica is broken for good and Ray Serve replaces it (troupe.serving.deploy)."""
 
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from troupe.actors import Dispatch, PerRank, dispatch
 from troupe.config import validate
 from troupe.errors import WorkerDiedError
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
-from troupe.parallel import apply_expert_parallel
+from troupe.parallel import apply_expert_parallel, apply_tensor_parallel
+from troupe.parallel.tensor import bias_on_first_rank
 from troupe.runtime.graph import ActorGraph
 from troupe.runtime.handle import Graph
 from troupe.runtime.topology import Group, Topology
@@ -32,9 +40,12 @@ from troupe.serving.model import (calibrate, load_source, placed, quantize_serve
 from troupe.serving.replica import ServeReplica
 
 
+ROLE = "rank"  # the ranks' role in the replica's graph
+
+
 @dataclass(frozen=True)
 class RankModel:
-    """What an expert-parallel rank holds once set up."""
+    """What a rank holds once set up."""
 
     seq_len: int
     weight_bytes: int
@@ -44,18 +55,26 @@ class RankModel:
 
 @dataclass(frozen=True)
 class ServingTopology(Topology):
-    """An expert-parallel replica's one group: "ep" over its ranks (NCCL between GPU ranks,
-    else gloo)."""
+    """A replica's one group over its ranks (NCCL between GPU ranks, else gloo): "ep"
+    (expert-parallel) or "tp" (tensor-parallel)."""
 
-    ep: Group = Group("ep", ("expert",))
+    ep: Group | None = None
+    tp: Group | None = None
+
+    @classmethod
+    def of(cls, cfg: ServeConfig) -> "ServingTopology":
+        if cfg.tensor_parallel > 1:
+            return cls(tp=Group("tp", (ROLE,)))
+        return cls(ep=Group("ep", (ROLE,)))
 
 
 class ServeRank:
-    """Expert-parallel rank r of a served MoE model: every dense weight (quantized as the
-    config says), experts r*n .. (r+1)*n - 1 of each MoE layer, and a continuous batcher over
-    the sequences given to this rank. All ranks step together (lockstep), since each forward
-    pass exchanges tokens with the other ranks' experts through all_to_all over the topology's
-    "ep" group."""
+    """Rank r of a served model split over several actors. Expert-parallel: every dense
+    weight (quantized as the config says), experts r*n .. (r+1)*n - 1 of each MoE layer, and a
+    continuous batcher over the sequences given to this rank; all ranks step together
+    (lockstep), since each forward pass exchanges tokens with the other ranks' experts through
+    all_to_all over the "ep" group. Tensor-parallel: its shards of every layer, quantized
+    here, and a continuous batcher over every sequence (each rank is given the same work)."""
 
     def __init__(self, config: dict[str, Any]):
         self.cfg = validate(ServeConfig, config, "serve config")
@@ -66,11 +85,18 @@ class ServeRank:
     def setup(self, topology: ServingTopology) -> RankModel:
         tok = source_tokenizer(self.cfg.model)
         model = placed(load_source(self.cfg.model), self.cfg)
-        outliers = calibrate(model, self.cfg, tok)  # on the whole model: the same on every rank
-        model = apply_expert_parallel(model, topology.ep.communicator())
-        modes = quantize_served(model, self.cfg, outliers)
+        if topology.tp is not None:  # each rank finds its own shards' outlier channels
+            model = apply_tensor_parallel(model, topology.tp.communicator(), training=False)
+            modes = quantize_served(model, self.cfg, calibrate(model, self.cfg, tok))
+            bias_on_first_rank(model)
+        else:  # calibrated whole: the same channels on every rank
+            outliers = calibrate(model, self.cfg, tok)
+            model = apply_expert_parallel(model, topology.ep.communicator())
+            modes = quantize_served(model, self.cfg, outliers)
+        # the expert ranks run their own sequences and stand in for each other's passes;
+        # the tensor-parallel ranks all run the same ones
         self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
-                                         lockstep=True, tokenizer=tok.hf)
+                                         lockstep=topology.tp is None, tokenizer=tok.hf)
         return RankModel(model.cfg.seq_len, weight_bytes(model), modes, model.cfg.vocab_size)
 
     @dispatch(Dispatch.ALL)
@@ -85,19 +111,21 @@ class ServeRank:
         return self.batcher.step()
 
 
-class ExpertParallelBatcher:
-    """The ContinuousBatcher interface over a graph of ServeRank actors: new sequences go to
-    the rank with the fewest, and every step runs on all ranks at once (one Ray call each,
-    carrying that rank's new sequences and cancellations). ``lost`` says why the gang is
-    broken, once a rank has died: the others cannot step without it."""
+class RankBatcher:
+    """The ContinuousBatcher interface over a graph of ServeRank actors: every step runs on all
+    ranks at once (one Ray call each, carrying that rank's new sequences and cancellations).
+    Expert-parallel, new sequences go to the rank with the fewest; ``replicated``
+    (tensor-parallel), every rank gets every sequence and rank 0's events are the replica's.
+    ``lost`` says why the gang is broken, once a rank has died: the others cannot step
+    without it."""
 
     adapters = prefix_cache = grammars = None  # the serving Batcher protocol: none of them
     structured_outputs = False
     prefill_tokens = 0
     speculation = {"passes": 0, "proposed": 0, "accepted": 0}  # none: a lockstep engine
 
-    def __init__(self, graph: Graph):
-        self.graph, self.ranks = graph, graph["expert"]
+    def __init__(self, graph: Graph, replicated: bool = False):
+        self.graph, self.ranks, self.replicated = graph, graph[ROLE], replicated
         self.lost: str | None = None
         self.where: dict[str, int] = {}  # sequence -> rank
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
@@ -140,7 +168,7 @@ class ExpertParallelBatcher:
         work: list[tuple[list, list]] = [([], []) for _ in range(P)]
         load = Counter(self.where.values())
         for seq in adds:
-            r = min(range(P), key=load.__getitem__)
+            r = 0 if self.replicated else min(range(P), key=load.__getitem__)
             self.where[seq[0]] = r
             load[r] += 1
             work[r][0].append(seq)
@@ -148,12 +176,15 @@ class ExpertParallelBatcher:
             r = self.where.pop(seq_id, None)
             if r is not None:
                 work[r][1].append(seq_id)
+        if self.replicated:  # every rank the same work
+            work = [work[0]] * P
         try:
             stepped = self.ranks.invoke(ServeRank.step, PerRank(work))
         except WorkerDiedError as e:
             self._lose(e)
             raise
-        events = [e for rank_events in stepped for e in rank_events]
+        events = (stepped[0] if self.replicated
+                  else [e for rank_events in stepped for e in rank_events])
         for e in events:
             if e.finish_reason is not None:
                 self.where.pop(e.seq_id, None)
@@ -175,14 +206,16 @@ class ExpertParallelBatcher:
                 return
 
     def _lose(self, e: WorkerDiedError) -> None:
-        self.lost = f"expert-parallel rank {e.rank} died: {e.cause}".split("\n")[0]
+        kind = "tensor" if self.replicated else "expert"
+        self.lost = f"{kind}-parallel rank {e.rank} died: {e.cause}".split("\n")[0]
 
     def shutdown(self) -> None:
         self.graph.shutdown()
 
 
-class ExpertParallelReplica(ServeReplica):
-    """A ServeReplica whose MoE model lives in ``expert_parallel`` ServeRank actors. Should
+class RankedReplica(ServeReplica):
+    """A ServeReplica whose model lives in ``expert_parallel`` or ``tensor_parallel``
+    ServeRank actors. Should
     one of them die, the replica is broken for good: ``/health`` answers 503 at once (it asks
     the ranks), requests get 503, and Ray Serve's health check (every second) has it replaced,
     a new replica with a new gang; the old gang's actors and placement group go with the old
@@ -200,15 +233,21 @@ class ExpertParallelReplica(ServeReplica):
             batcher.shutdown()
 
     def _make_batcher(self) -> tuple[Any, dict[str, Any]]:
-        P = self.cfg.expert_parallel
+        cfg = self.cfg
+        P = max(cfg.expert_parallel, cfg.tensor_parallel)
         g = ActorGraph(f"serve-{uuid.uuid4().hex[:8]}")
-        gpus = self.cfg.num_gpus if self.cfg.device == "cuda" else 0.0
-        g.role("expert", ServeRank, P, num_cpus=self.cfg.num_cpus, num_gpus=gpus,
-               config=self.cfg.model_dump())
-        topology = ServingTopology()
+        gpus = cfg.num_gpus if cfg.device == "cuda" else 0.0
+        g.role(ROLE, ServeRank, P, num_cpus=cfg.num_cpus, num_gpus=gpus,
+               config=cfg.model_dump())
+        topology = ServingTopology.of(cfg)
         topology.declare(g)
         graph = g.build(timeout_s=300, call_timeout_s=300)
-        infos = graph["expert"].invoke(ServeRank.setup, topology)
-        return ExpertParallelBatcher(graph), {
-            "seq_len": infos[0].seq_len, "vocab_size": infos[0].vocab_size, "expert_parallel": P,
+        try:
+            infos = graph[ROLE].invoke(ServeRank.setup, topology)
+        except BaseException:
+            graph.shutdown()
+            raise
+        return RankBatcher(graph, replicated=topology.tp is not None), {
+            "seq_len": infos[0].seq_len, "vocab_size": infos[0].vocab_size,
+            "expert_parallel": cfg.expert_parallel, "tensor_parallel": cfg.tensor_parallel,
             "weight_bytes": [i.weight_bytes for i in infos], "quantized": infos[0].quantized}
