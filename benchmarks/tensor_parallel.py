@@ -19,6 +19,16 @@ steps: pretraining steps of the same GPT in Ray actors (apps' driver): T = 1 (on
 budget: a GPT of about 100M parameters under memory_per_worker: refused at T = 1 before any
     process starts (the refusal names the size that fits), trained at T = 2 for 3 steps,
     each rank's measured peak (VmHWM, the whole process) against the budget.
+equality: pretraining of the dense and MoE GPTs of the suite's shapes, 30 steps at T = 1 and
+    T = 2 (MoE: each step's routing the same, as the losses show), the largest relative
+    difference of the losses and whether they are bit for bit.
+smollm2: SmolLM2-135M-Instruct (9 query, 3 key/value heads) at T = 3 against T = 1: greedy
+    decoding of 64 tokens (fp32, the engine's native step per shard; ranks as threads) and
+    its rate; the perplexity of W8A8 on held-out text (the standard library's held-out
+    docstrings), each rank calibrating and quantizing its own shards as a served rank does
+    (troupe.serving.ranks), against T = 1's; continued pretraining, 10 steps at T = 3
+    against T = 1 (the steps of RLHF's SFT are the same loss on other data).
+served: SmolLM2 behind the OpenAI server at T = 1 and 3, fp32 and W8A8 (see ``served``).
 """
 
 from __future__ import annotations
@@ -211,13 +221,154 @@ def budget(a) -> None:
     emit(line)
 
 
+def equality(a) -> None:
+    from troupe.pretrain import driver as pretrain
+    from troupe.pretrain.config import PretrainConfig
+    moe = dict(num_experts=4, expert_interval=1, capacity_factor=1.0, min_capacity=2)
+    for name, extra in (("dense", {}), ("moe", {"moe": moe})):
+        losses = {}
+        for T in (1, 2):
+            cfg = PretrainConfig(
+                model=dict(seq_len=32, n_layer=2, n_head=4, d_model=32, **extra),
+                optimizer=dict(name="adamw", lr=3e-3, warmup_steps=2),
+                data=dict(max_chars=200_000), workers=T, tensor_parallel=T,
+                train=dict(steps=30, batch_size=4, eval_every=0, checkpoint_every=0),
+                out_dir=f"/tmp/troupe-tp-bench/eq-{name}-{T}")
+            records = pretrain.run(cfg, resume=None, progress=False)
+            losses[T] = [r["loss"] for r in records if r["kind"] == "train"]
+        rel = max(abs(x - y) / y for x, y in zip(losses[2], losses[1]))
+        emit({"part": "equality", "model": name, "steps": 30, "max_rel_diff": rel,
+              "bit_for_bit": losses[1] == losses[2], "first_loss": losses[1][0],
+              "last_loss": losses[1][-1]})
+
+
+def smollm2(a) -> None:
+    import math
+    from troupe.data import DataConfig, TokenDataset, load_tokenizer
+    from troupe.generation import ContinuousBatcher, SamplingParams
+    from troupe.models import from_pretrained
+    from troupe.models import smollm2 as pkg
+    from troupe.parallel.tensor import bias_on_first_rank
+    from troupe.serving.config import ServeConfig
+    from troupe.serving.model import calibrate, quantize_served, source_tokenizer
+    path = str(pkg.build())
+    tok = load_tokenizer(path)
+    prompts = [tok.encode("The capital of France is"),
+               tok.encode("def fibonacci(n):\n    ")]
+
+    def greedy(model):
+        engine = ContinuousBatcher(model, eos_id=tok.eos_id, max_batch=4)
+        for i, p in enumerate(prompts):
+            engine.add(str(i), p, SamplingParams(max_tokens=64, temperature=0.0,
+                                                 ignore_eos=True))
+        t0 = time.perf_counter()
+        out = engine.run()
+        return out, time.perf_counter() - t0, engine.fused is not None
+
+    torch.set_num_threads(2)
+    one, one_s, one_fused = greedy(from_pretrained(path))
+
+    def rank(group):
+        torch.set_num_threads(1)
+        return greedy(apply_tensor_parallel(from_pretrained(path), group, training=False))
+    three = run_ranks(3, rank)
+    tokens = sum(len(t) for t in one.values())
+    emit({"part": "smollm2", "check": "greedy_fp32", "T": 3, "tokens": tokens,
+          "identical": all(o[0] == one for o in three), "native_step": [one_fused, three[0][2]],
+          "T1_tokens_per_s": round(tokens / one_s, 1),
+          "T3_tokens_per_s_threads": round(tokens / max(o[1] for o in three), 1)})
+
+    serve = ServeConfig(model={"pretrained": path}, quantize={"*": "w8a8"})
+    data = TokenDataset(DataConfig(), tok)
+
+    @torch.no_grad()
+    def perplexity(model) -> float:
+        losses = [model(x, y)[1].item() for x, y in data.val_batches(4, 4, 256)]
+        return math.exp(sum(losses) / len(losses))
+
+    torch.set_num_threads(2)
+    whole = from_pretrained(path)
+    quantize_served(whole, serve, calibrate(whole, serve, source_tokenizer(serve.model)))
+    ppl_one = perplexity(whole)
+
+    def quantized_rank(group):
+        torch.set_num_threads(1)
+        model = apply_tensor_parallel(from_pretrained(path), group, training=False)
+        quantize_served(model, serve, calibrate(model, serve, source_tokenizer(serve.model)))
+        bias_on_first_rank(model)
+        return perplexity(model)
+    ppl_three = run_ranks(3, quantized_rank)
+    emit({"part": "smollm2", "check": "w8a8_perplexity", "T": 3, "ppl_T1": ppl_one,
+          "ppl_T3": ppl_three[0], "rel_diff": abs(ppl_three[0] - ppl_one) / ppl_one,
+          "goal": 0.002})
+
+    from troupe.pretrain import driver as pretrain
+    from troupe.pretrain.config import PretrainConfig
+    losses = {}
+    for T in (1, 3):
+        cfg = PretrainConfig(
+            model=dict(pretrained=path, seq_len=64),
+            optimizer=dict(name="adamw", lr=1e-5, warmup_steps=0), device="cpu",
+            data=dict(max_chars=200_000), workers=T, tensor_parallel=T,
+            train=dict(steps=10, batch_size=2, eval_every=0, checkpoint_every=0),
+            out_dir=f"/tmp/troupe-tp-bench/smollm2-{T}")
+        t0 = time.perf_counter()
+        records = pretrain.run(cfg, resume=None, progress=False, export=lambda c, o: None)
+        losses[T] = ([r["loss"] for r in records if r["kind"] == "train"],
+                     time.perf_counter() - t0)
+    rel = max(abs(x - y) / y for x, y in zip(losses[3][0], losses[1][0]))
+    emit({"part": "smollm2", "check": "continued_pretraining", "T": 3, "steps": 10,
+          "max_rel_diff": rel, "bit_for_bit": losses[1][0] == losses[3][0],
+          "losses_T1": [round(x, 4) for x in losses[1][0]],
+          "seconds": {1: round(losses[1][1], 1), 3: round(losses[3][1], 1)}})
+
+
+def served(a) -> None:
+    """SmolLM2 behind apps/serve.py's server at T = 1 and T = 3 (fp32 and W8A8): the rate of
+    one request of 64 greedy tokens (after one to warm up), and whether T = 3's text is
+    T = 1's (fp32: it must be; W8A8: each rank's own scales, so it may part)."""
+    import openai
+    from troupe.models import smollm2 as pkg
+    from troupe.serving import deploy as serve
+    from troupe.serving.config import ServeConfig
+    path = str(pkg.build())
+    prompt = "Write a short story about a lighthouse keeper."
+    texts = {}
+    for quantize in ({}, {"*": "w8a8"}):
+        for T in (1, 3):
+            cfg = ServeConfig(model={"pretrained": path, "name": "m"}, quantize=quantize,
+                              tensor_parallel=T, num_cpus=0.5, threads=1 if T > 1 else 2,
+                              api_key_env="TROUPE_BENCH_NO_KEY", port=8123)
+            url = serve.deploy(cfg)
+            try:
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=600)
+
+                def ask():
+                    out = client.completions.create(model="m", prompt=prompt, max_tokens=64,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+                    return out.choices[0].text
+                ask()
+                t0 = time.perf_counter()
+                text = ask()
+                seconds = time.perf_counter() - t0
+            finally:
+                serve.shutdown()
+            mode = "w8a8" if quantize else "fp32"
+            texts[mode, T] = text
+            emit({"part": "served", "model": "smollm2", "mode": mode, "T": T,
+                  "threads_per_rank": cfg.threads, "tokens_per_s": round(64 / seconds, 1),
+                  "same_text_as_T1": text == texts[mode, 1]})
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--parts", nargs="*", default=["maths", "ted", "steps", "budget"])
+    p.add_argument("--parts", nargs="*",
+                   default=["maths", "ted", "steps", "budget", "equality", "smollm2",
+                            "served"])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--memory-per-worker", type=float, default=1.4)
     a = p.parse_args()
-    if {"steps", "budget"} & set(a.parts):
+    if {"steps", "budget", "equality", "smollm2", "served"} & set(a.parts):
         import troupe
         troupe.init(num_cpus=4)
     for part in a.parts:

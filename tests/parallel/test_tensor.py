@@ -184,3 +184,27 @@ def test_engines_of_three_ranks_decode_the_tokens_of_one():
     out = run_ranks(3, lambda g: generate(
         apply_tensor_parallel(GPT(cfg, seed=3), g, training=False).eval()))
     assert all(tokens == whole and f == fused and h == 1 for tokens, f, h in out)
+
+
+@pytest.mark.gpu
+def test_the_split_computes_on_cuda_tensors():
+    """The tensor-parallel maths on CUDA tensors (one GPU: two NCCL ranks cannot share it, so
+    the ranks' collectives are gloo's, which moves CUDA tensors through the host): the loss,
+    logits and gradients of the whole model on the GPU, within float rounding."""
+    x, y = _batch(LLAMA)
+    ref = GPT(LLAMA, seed=3).cuda()
+    _, loss, _ = ref(x.cuda(), y.cuda())
+    loss.backward()
+
+    def rank(group):
+        model = apply_tensor_parallel(GPT(LLAMA, seed=3), group).cuda()
+        _, got, _ = model(x.cuda(), y.cuda())
+        got.backward()
+        return got.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}, \
+            model.tp_layout
+    out = run_ranks(3, rank)
+    assert all(abs(o[0] - loss.item()) <= 1e-5 * loss.item() for o in out)
+    for name, p in ref.named_parameters():
+        splits = out[0][2]
+        grad = splits[name].merge([o[1][name] for o in out]) if name in splits else out[0][1][name]
+        assert _close(grad, p.grad.cpu(), 1e-4), name
