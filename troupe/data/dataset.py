@@ -16,14 +16,25 @@ from troupe.data.tokenizer import ByteTokenizer, HFTokens
 
 
 class DataConfig(Config):
-    """source: "stdlib" (docstrings of Python's standard library) or a list of .txt, .jsonl or
-    .parquet files; val_fraction of the documents (at least one) is held out for validation;
-    max_chars: keep at most this many tokens of each stream (bytes, for the byte tokenizer)."""
+    """source: "stdlib" (docstrings of Python's standard library), a .txt, .jsonl or .parquet
+    file or a list of them (read whole into memory), or a corpus to stream: a directory, a
+    glob or an fsspec URL of such shards (troupe.data.stream: tokenized once off the trainers,
+    read window by window; the kind of source decides). val_fraction of the documents (at
+    least one) is held out for validation (streamed: by each document's hash, stable as
+    shards are added); max_chars: keep at most this many tokens of each stream (bytes, for
+    the byte tokenizer; in-memory sources). text_column: the field of a jsonl or parquet row
+    that holds the text. skip_bad: a streamed corpus' bad rows and files (no text, not
+    readable, empty) are skipped and counted instead of stopping the run (the count and the
+    first one in metrics.jsonl's "data" record). cache_dir: where a streamed corpus' tokens
+    go (default troupe's cache, tokens/): a directory every trainer's node reaches."""
 
     source: str | list[str] = "stdlib"
     val_fraction: float = Field(default=0.05, gt=0, lt=1)
     seed: int = 1234
     max_chars: int | None = Field(default=None, ge=1)
+    text_column: str = "text"
+    skip_bad: bool = False
+    cache_dir: str | None = None
 
 
 class TokenDataset:
@@ -33,7 +44,8 @@ class TokenDataset:
     def __init__(self, cfg: DataConfig, tokenizer: ByteTokenizer | HFTokens | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer or ByteTokenizer()
         docs = stdlib_documents() if cfg.source == "stdlib" else file_documents(
-            [cfg.source] if isinstance(cfg.source, str) else [Path(p) for p in cfg.source])
+            [cfg.source] if isinstance(cfg.source, str) else [Path(p) for p in cfg.source],
+            cfg.text_column)
         if len(docs) < 2:
             raise ValueError("data: need at least 2 documents for a train/validation split")
         order = np.random.default_rng(cfg.seed).permutation(len(docs))
@@ -85,6 +97,17 @@ class TokenDataset:
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
         w = torch.from_numpy(stream[idx].astype(np.int64))
         return w[:, :-1], w[:, 1:]
+
+
+def open_dataset(cfg: DataConfig, tokenizer_dir: str | None = None,
+                tokenizer: ByteTokenizer | HFTokens | None = None):
+    """The dataset ``cfg`` names: a streamed corpus (troupe.data.stream.StreamDataset, its
+    tokens prepared once, ``tokenizer_dir``'s tokenizer or troupe's bytes) or the in-memory
+    TokenDataset (``tokenizer``); both give ``train_batch`` and ``val_batches``."""
+    from troupe.data.stream import StreamDataset, is_stream, prepare
+    if is_stream(cfg.source):
+        return StreamDataset(prepare(cfg, tokenizer_dir, cfg.cache_dir), cfg.seed)
+    return TokenDataset(cfg, tokenizer)
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:

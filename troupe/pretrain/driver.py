@@ -23,6 +23,7 @@ from troupe import checkpoint as ckpt
 from troupe.checkpoint.storage import StorePath
 from troupe.collectives import straggler
 from troupe.data import ByteTokens
+from troupe.data.stream import StreamDataset, is_stream, prepare
 from troupe.devices import cluster_device
 from troupe.errors import WorkerCallError, WorkerDiedError, one_line
 from troupe.models import save_pretrained
@@ -71,6 +72,7 @@ def build_graph(cfg: PretrainConfig, name: str = "pretrain",
                max_restarts=cfg.max_restarts, config=config)
     topology = PretrainTopology.of(cfg)
     topology.declare(g)
+    prepare_data(cfg)  # a streamed corpus' tokens, before any trainer reads them
     graph = g.build(timeout_s=timeout_s or T.placement_timeout_s, call_timeout_s=600,
                     collective_timeout_s=cfg.collective_timeout_s)
     try:
@@ -92,6 +94,7 @@ def reuse_graph(built: Trainers, cfg: PretrainConfig) -> Trainers:
         raise ValueError(f"this graph holds {have} (role: ranks) wired as {built.topology}; "
                          f"the recipe needs {want} wired as {topology}")
     config = cfg.model_copy(update={"device": _device(cfg)})
+    prepare_data(cfg)
     _both(built.graph, TrainerActor.configure, ShardOwnerActor.configure, config)
     trainers, owners = _both(built.graph, TrainerActor.setup, ShardOwnerActor.setup, topology)
     return Trainers(built.graph, trainers, owners, topology)
@@ -156,6 +159,17 @@ def run(cfg: PretrainConfig, resume: str | None = "auto", stop_after: int | None
     return records
 
 
+def prepare_data(cfg: PretrainConfig) -> StreamDataset | None:
+    """A streamed corpus (troupe.data.stream) tokenized once, off the trainers, in Ray tasks
+    (reused when its tokens are in the cache already), as the trainers will read it; None for
+    an in-memory source."""
+    if not is_stream(cfg.data.source):
+        return None
+    init()
+    return StreamDataset(prepare(cfg.data, cfg.model.pretrained, cfg.data.cache_dir),
+                         cfg.data.seed)
+
+
 def exportable(cfg: PretrainConfig) -> bool:
     """Whether the trained model has a Hugging Face form (troupe.models.save_pretrained):
     dense GPTs and the Llama family (Mixtral for MoE), not offloaded checkpoints."""
@@ -192,6 +206,9 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
     start = _resume(graph, cfg, resume)
     metrics.truncate_after(start)
     records: list[dict] = []
+    data = prepare_data(cfg)
+    if data is not None:  # the corpus as prepared (its tokens, documents, skipped rows)
+        metrics.write({**data.prepared.report(), "step": start})
     if start == 0:  # a run's first record: each rank's parameter, gradient and optimizer-state
         # bytes, beside the peak memory of its steps' records (a resumed run keeps it)
         records.append({"kind": "plan", "step": 0,
@@ -204,6 +221,10 @@ def _train(graph: Graph, cfg: PretrainConfig, resume: str | None, stop_after: in
 
     def step(n: int) -> None:
         for rec in _step(graph, cfg, n, last):
+            if data is not None and rec["kind"] == "train":
+                rec.update(data.position(n, T.batch_size, cfg.model.window(
+                    cfg.model.architecture())))
+                bar.set_postfix(epoch=rec["epoch"], shard=rec["shard"], refresh=False)
             metrics.write(rec)
             records.append(rec)
 
@@ -284,6 +305,7 @@ def _step(graph: Graph, cfg: PretrainConfig, step: int, last: int) -> list[dict]
             "seconds": max(r.seconds for r in ranks),
             "compute_s": max(r.compute_s for r in ranks),
             "comm_s": max(r.comm_s for r in ranks),
+            "data_s": max(r.data_s for r in ranks),  # the slowest rank's wait for its rows
             # the slowest rank's seconds outside collectives: what the step is without links
             "busy_s": max(r.seconds - r.comm_s for r in ranks),
             "peak_memory_mb": max(r.peak_memory_mb for r in ranks)}]

@@ -14,7 +14,7 @@ import torch
 
 from troupe.collectives import Communicator
 from troupe.config import ConfigError
-from troupe.data import TokenDataset, load_tokenizer, micro_batches
+from troupe.data import load_tokenizer, micro_batches, open_dataset
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
 from troupe.models.hf_config import context_length
@@ -63,6 +63,7 @@ class StepStats:
     compute_s: float = 0.0       # forward and backward (MoE's token exchanges and ZeRO-3's
     #                              gathers inside), before the gradient's reduction and step
     comm_s: float = 0.0          # of the reduction and step: seconds in collectives (gloo)
+    data_s: float = 0.0          # reading this step's rows (a streamed corpus: from disk)
 
 
 class Bucket:
@@ -240,7 +241,8 @@ class Trainer:
         self.arch = cfg.model.architecture()
         self.window = cfg.model.window(self.arch)
         pretrained = cfg.model.pretrained
-        self.data = TokenDataset(cfg.data, load_tokenizer(pretrained) if pretrained else None)
+        self.data = open_dataset(cfg.data, pretrained,
+                                 load_tokenizer(pretrained) if pretrained else None)
         edp_size = edp.world_size if edp is not None else 1
         check_memory(cfg, self.arch, self.device, rank, world)
         self.zero3: Zero3 | None = None
@@ -276,6 +278,7 @@ class Trainer:
         seq_len = cfg.curriculum.seq_len_at(step, full)
         x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.dp_rank,
                                      self.dp_world)
+        data_s = time.perf_counter() - t0
         x, y = x[:, :seq_len].to(self.device), y[:, :seq_len].to(self.device)
         keep = cfg.random_ltd.keep_at(step, seq_len)
         ltd = None
@@ -317,7 +320,7 @@ class Trainer:
                          skipped_steps=s.skipped if s else 0,
                          a2a_bytes=sum(m.meter.bytes for m in self.model.modules()
                                        if isinstance(m, MoE)), compute_s=compute_s,
-                         comm_s=self._comm_wait_s() - waited)
+                         comm_s=self._comm_wait_s() - waited, data_s=data_s)
 
     def _comm_wait_s(self) -> float:
         """Seconds this rank's data-parallel groups have spent in operations (gloo's count;
