@@ -219,6 +219,42 @@ def budget(a) -> None:
     line["T2_peak_within_budget"] = all(p <= a.memory_per_worker * 1024
                                         for p in got["peak_rss_mb_per_rank"])
     emit(line)
+    # the same model trained through the app's driver (exported as a Hugging Face
+    # directory), then served at T = 2 against transformers' greedy tokens
+    from troupe.pretrain import driver as pretrain
+    records = pretrain.run(cfg, resume=None, progress=False)
+    peak = max(r["peak_memory_mb"] for r in records if r["kind"] == "train")
+    emit({"part": "budget", "check": "served_T2_vs_transformers",
+          **served_against_transformers(Path(cfg.out_dir) / "hf", 2, 32),
+          "trained_peak_rss_mb": round(peak), "within_budget": peak <= a.memory_per_worker * 1024})
+
+
+def served_against_transformers(hf_dir: Path, T: int, n: int) -> dict:
+    """The greedy tokens of ``hf_dir`` served over T tensor-parallel ranks (fp32) against
+    transformers' ``generate`` on the same directory, for ``n`` tokens."""
+    import openai
+    from transformers import AutoModelForCausalLM
+    from troupe.serving import deploy as serve
+    from troupe.serving.config import ServeConfig
+    prompt = "The shard was read by every rank"
+    ids = list(prompt.encode())  # the byte tokenizer's ids
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    cfg = ServeConfig(model={"pretrained": str(hf_dir), "name": "m"}, quantize={},
+                      tensor_parallel=T, num_cpus=0.5, api_key_env="TROUPE_BENCH_NO_KEY",
+                      port=8124)
+    url = serve.deploy(cfg)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=600)
+        out = client.completions.create(model="m", prompt=ids, max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True,
+                                                    "return_token_ids": True})
+        got = out.choices[0].model_extra.get("token_ids")
+    finally:
+        serve.shutdown()
+    return {"T": T, "tokens": n, "identical": got == want, "served": got[:8], "hf": want[:8]}
 
 
 def equality(a) -> None:

@@ -135,3 +135,16 @@ def test_pretraining_from_shards_resumes_exactly_also_on_fewer_ranks(pretrain_gr
     assert all(abs(got[s] - losses[s]) <= 1e-5 * losses[s] for s in (5, 6, 7, 8))
     data = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[0])
     assert data["kind"] == "data" and data["shards"] == 6
+
+
+def test_an_epoch_is_every_window_once_with_a_short_last_chunk(tmp_path, monkeypatch):
+    """The order of N windows (N not a multiple of the chunk): a permutation of 0..N-1,
+    another one the next epoch."""
+    from troupe.data import stream
+    monkeypatch.setattr(stream, "CHUNK", 8)
+    data = StreamDataset.__new__(StreamDataset)
+    data.seed, data._perm = 7, {}
+    N = 8 * 5 + 3
+    first = [data._order(0, N, i) for i in range(N)]
+    second = [data._order(1, N, i) for i in range(N)]
+    assert sorted(first) == sorted(second) == list(range(N)) and first != second

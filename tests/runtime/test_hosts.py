@@ -3,7 +3,8 @@ Ray node in each, the head (host 0) with no CPUs for workers, as production head
 the driver, the GCS and Serve's proxy live there, the ranks on hosts 1-3. A job run from host
 0 sees the nodes at their addresses and its allreduce crosses the veth links (their counters);
 then the faults: a link cut shorter and longer than the collective timeout, a host killed
-under pretraining, under a weight sync to a rollout replica, and under a served load. The
+under pretraining (its corpus streamed from a directory of shards, each host's rank reading
+its part of every global batch), under a weight sync to a rollout replica, and under a served load. The
 module's hosts are removed at its end, and the session checks that no namespace or process of
 theirs is left (tests/conftest.py). Skipped, with the reason, where root or ``ip``/``tc`` are
 missing."""
@@ -123,13 +124,23 @@ def _rank_host(hosts, records, role: str, rank: int = 0) -> int:
     return hosts.at(placement["nodes"][role][rank])
 
 
-def _pretrain(out) -> list[str]:
-    """Pretraining with one rank a host, checkpoints every 20 steps, collectives that wait
-    5 s."""
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A directory of shards the hosts' ranks stream from (troupe.data.stream), its tokens
+    where every host reaches them (the hosts share this machine's filesystem)."""
+    from tests.data.test_stream import make_corpus
+    root = tmp_path_factory.mktemp("corpus")
+    return make_corpus(root / "shards", shards=4, docs=200), root / "tokens"
+
+
+def _pretrain(out, corpus) -> list[str]:
+    """Pretraining with one rank a host, from a streamed corpus, checkpoints every 20 steps,
+    collectives that wait 5 s."""
+    shards, tokens = corpus
     return [sys.executable, "apps/pretrain.py", "--config", "dense-tiny", "workers=2",
             "train.strategy=STRICT_SPREAD", "train.steps=120", "train.eval_every=0",
             "train.checkpoint_every=20", "collective_timeout_s=5", "max_restarts=2",
-            f"out_dir={out}"]
+            f"data.source={shards}", f"data.cache_dir={tokens}", f"out_dir={out}"]
 
 
 def _losses(out) -> list[tuple]:
@@ -140,10 +151,10 @@ def _losses(out) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def uncut(hosts, tmp_path_factory):
+def uncut(hosts, tmp_path_factory, corpus):
     """The losses of the run nobody cut or killed."""
     out = tmp_path_factory.mktemp("uncut")
-    plain = hosts.run(0, _pretrain(out), timeout_s=240)
+    plain = hosts.run(0, _pretrain(out, corpus), timeout_s=240)
     assert plain.returncode == 0, plain.stderr[-3000:]
     [links] = [r for r in _records(out) if r["kind"] == "links"]  # the ranks span two hosts
     assert len(links["pairs"]) == 2 and all(p["mb_per_s"] > 10 for p in links["pairs"])
@@ -155,14 +166,15 @@ def _run(hosts, argv) -> subprocess.Popen:
     return hosts.exec(0, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_short_cut_is_ridden_out_and_a_long_one_restarts_the_run(hosts, tmp_path, uncut):
+def test_a_short_cut_is_ridden_out_and_a_long_one_restarts_the_run(hosts, tmp_path, uncut,
+                                                                   corpus):
     """Pretraining with one rank a host: a cut of a rank's link shorter than
     collective_timeout_s (5 s) costs a pause; a longer one (8 s, less than Ray's 10 s to
     declare the node lost) fails the collective, naming the peer and its host, a fault: the
     run goes back to its last checkpoint and completes, with the losses of a run nobody cut
     (bit for bit)."""
     cut = tmp_path / "cut"
-    proc = _run(hosts, _pretrain(cut))
+    proc = _run(hosts, _pretrain(cut, corpus))
     victim = None
     try:
         victim = _rank_host(hosts, _wait(cut, proc, _step("train", 25), "step 25"), "trainer", 1)
@@ -188,13 +200,13 @@ def test_a_short_cut_is_ridden_out_and_a_long_one_restarts_the_run(hosts, tmp_pa
 
 
 def test_a_killed_host_is_a_lost_node_and_the_run_resumes_on_the_hosts_left(hosts, tmp_path,
-                                                                           uncut):
+                                                                           uncut, corpus):
     """Every process of a rank's host killed mid-pretraining (its trainer, its Ray node): the
     run notices (a dead worker, or a collective that times out first), Ray moves the rank to
     the spare host once it declares the node dead (10 s), and the run goes back to its last
     checkpoint and completes with an uninterrupted run's losses, bit for bit."""
     out = tmp_path / "killed"
-    proc = _run(hosts, _pretrain(out))
+    proc = _run(hosts, _pretrain(out, corpus))
     victim = None
     try:
         victim = _rank_host(hosts, _wait(out, proc, _step("train", 50), "step 50"), "trainer", 1)

@@ -14,7 +14,8 @@ cannot repeat. A document goes to validation when its text's hash says so
 
 **Reading** (``StreamDataset``): the training files laid end to end are N windows of
 seq_len + 1 tokens. The global order of an epoch permutes chunks of ``CHUNK`` consecutive
-windows by (seed, epoch) and the windows within each chunk by (seed, epoch, chunk): global
+windows by (seed, epoch) (the short last chunk, when N is not a multiple, comes last) and
+the windows within each chunk by (seed, epoch, chunk): global
 index g of the run is window ``order(g // N)[g % N]``, and step s's global batch is indices
 (s - 1) B .. s B - 1, of which data-parallel rank r reads its B / W rows (tensor-parallel
 ranks of the same data-parallel rank read the same). Every batch is a function of (seed,
@@ -371,17 +372,18 @@ class StreamDataset:
         return self.train.total // (seq_len + 1)
 
     def _order(self, epoch: int, N: int, i: int) -> int:
-        """Window at place ``i`` of epoch ``epoch``'s order of N windows."""
-        chunks = -(-N // CHUNK)
+        """Window at place ``i`` of epoch ``epoch``'s order of N windows: the full chunks in
+        an order of (seed, epoch), then the short last one (N % CHUNK windows), each chunk's
+        windows in an order of (seed, epoch, chunk)."""
+        full = N // CHUNK
         key = ("chunks", epoch, N)
         if key not in self._perm:
-            self._perm = {k: v for k, v in self._perm.items() if k[1] == epoch}  # bounded
-            self._perm[key] = np.random.default_rng([self.seed, epoch, N]).permutation(chunks)
-        c = int(self._perm[key][i // CHUNK])
-        size = min(CHUNK, N - c * CHUNK)
+            self._perm = {key: np.random.default_rng([self.seed, epoch, N]).permutation(full)}
+        c = int(self._perm[key][i // CHUNK]) if i < full * CHUNK else full
+        size = CHUNK if c < full else N - full * CHUNK
         inner = ("inner", epoch, c)
         if inner not in self._perm:
-            if len(self._perm) > 64:
+            if len(self._perm) > 64:  # a few chunks' orders kept: the reads go chunk by chunk
                 self._perm = {key: self._perm[key]}
             self._perm[inner] = np.random.default_rng([self.seed, epoch, c, 1]).permutation(size)
         return c * CHUNK + int(self._perm[inner][i % CHUNK])
