@@ -18,6 +18,7 @@ environment that answers at length) ends its trajectory with the ``context`` cau
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -29,7 +30,7 @@ from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import context_length, read_config
 from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
 from troupe.rlhf.config import STEP3, RLHFConfig
-from troupe.rlhf.data.datasets import Data, check_sizes, prepare_data
+from troupe.rlhf.data.datasets import Data, RowView, check_sizes, prepare_data
 from troupe.rlhf.models.build import recipe_tokenizer
 from troupe.runtime.cluster import check_local_capacity
 
@@ -129,8 +130,9 @@ def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
 def _data(cfg: RLHFConfig) -> Data:
     """``prepare_data``; the bundled task (a function of its settings and the seed) made once
     per process and copied (the plan narrows the copy's lists)."""
-    if cfg.data.path:
-        return prepare_data(cfg)
+    if cfg.data.path:  # a directory of shards: its rows measured by the roles' tokenizer
+        return prepare_data(cfg, functools.partial(recipe_tokenizer, cfg.model,
+                                                   cfg.env.tools or None))
     key = (cfg.task.model_dump_json(), cfg.seed)
     if key not in _TASKS:
         _TASKS.clear()
@@ -167,6 +169,16 @@ def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> No
 
     def narrow(prompts: list, fields: list | None, which: str, kind: str):
         """The prompts (and their rows' fields) that fit; DataError when none does."""
+        if isinstance(prompts, RowView):  # streamed rows: their lengths measured already
+            fits = prompts.lengths <= budget
+            if not fits.any():
+                raise DataError(f"step3.max_new_tokens={N} plus the shortest {which} of "
+                                f"{source} ({int(prompts.lengths.min())} tokens) exceed "
+                                f"{where}: at most "
+                                f"{max(out.context - int(prompts.lengths.min()), 0)} new "
+                                "tokens fit")
+            out.skipped[kind] = int((~fits).sum())
+            return prompts.keep(fits), fields.keep(fits) if fields is not None else None
         keep = _kept(prompts, budget, length)
         if not keep:
             shortest = min(map(length, prompts))
@@ -190,6 +202,12 @@ def _fitting(out: Plan, kind: str, items: list, C: int, length: Callable,
              none_fit: str | None) -> list:
     """The items of at most ``C`` tokens; the others counted under ``kind``; DataError
     ``none_fit`` (with the shortest's length) when none is left."""
+    if isinstance(items, RowView):  # streamed rows: their lengths measured already
+        fits = items.lengths <= C
+        if not fits.any() and len(items) and none_fit is not None:
+            raise DataError(f"{none_fit}: the shortest has {int(items.lengths.min())} tokens")
+        out.skipped[kind] = int((~fits).sum())
+        return items.keep(fits)
     keep = _kept(items, C, length)
     if not keep and items and none_fit is not None:
         raise DataError(f"{none_fit}: the shortest has {min(map(length, items))} tokens")

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from troupe.data.corpus import jsonl_objects, parquet_rows
+from troupe.data.stream import Rows, _in_val, is_stream
 from troupe.errors import DataError
 from troupe.rlhf.config import STEP3, RLHFConfig
 
@@ -67,18 +71,24 @@ def read_jsonl(path: str | Path) -> list[Example]:
     out = []
     rows = parquet_rows(path) if path.suffix == ".parquet" else jsonl_objects(path)
     for i, row in rows:
-        if "prompt" not in row:
-            raise DataError(f"{path}:{i}: field prompt missing")
-        prompt = _check_prompt(row["prompt"], f"{path}:{i}")
-        pair = [row.get(k) for k in ("chosen", "rejected")]
-        if pair != [None, None] and not all(isinstance(v, str) for v in pair):
-            raise DataError(f"{path}:{i}: fields chosen and rejected must both be strings "
-                             "(or both absent)")
-        fields = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
-        out.append(Example(prompt, pair[0], pair[1], fields))
+        out.append(example(row, f"{path}:{i}"))
     if not out:
         raise DataError(f"{path}: no examples")
     return out
+
+
+def example(row: dict, where: str) -> Example:
+    """A row as an Example (see the module's docstring); DataError naming ``where`` (the file
+    and row) and the field at fault."""
+    if "prompt" not in row:
+        raise DataError(f"{where}: field prompt missing")
+    prompt = _check_prompt(row["prompt"], where)
+    pair = [row.get(k) for k in ("chosen", "rejected")]
+    if pair != [None, None] and not all(isinstance(v, str) for v in pair):
+        raise DataError(f"{where}: fields chosen and rejected must both be strings "
+                         "(or both absent)")
+    fields = {k: v for k, v in row.items() if k not in ("prompt", "chosen", "rejected")}
+    return Example(prompt, pair[0], pair[1], fields)
 
 
 def write_jsonl(path: str | Path, examples: list[Example]) -> Path:
@@ -212,8 +222,13 @@ def check_sizes(cfg: RLHFConfig, data: Data, steps: tuple[str, ...]) -> None:
                             "more rows")
 
 
-def prepare_data(cfg: RLHFConfig) -> Data:
-    """The bundled task (generated from the seed) or the JSON-lines file of ``data.path``."""
+def prepare_data(cfg: RLHFConfig, make_tokenizer: Callable | None = None) -> Data:
+    """The bundled task (generated from the seed), the JSON-lines (or parquet) file of
+    ``data.path``, or, when it is a directory, glob or URL of shards, its rows streamed
+    (``streamed_data``: ``make_tokenizer()`` gives the roles' tokenizer, whose lengths the
+    plan holds each row to)."""
+    if cfg.data.path and is_stream(cfg.data.path):
+        return streamed_data(cfg, make_tokenizer)
     if cfg.data.path:
         rows = read_jsonl(cfg.data.path)
         n_eval = max(1, int(len(rows) * cfg.data.eval_fraction))
@@ -234,3 +249,108 @@ def prepare_data(cfg: RLHFConfig) -> Data:
     return Data(task.demonstrations(t.sft_examples, s + 1), pairs[:-t.eval_examples],
                 pairs[-t.eval_examples:], task.prompts(20000, s + 3),
                 task.prompts(t.eval_examples, s + 4), task.gold)
+
+
+# --- rows streamed from shards ------------------------------------------------------------------
+
+KINDS = ("sft", "pair", "prompt", "fields")
+
+
+class RowView(Sequence):
+    """Rows ``ids`` of a streamed row set (troupe.data.stream.Rows) seen as one of the Data
+    lists, read when indexed: "sft" (prompt, chosen), "pair" (prompt, chosen, rejected),
+    "prompt" or "fields" (the row's other fields). ``lengths``: each row's tokens as the plan
+    measures this kind (None before it is measured); ``keep(mask)`` narrows the view."""
+
+    def __init__(self, rows: Rows, ids: np.ndarray, kind: str,
+                 lengths: np.ndarray | None = None):
+        self.rows, self.ids, self.kind, self.lengths = rows, ids, kind, lengths
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        e = example(*self.rows[int(self.ids[i])])
+        if self.kind == "sft":
+            return (e.prompt, e.chosen)
+        if self.kind == "pair":
+            return (e.prompt, e.chosen, e.rejected)
+        return e.prompt if self.kind == "prompt" else e.fields
+
+    def split(self, n: int) -> list[list]:
+        """``n`` near-even lists of the rows, read (what crosses Ray to the ranks: the
+        evaluation's held-out rows, sharded over a role)."""
+        from troupe.actors.dispatch import even_bounds
+        return [self[lo:hi] for lo, hi in even_bounds(len(self), n)]
+
+    def keep(self, mask: np.ndarray) -> "RowView":
+        return RowView(self.rows, self.ids[mask], self.kind,
+                       None if self.lengths is None else self.lengths[mask])
+
+    def as_(self, kind: str) -> "RowView":
+        """The same rows as another kind (a prompt's fields beside it)."""
+        return RowView(self.rows, self.ids, kind, self.lengths)
+
+
+def _measure_file(path: str, first: int, eval_fraction: float,
+                  make_tokenizer: Callable | None) -> dict[str, np.ndarray]:
+    """One Ray task: for each row of one shard, its global number, whether it is held out
+    (its prompt's hash), whether it has a pair, and (with a tokenizer) the tokens of its
+    prompt as the chat template renders it and of its chosen and rejected responses."""
+    rows = Rows.__new__(Rows)  # one file's rows
+    rows.files, rows._layout = [path], [Rows._index(path)]
+    rows.counts = [int(rows._layout[0][-1])]
+    rows.starts, rows._groups = np.cumsum([0] + rows.counts), {}
+    tok = make_tokenizer() if make_tokenizer else None
+    n = len(rows)
+    out = {k: np.zeros(n, np.int32) for k in ("prompt_len", "chosen_len", "rejected_len")}
+    held, paired = np.zeros(n, bool), np.zeros(n, bool)
+    for r in range(n):
+        e = example(*rows[r])
+        held[r] = _in_val(json.dumps(e.prompt, sort_keys=True), eval_fraction)
+        paired[r] = e.chosen is not None
+        if tok is not None:
+            out["prompt_len"][r] = len(tok.prompt(e.prompt))
+            if paired[r]:
+                out["chosen_len"][r] = len(tok.encode(e.chosen))
+                out["rejected_len"][r] = len(tok.encode(e.rejected))
+    return {"ids": np.arange(first, first + n), "held": held, "paired": paired, **out}
+
+
+def streamed_data(cfg: RLHFConfig, make_tokenizer: Callable | None = None) -> Data:
+    """Data whose lists are views of the rows of the shards under ``data.path``, read when a
+    step draws them: one Ray task per shard checks every row (DataError naming the file and
+    row), holds a row out when its prompt's hash says so (``data.eval_fraction`` of them:
+    stable as shards are added) and measures its lengths with ``make_tokenizer()``'s
+    tokenizer; the driver keeps 4 integers and 2 flags a row, not the rows."""
+    import ray
+    rows = Rows(cfg.data.path)
+    task = ray.remote(num_cpus=1)(_measure_file)
+    refs = [task.remote(f, int(rows.starts[i]), cfg.data.eval_fraction, make_tokenizer)
+            for i, f in enumerate(rows.files)]
+    try:
+        parts = ray.get(refs)
+    except ray.exceptions.RayTaskError as e:  # a bad row: its own one line
+        if isinstance(e.cause, DataError):
+            raise DataError(str(e.cause)) from None
+        raise
+    m = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    if not len(m["ids"]):
+        raise DataError(f"{cfg.data.path}: no rows")
+    measured = make_tokenizer is not None
+    sft = m["prompt_len"] + m["chosen_len"] + 1
+    pair = m["prompt_len"] + np.maximum(m["chosen_len"], m["rejected_len"]) + 1
+
+    def view(mask, kind, lengths):
+        return RowView(rows, m["ids"][mask], kind, lengths[mask] if measured else None)
+    train, held = ~m["held"], m["held"]
+    if not train.any():
+        raise DataError(f"{cfg.data.path}: {len(train)} rows leave none for training after "
+                        f"holding out data.eval_fraction={cfg.data.eval_fraction}")
+    prompts, eval_prompts = (view(train, "prompt", m["prompt_len"]),
+                             view(held, "prompt", m["prompt_len"]))
+    return Data(view(train & m["paired"], "sft", sft), view(train & m["paired"], "pair", pair),
+                view(held & m["paired"], "pair", pair), prompts, eval_prompts, None,
+                prompts.as_("fields"), eval_prompts.as_("fields"))
