@@ -204,7 +204,7 @@ def steps(a) -> None:
 
 
 def budget(a) -> None:
-    from troupe.pretrain.rank import plan
+    from troupe.pretrain.plan import plan
     line = {"part": "budget", "memory_per_worker_gib": a.memory_per_worker,
             "params": sum(p.numel() for p in GPT(GPTConfig(**GPT_100M)).parameters())}
     try:

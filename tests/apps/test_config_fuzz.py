@@ -12,7 +12,7 @@ from troupe.config import ConfigError, load_config, recipe_path
 from troupe.data import ByteTokens
 from troupe.errors import DataError
 from troupe.pretrain.config import PretrainConfig
-from troupe.pretrain.rank import plan as pretrain_plan
+from troupe.pretrain.plan import plan as pretrain_plan
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.driver import STEPS
 from troupe.rlhf.plan import plan as rlhf_plan

@@ -11,7 +11,7 @@ import torch
 from troupe.config import ConfigError
 from troupe.models import from_pretrained
 from troupe.pretrain.config import PretrainConfig
-from troupe.pretrain.rank import plan
+from troupe.pretrain.plan import plan
 
 MOE = dict(num_experts=4, expert_interval=1, capacity_factor=1.0, min_capacity=2)
 

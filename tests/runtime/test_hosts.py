@@ -128,7 +128,7 @@ def _rank_host(hosts, records, role: str, rank: int = 0) -> int:
 def corpus(tmp_path_factory):
     """A directory of shards the hosts' ranks stream from (troupe.data.stream), its tokens
     where every host reaches them (the hosts share this machine's filesystem)."""
-    from tests.data.test_stream import make_corpus
+    from tests.data.corpus import make_corpus
     root = tmp_path_factory.mktemp("corpus")
     return make_corpus(root / "shards", shards=4, docs=200), root / "tokens"
 

@@ -195,7 +195,7 @@ def _vocab(tokenizer_dir: str | None) -> int:
     return load_tokenizer(tokenizer_dir).vocab_size
 
 
-def _in_val(text: str, fraction: float) -> bool:
+def in_val(text: str, fraction: float) -> bool:
     """Whether a document is held out: its hash, not its place (stable as shards come)."""
     h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
                                        digest_size=8).digest(), "little")
@@ -241,31 +241,36 @@ def _documents(path: str, column: str, skip_bad: bool) -> Iterator[tuple[str | N
             if not seen:
                 yield bad("an empty file")
             return
-        import pyarrow.parquet as pq
+        yield from _parquet_documents(f, path, column, bad)
+
+
+def _parquet_documents(f, path: str, column: str, bad) -> Iterator[tuple[str | None, str]]:
+    """``_documents`` of a parquet file: one row group in memory at a time."""
+    import pyarrow.parquet as pq
+    try:
+        parquet = pq.ParquetFile(f)
+    except Exception as e:  # pyarrow's own errors: a file that is not parquet
+        yield bad(f"not a readable parquet file ({type(e).__name__}: {e})")
+        return
+    if column not in parquet.schema_arrow.names:
+        yield bad(f"no column {column!r} (its columns: {parquet.schema_arrow.names})")
+        return
+    if parquet.metadata.num_rows == 0:
+        yield bad("an empty file")
+        return
+    row = 0
+    for group in range(parquet.num_row_groups):
         try:
-            parquet = pq.ParquetFile(f)
-        except Exception as e:  # pyarrow's own errors: a file that is not parquet
-            yield bad(f"not a readable parquet file ({type(e).__name__}: {e})")
-            return
-        if column not in parquet.schema_arrow.names:
-            yield bad(f"no column {column!r} (its columns: {parquet.schema_arrow.names})")
-            return
-        if parquet.metadata.num_rows == 0:
-            yield bad("an empty file")
-            return
-        row = 0
-        for group in range(parquet.num_row_groups):  # one row group in memory at a time
-            try:
-                values = parquet.read_row_group(group, columns=[column]).column(0).to_pylist()
-            except Exception as e:
-                yield bad(f"row group {group}: unreadable ({type(e).__name__}: {e})")
+            values = parquet.read_row_group(group, columns=[column]).column(0).to_pylist()
+        except Exception as e:
+            yield bad(f"row group {group}: unreadable ({type(e).__name__}: {e})")
+            continue
+        for text in values:
+            row += 1
+            if not isinstance(text, str):
+                yield bad(f"row {row}: {column!r} is {type(text).__name__}, not text")
                 continue
-            for text in values:
-                row += 1
-                if not isinstance(text, str):
-                    yield bad(f"row {row}: {column!r} is {type(text).__name__}, not text")
-                    continue
-                yield text, f"{path} row {row}"
+            yield text, f"{path} row {row}"
 
 
 def _tokenize_shard(index: int, path: str, directory: str, tokenizer_dir: str | None,
@@ -292,7 +297,7 @@ def _tokenize_shard(index: int, path: str, directory: str, tokenizer_dir: str | 
             encoded = [np.asarray(ids + eos, dtype=dtype) for ids in
                        tok.hf(batch, add_special_tokens=False)["input_ids"]]
         for text, ids in zip(batch, encoded):
-            kind = "val" if _in_val(text, val_fraction) else "train"
+            kind = "val" if in_val(text, val_fraction) else "train"
             files[kind].write(np.asarray(ids, dtype=dtype).tobytes())
             counts[kind][0] += len(ids)
             counts[kind][1] += 1
@@ -436,82 +441,3 @@ class StreamDataset:
         return {"epoch": epoch, "tokens_consumed": step * batch_size * seq_len,
                 "shard": Path(self.train.paths[shard]).name if self.train.paths else None}
 
-
-class Rows:
-    """The rows of a directory (glob, URL) of parquet and jsonl shards, numbered across the
-    shards in order, each read when asked for (``rows[g]``: the row as a dict and where it
-    is, "file row n"): parquet through the file's row groups (a few kept decoded), jsonl
-    through each line's offset (found once, 8 bytes a row). For row sets larger than memory
-    (RLHF's prompts, demonstrations and pairs: troupe.rlhf.data.datasets)."""
-
-    GROUPS_KEPT = 4
-
-    def __init__(self, source: str):
-        self.files = [f for f in list_shards(source) if not f.endswith(".txt")]
-        if not self.files:
-            raise DataError(f"{source}: no .parquet or .jsonl shards of rows")
-        self._layout = [self._index(f) for f in self.files]  # per file: row starts of groups
-        self.counts = [int(x[-1]) for x in self._layout]
-        self.starts = np.cumsum([0] + self.counts)
-        self._groups: dict[tuple[int, int], list] = {}
-
-    @staticmethod
-    def _index(path: str) -> np.ndarray:
-        """A parquet file's row-group boundaries, or a jsonl file's line offsets (with its
-        size last): both end with the file's row count's boundary."""
-        import fsspec
-        with fsspec.open(path, "rb") as f:
-            if path.endswith(".parquet"):
-                import pyarrow.parquet as pq
-                try:
-                    meta = pq.ParquetFile(f).metadata
-                except Exception as e:
-                    raise DataError(f"{path}: not a readable parquet file "
-                                    f"({type(e).__name__}: {e})") from None
-                sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-                return np.cumsum([0] + sizes)
-            offsets, pos = [], 0
-            for line in f:
-                if line.strip():
-                    offsets.append(pos)
-                pos += len(line)
-            return np.asarray(offsets + [pos], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def shard_of(self, g: int) -> tuple[int, int]:
-        """(file index, row within the file) of global row ``g``."""
-        f = int(np.searchsorted(self.starts, g, side="right")) - 1
-        return f, g - int(self.starts[f])
-
-    def __getitem__(self, g: int) -> tuple[dict, str]:
-        f, r = self.shard_of(int(g))
-        path, layout = self.files[f], self._layout[f]
-        if path.endswith(".jsonl"):
-            import fsspec
-            with fsspec.open(path, "rb") as fh:
-                fh.seek(int(layout[r]))
-                line = fh.readline()
-            where = f"{path}: row {r + 1}"
-            try:
-                row = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise DataError(f"{where}: not a JSON object ({type(e).__name__})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: not a JSON object")
-            return row, where
-        group = int(np.searchsorted(layout, r, side="right")) - 1
-        key = (f, group)
-        if key not in self._groups:
-            if len(self._groups) >= self.GROUPS_KEPT:
-                self._groups.pop(next(iter(self._groups)))
-            import fsspec
-            import pyarrow.parquet as pq
-            with fsspec.open(path, "rb") as fh:
-                self._groups[key] = pq.ParquetFile(fh).read_row_group(group).to_pylist()
-        row = self._groups[key][r - int(layout[group])]
-        return {k: v for k, v in row.items() if v is not None}, f"{path}: row {r + 1}"
-
-    def __getstate__(self):
-        return {**self.__dict__, "_groups": {}}

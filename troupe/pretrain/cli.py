@@ -18,7 +18,7 @@ from troupe.config import app_parser, errors_reported, load_app_config
 from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import PretrainConfig
 from troupe.pretrain import driver as pretrain
-from troupe.pretrain.rank import plan
+from troupe.pretrain.plan import plan
 from troupe.runtime import cluster
 
 

@@ -48,7 +48,7 @@ from troupe.models.hf_config import check_pretrained
 from troupe.pretrain import driver as pretrain
 from troupe.pretrain.config import ModelConfig, PretrainConfig
 from troupe.pretrain.export import load_full_model
-from troupe.pretrain.rank import plan
+from troupe.pretrain.plan import plan
 from troupe.runtime import cluster
 from troupe.runtime.metrics import MetricsLog
 

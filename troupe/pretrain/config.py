@@ -194,7 +194,7 @@ def _check_tensor_parallel(cfg: PretrainConfig) -> None:
     """What tensor parallelism does not combine with (ValueError naming the key): optimizers
     that take norms of whole tensors (LAMB's trust ratio, 0/1 Adam's update clipping would see
     each rank's shard instead), offloaded master weights; and, for troupe's own GPT (a
-    pretrained one's config.json is read on the driver, troupe.pretrain.rank.plan), heads
+    pretrained one's config.json is read on the driver, troupe.pretrain.plan.plan), heads
     and widths that T does not split."""
     T, opt = cfg.tensor_parallel, cfg.optimizer
     if opt.name in ("lamb", "onebit_lamb") or (opt.name == "zero_one_adam" and opt.update_clip):

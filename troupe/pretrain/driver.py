@@ -30,7 +30,8 @@ from troupe.models import save_pretrained
 from troupe.models.hf_config import config_to_hf
 from troupe.pretrain.config import PretrainConfig
 from troupe.pretrain.export import load_full_model
-from troupe.pretrain.rank import StepStats, plan
+from troupe.pretrain.plan import plan
+from troupe.pretrain.rank import StepStats
 from troupe.pretrain.topology import OWNER, TRAINER, PretrainTopology
 from troupe.pretrain.workers import ShardOwnerActor, TrainerActor, RankInfo
 from troupe.runtime import checkpoint

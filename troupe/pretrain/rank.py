@@ -13,11 +13,9 @@ from typing import Callable
 import torch
 
 from troupe.collectives import Communicator
-from troupe.config import ConfigError
 from troupe.data import load_tokenizer, micro_batches, open_dataset
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
-from troupe.models.hf_config import context_length
 from troupe.models.moe import MoE
 from troupe.optim import (
     CommCounter,
@@ -35,11 +33,9 @@ from troupe.optim import (
 )
 from troupe.parallel import PartitionedBucket, Zero3, apply_expert_parallel, apply_tensor_parallel
 from troupe.parallel.layout import ParallelLayout
-from troupe.parallel.memory import GIB, MemoryPlan, check_budget, device_budget_gib, size
-from troupe.parallel.memory import plan as memory_plan
-from troupe.parallel.tensor import Place, check_split
+from troupe.pretrain.layouts import load_other_layout
+from troupe.pretrain.plan import check_memory
 from troupe.pretrain.config import PretrainConfig
-from troupe.runtime.cluster import check_local_capacity
 from troupe.runtime.metrics import peak_memory_mb
 
 
@@ -123,78 +119,6 @@ class PartitionedState:
 
     def state_dict(self) -> dict:
         return self.part.state_dict(self.optimizer)
-
-
-def plan(cfg: PretrainConfig, local: bool = False) -> MemoryPlan:
-    """What the driver checks before any Ray process starts (pretraining and compression):
-    the training window against the model's context and the curriculum's start against the
-    window (ConfigError naming the keys and both numbers), each rank's memory plan against
-    ``memory_per_worker`` (MemoryBudgetError, a ConfigError) and, with ``local`` (the apps,
-    about to start Ray: not --print-config, whose recipe may be meant for a cluster), the
-    ranks' CPUs against the local cluster's when the run would start one; returns the
-    memory plan."""
-    arch = cfg.model.architecture()
-    if cfg.model.pretrained is not None and cfg.model.seq_len > arch.seq_len:
-        _, where = context_length(cfg.model.pretrained)
-        raise ConfigError(f"model.seq_len={cfg.model.seq_len} (the training window) exceeds "
-                          f"the model's context of {arch.seq_len} tokens ({where})")
-    window = cfg.model.window(arch)
-    if cfg.curriculum.enabled and cfg.curriculum.min_len > window:
-        raise ConfigError(f"curriculum.min_len={cfg.curriculum.min_len} exceeds the training "
-                          f"window of {window} tokens (model.seq_len)")
-    if cfg.tensor_parallel > 1 and cfg.model.pretrained is not None:
-        try:
-            check_split(arch, cfg.tensor_parallel)
-        except ValueError as e:
-            raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
-    planned = check_memory(cfg, arch, torch.device("cpu"), None, cfg.workers)
-    if local:
-        cpus, what = cfg.workers * cfg.threads, f"workers={cfg.workers} x threads={cfg.threads}"
-        if cfg.train.offload:
-            cpus += cfg.workers * cfg.train.shard_cpus
-            what += f" and as many shard owners x train.shard_cpus={cfg.train.shard_cpus:g}"
-        check_local_capacity(cpus, what)
-    return planned
-
-
-def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, rank: int | None,
-                 world: int) -> MemoryPlan:
-    """This rank's memory plan (troupe.parallel.memory), from the model's shapes alone (its
-    tensor-parallel shards); MemoryBudgetError when it exceeds the budget (memory_per_worker,
-    or the GPU's), naming what the other ZeRO stage and a larger tensor_parallel would plan;
-    ``rank`` None: every rank's (each plans the same; tensor-parallel rank 0 holds the most)."""
-    budget = device_budget_gib(device, cfg.memory_per_worker)
-    mine = _memory_plan(cfg, arch, cfg.tensor_parallel)
-    who = f"every rank of {world}" if rank is None else f"rank {rank} of {world}"
-    if budget is not None and mine.total > budget * GIB:
-        larger = [t for t in (2, 4, 8, 16, 32, 64) if t > cfg.tensor_parallel and
-                  _splits(arch, t) and _memory_plan(cfg, arch, t).total <= budget * GIB]
-        if larger:
-            who += (f" (tensor_parallel={larger[0]} would plan "
-                    f"{size(_memory_plan(cfg, arch, larger[0]).total)} a rank, with workers a "
-                    f"multiple of {larger[0]})")
-    other = _memory_plan(cfg, arch, cfg.tensor_parallel, 4 - cfg.zero_stage)
-    check_budget(mine, budget, who, other)
-    return mine
-
-
-def _splits(arch: GPTConfig, T: int) -> bool:
-    try:
-        check_split(arch, T)
-        return True
-    except ValueError:
-        return False
-
-
-def _memory_plan(cfg: PretrainConfig, arch: GPTConfig, T: int,
-                 zero_stage: int | None = None) -> MemoryPlan:
-    """The plan of tensor-parallel rank 0 with tensor_parallel=T (the same data-parallel
-    degree as the recipe's when T is its own; with another T, workers scaled to keep it)."""
-    with torch.device("meta"):
-        shapes = apply_tensor_parallel(GPT(arch), Place(0, T) if T > 1 else None)
-    ep_size = arch.moe.ep_size if arch.moe else 1
-    return memory_plan(shapes, cfg.optimizer, cfg.data_parallel, zero_stage or cfg.zero_stage,
-                       cfg.zero_prefetch, ep_size, cfg.train.offload, tp=T)
 
 
 def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device,
@@ -388,50 +312,13 @@ class Trainer:
                     len(layout.edp_groups[s])
             b.part.load_state_dict(b.optimizer, lambda k, b=b, t=trainer:
                                    read(t(k))["buckets"][b.name], group_world, where)
-        self._load_common(own, where)
+        self.load_common(own, where)
 
     def load_other_layout(self, read: Callable[[int], dict], old_world: int,
                           where: str) -> None:
-        """Load a ZeRO-1 checkpoint written by another layout: ``old_world`` ranks of another
-        tensor_parallel and data-parallel degree (the same experts per rank: the model's
-        ep_size). Each bucket's master weights and optimizer state are put together whole,
-        tensor by tensor (the old tensor-parallel shards merged), and this rank's part of
-        them cut again: the same values, laid out for this run. ``read(r)``: old rank r's
-        state. The random streams are old rank ``rank % old_world``'s. Adam, AdamW and
-        LAMB (elementwise state) only."""
-        own = read(self.rank % old_world)
-        old_T = own.get("tensor_parallel", 1)
-        if not self.cfg.optimizer.sharded:
-            raise ValueError(f"{where}: written by {old_world} ranks of tensor_parallel="
-                             f"{old_T}; optimizer.name={self.cfg.optimizer.name!r} keeps state "
-                             "that does not cut again: resume with the same workers and "
-                             "tensor_parallel")
-        if own.get("zero_stage", 1) != 1:
-            raise ValueError(f"{where}: written with zero_stage {own.get('zero_stage')}, this "
-                             "run has zero_stage 1")
-        if old_world % (old_T * self.ep_size):
-            raise ValueError(f"{where}: written by {old_world} ranks, which do not split into "
-                             f"tensor_parallel={old_T} x expert-parallel groups of "
-                             f"{self.ep_size}")
-        old = ParallelLayout.of(old_world, old_T, self.ep_size)
-        for b in self.buckets:
-            if b.name == "dense":
-                whole = _whole_dense(self.arch, read, old, b.name, where)
-                tensors = {k: [_shard(self.model, name, v, self.tp) for name, v in
-                               zip(_dense_names(self.model), whole[k])] for k in whole}
-                flats = {k: torch.cat([t.reshape(-1) for t in v]) for k, v in tensors.items()}
-            else:  # the experts are not split by tensor parallelism: the same flat buffer
-                slice_ = self.layout_coords()[2]
-                ranks = old.edp_groups[slice_]
-                flats = _concat(read, ranks, b.name, where)
-            lo, hi = b.owned()
-            opt = own["buckets"][b.name]["optimizer"]
-            padded = {k: torch.nn.functional.pad(v, (0, b.flat.padded - v.numel()))
-                      for k, v in flats.items()}
-            b.load_state_dict({"params": padded["params"][lo:hi],
-                               "optimizer": {**opt, "tensors": {
-                                   k: padded[k][lo:hi] for k in opt["tensors"]}}}, where)
-        self._load_common(own, where)
+        """Load a ZeRO-1 checkpoint written by another layout (another tensor_parallel or
+        number of workers): troupe.pretrain.layouts.load_other_layout."""
+        load_other_layout(self, read, old_world, where)
 
     def layout_coords(self) -> tuple[int, int, int]:
         """(data-parallel rank, tensor-parallel rank, expert slice) of this rank."""
@@ -445,7 +332,8 @@ class Trainer:
                              f"tensor_parallel={self.cfg.tensor_parallel}: resume with the same "
                              "size")
 
-    def _load_common(self, state: dict, where: str) -> None:
+    def load_common(self, state: dict, where: str) -> None:
+        """The random streams, fp16's loss scale and the step of a loaded checkpoint."""
         set_rng_state(state, self.device)
         if self.scaler is not None:
             if state.get("loss_scaler") is None:
@@ -467,58 +355,7 @@ class Trainer:
         self._check_tensor_parallel(state, where)
         for b in self.buckets:
             b.load_state_dict(state["buckets"][b.name], where)
-        self._load_common(state, where)
-
-
-def _dense_names(model: GPT) -> list[str]:
-    """The names of the dense bucket's parameters, in its order."""
-    return [n for n, p in model.named_parameters()
-            if p.requires_grad and not getattr(p, "expert", False)]
-
-
-def _concat(read: Callable[[int], dict], ranks: list[int], bucket: str,
-            where: str) -> dict[str, torch.Tensor]:
-    """A ZeRO-1 bucket's flat master weights ("params") and optimizer tensors, whole: the
-    shards of ``ranks`` (its group, in order) laid end to end."""
-    states = [read(r)["buckets"][bucket] for r in ranks]
-    if any("params" not in s for s in states):
-        raise ValueError(f"{where}: bucket {bucket!r} has no saved parameters")
-    out = {"params": torch.cat([s["params"] for s in states])}
-    for k in states[0]["optimizer"]["tensors"]:
-        out[k] = torch.cat([s["optimizer"]["tensors"][k] for s in states])
-    return out
-
-
-def _whole_dense(arch: GPTConfig, read: Callable[[int], dict], old: ParallelLayout,
-                 bucket: str, where: str) -> dict[str, list[torch.Tensor]]:
-    """The dense parameters and their optimizer tensors as the whole model's, in bucket
-    order: each old tensor-parallel rank's bucket (its data-parallel group's shards) cut into
-    its tensors, then the shards merged (troupe.parallel.tensor.Split)."""
-    parts: list[dict[str, list[torch.Tensor]]] = []
-    names: list[str] = []
-    for t in range(old.tp):
-        with torch.device("meta"):
-            shard = apply_tensor_parallel(GPT(arch), Place(t, old.tp) if old.tp > 1 else None)
-        names = _dense_names(shard)
-        shapes = [shard.get_parameter(n).shape for n in names]
-        flats = _concat(read, old.dp_groups[t], bucket, where)
-        need = sum(s.numel() for s in shapes)
-        for k, flat in flats.items():
-            if flat.numel() < need:
-                raise ValueError(f"{where}: bucket {bucket!r} {k} holds {flat.numel()} values, "
-                                 f"the model's tensor-parallel rank {t} of {old.tp} needs {need}")
-        parts.append({k: list(torch.split(flat[:need], [s.numel() for s in shapes]))
-                      for k, flat in flats.items()})
-        parts[-1] = {k: [v.view(s) for v, s in zip(vs, shapes)] for k, vs in parts[-1].items()}
-    splits = shard.tp_layout if old.tp > 1 else {}
-    return {k: [splits[n].merge([p[k][i] for p in parts]) if n in splits else parts[0][k][i]
-                for i, n in enumerate(names)] for k in parts[0]}
-
-
-def _shard(model: GPT, name: str, whole: torch.Tensor, tp: Communicator | None) -> torch.Tensor:
-    """This rank's part of the whole tensor ``whole`` of parameter ``name``."""
-    split = model.tp_layout.get(name) if tp is not None else None
-    return whole if split is None else split.shard(whole, tp.rank)
+        self.load_common(state, where)
 
 
 def language_model_loss(model: GPT, x: torch.Tensor, y: torch.Tensor,

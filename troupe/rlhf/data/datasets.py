@@ -20,7 +20,8 @@ from typing import Callable
 import numpy as np
 
 from troupe.data.corpus import jsonl_objects, parquet_rows
-from troupe.data.stream import Rows, _in_val, is_stream
+from troupe.data.rows import Rows
+from troupe.data.stream import in_val, is_stream
 from troupe.errors import DataError
 from troupe.rlhf.config import STEP3, RLHFConfig
 
@@ -309,7 +310,7 @@ def _measure_file(path: str, first: int, eval_fraction: float,
     held, paired = np.zeros(n, bool), np.zeros(n, bool)
     for r in range(n):
         e = example(*rows[r])
-        held[r] = _in_val(json.dumps(e.prompt, sort_keys=True), eval_fraction)
+        held[r] = in_val(json.dumps(e.prompt, sort_keys=True), eval_fraction)
         paired[r] = e.chosen is not None
         if tok is not None:
             out["prompt_len"][r] = len(tok.prompt(e.prompt))
