@@ -69,7 +69,10 @@ def test_a_bad_row_is_named(cluster, tmp_path):
 
 def test_sft_reward_and_step3_run_on_streamed_rows(rlhf_graphs, tmp_path):
     root, _ = write_shards(tmp_path / "shards")
-    rlhf_graphs.run(_cfg(tmp_path, root))
+    rlhf_graphs.run(_cfg(tmp_path, root, sft=dict(steps=3, batch_size=8),
+                         reward=dict(steps=3, batch_size=8),
+                         step3=dict(iterations=1, prompts_per_iter=8, max_new_tokens=6,
+                                    eval_every=1, checkpoint_every=1)))
     records = [json.loads(line) for line in
                (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}
