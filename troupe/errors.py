@@ -104,14 +104,29 @@ class RunFailedError(TroupeError):
         super().__init__("\n".join(lines))
 
 
+def exception_line(e: "WorkerCallError") -> str:
+    """The line that names a worker's exception: its type and its message's first line (an
+    exception whose message goes on, with the ranks' stacks, say, does not end its remote
+    traceback with it); the traceback's last line when the exception was not rebuilt here."""
+    if e.cause is not None:
+        text = next((ln.strip() for ln in str(e.cause).splitlines() if ln.strip()), "")
+        name = type(e.cause).__name__
+        return f"{name}: {text}" if text else name
+    lines = [ln.strip() for ln in e.remote_traceback.splitlines() if ln.strip()]
+    return lines[-1] if lines else "an exception"
+
+
 def failure_record(e: "WorkerError", **extra: Any) -> dict[str, Any]:
     """A JSON-ready account of a worker failure: role, rank, node, kind and first line."""
     if isinstance(e, WorkerDiedError):
         kind, text = "died", e.cause
-    else:  # the exception line closes the remote traceback
+    else:
         kind, text = f"raised in {e.method}()", e.remote_traceback
     lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    cause = lines[0] if kind == "died" and lines else (lines[-1] if lines else type(e).__name__)
+    if kind == "died":
+        cause = lines[0] if lines else type(e).__name__
+    else:
+        cause = exception_line(e)
     return {"role": e.role, "rank": e.rank, "node_id": e.node_id, "kind": kind,
             "cause": f"{kind}: {cause}"[:2000], **extra}
 
@@ -171,9 +186,8 @@ def one_line(e: BaseException) -> str:
     role at fault (a worker's exception by its last line, not its remote traceback; a timeout
     or a failed run without the stacks and earlier failures its message goes on with)."""
     if isinstance(e, WorkerCallError):
-        lines = [ln.strip() for ln in e.remote_traceback.splitlines() if ln.strip()]
         return (f"role {e.role!r} rank {e.rank} on node {e.node_id} raised in {e.method}(): "
-                f"{lines[-1] if lines else type(e.cause).__name__}")
+                f"{exception_line(e)}")
     text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
     if isinstance(e, (TroupeError, ValueError, FileNotFoundError)):
         return text or type(e).__name__

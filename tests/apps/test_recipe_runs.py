@@ -167,3 +167,15 @@ def test_the_main_jobs_ending_reads_at_a_glance():
         "  plots:               runs/x/rlhf.png",
         "  exported model:      runs/x/policy-hf",
         "  everything else:     runs/x/summary.json, runs/x/metrics.jsonl"]
+
+
+def test_a_worker_exception_whose_message_goes_on_is_named_by_its_first_line():
+    """A CollectiveTimeoutError carries the ranks' stacks after its first line: the failure
+    record and the one line name the exception, not the last line of a stack."""
+    from troupe.errors import CollectiveTimeoutError, failure_record, one_line
+    cause = CollectiveTimeoutError("dp", [1], 2, 5.0, "finish allreduce",
+                                   stacks={1: "in flight: train_step\nthread MainThread:"})
+    e = WorkerCallError("trainer", 0, "n1", "train_step", f"traceback\n{cause}", cause)
+    assert failure_record(e)["cause"].startswith("raised in train_step(): "
+                                                 "CollectiveTimeoutError: group 'dp'")
+    assert "within 5s" in one_line(e) and "thread MainThread" not in one_line(e)
