@@ -119,14 +119,11 @@ def exception_line(e: "WorkerCallError") -> str:
 def failure_record(e: "WorkerError", **extra: Any) -> dict[str, Any]:
     """A JSON-ready account of a worker failure: role, rank, node, kind and first line."""
     if isinstance(e, WorkerDiedError):
-        kind, text = "died", e.cause
+        kind = "died"
+        cause = next((ln.strip() for ln in str(e.cause).splitlines() if ln.strip()),
+                     type(e).__name__)
     else:
-        kind, text = f"raised in {e.method}()", e.remote_traceback
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    if kind == "died":
-        cause = lines[0] if lines else type(e).__name__
-    else:
-        cause = exception_line(e)
+        kind, cause = f"raised in {e.method}()", exception_line(e)
     return {"role": e.role, "rank": e.rank, "node_id": e.node_id, "kind": kind,
             "cause": f"{kind}: {cause}"[:2000], **extra}
 

@@ -21,17 +21,26 @@ class Rows:
 
     GROUPS_KEPT = 4
 
-    def __init__(self, source: str):
-        self.files = [f for f in list_shards(source) if not f.endswith(".txt")]
-        if not self.files:
-            raise DataError(f"{source}: no .parquet or .jsonl shards of rows")
-        self._layout = [self._index(f) for f in self.files]  # per file: row starts of groups
+    def __init__(self, files: list[str], layouts: list[np.ndarray] | None = None):
+        """The rows of ``files``; ``layouts``: each file's ``index`` when it was found
+        already (by the tasks that read the files), else found here."""
+        self.files = files
+        # per file: its row groups' first rows, or its lines' offsets
+        self._layout = layouts if layouts is not None else [self.index(f) for f in files]
         self.counts = [int(x[-1]) for x in self._layout]
         self.starts = np.cumsum([0] + self.counts)
         self._groups: dict[tuple[int, int], list] = {}
 
     @staticmethod
-    def _index(path: str) -> np.ndarray:
+    def shards(source: str) -> list[str]:
+        """The parquet and jsonl shards of ``source`` (troupe.data.stream.list_shards)."""
+        files = [f for f in list_shards(source) if not f.endswith(".txt")]
+        if not files:
+            raise DataError(f"{source}: no .parquet or .jsonl shards of rows")
+        return files
+
+    @staticmethod
+    def index(path: str) -> np.ndarray:
         """A parquet file's row-group boundaries, or a jsonl file's line offsets (with its
         size last): both end with the file's row count's boundary."""
         import fsspec

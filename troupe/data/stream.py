@@ -370,7 +370,6 @@ class StreamDataset:
         self.val = _Tokens([d / f"val-{i}.bin" for i in range(n)],
                            [s.val_tokens for s in prepared.shards], prepared.dtype)
         self._perm: dict = {}
-        self.wait_s = 0.0  # seconds spent reading, since the start
 
     def windows(self, seq_len: int) -> int:
         """How many training windows of seq_len + 1 tokens the corpus holds."""
@@ -407,13 +406,11 @@ class StreamDataset:
         seq_len) inputs and next-token targets."""
         if batch_size % world:
             raise ValueError(f"batch_size={batch_size} does not split over {world} ranks")
-        t0 = time.perf_counter()
         per = batch_size // world
         places = self._places(step, batch_size, seq_len)[rank * per:(rank + 1) * per]
         N, L = self.windows(seq_len), seq_len + 1
         rows = np.stack([self.train.read(self._order(e, N, i) * L, L) for e, i in places])
         w = torch.from_numpy(rows.astype(np.int64))
-        self.wait_s += time.perf_counter() - t0
         return w[:, :-1], w[:, 1:]
 
     def val_batches(self, num_batches: int, batch_size: int, seq_len: int, rank: int = 0,

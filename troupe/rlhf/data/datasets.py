@@ -295,15 +295,14 @@ class RowView(Sequence):
         return RowView(self.rows, self.ids, kind, self.lengths)
 
 
-def _measure_file(path: str, first: int, eval_fraction: float,
+def _measure_file(path: str, eval_fraction: float,
                   make_tokenizer: Callable | None) -> dict[str, np.ndarray]:
-    """One Ray task: for each row of one shard, its global number, whether it is held out
-    (its prompt's hash), whether it has a pair, and (with a tokenizer) the tokens of its
-    prompt as the chat template renders it and of its chosen and rejected responses."""
-    rows = Rows.__new__(Rows)  # one file's rows
-    rows.files, rows._layout = [path], [Rows._index(path)]
-    rows.counts = [int(rows._layout[0][-1])]
-    rows.starts, rows._groups = np.cumsum([0] + rows.counts), {}
+    """One Ray task: one shard's layout (Rows.index) and, for each of its rows, whether it is
+    held out (its prompt's hash), whether it has a pair, and (with a tokenizer) the tokens
+    of its prompt as the chat template renders it and of its chosen and rejected
+    responses."""
+    layout = Rows.index(path)
+    rows = Rows([path], [layout])
     tok = make_tokenizer() if make_tokenizer else None
     n = len(rows)
     out = {k: np.zeros(n, np.int32) for k in ("prompt_len", "chosen_len", "rejected_len")}
@@ -317,7 +316,7 @@ def _measure_file(path: str, first: int, eval_fraction: float,
             if paired[r]:
                 out["chosen_len"][r] = len(tok.encode(e.chosen))
                 out["rejected_len"][r] = len(tok.encode(e.rejected))
-    return {"ids": np.arange(first, first + n), "held": held, "paired": paired, **out}
+    return {"layout": layout, "held": held, "paired": paired, **out}
 
 
 def streamed_data(cfg: RLHFConfig, make_tokenizer: Callable | None = None) -> Data:
@@ -327,17 +326,18 @@ def streamed_data(cfg: RLHFConfig, make_tokenizer: Callable | None = None) -> Da
     stable as shards are added) and measures its lengths with ``make_tokenizer()``'s
     tokenizer; the driver keeps 4 integers and 2 flags a row, not the rows."""
     import ray
-    rows = Rows(cfg.data.path)
+    files = Rows.shards(cfg.data.path)
     task = ray.remote(num_cpus=1)(_measure_file)
-    refs = [task.remote(f, int(rows.starts[i]), cfg.data.eval_fraction, make_tokenizer)
-            for i, f in enumerate(rows.files)]
+    refs = [task.remote(f, cfg.data.eval_fraction, make_tokenizer) for f in files]
     try:
         parts = ray.get(refs)
     except ray.exceptions.RayTaskError as e:  # a bad row: its own one line
         if isinstance(e.cause, DataError):
             raise DataError(str(e.cause)) from None
         raise
+    rows = Rows(files, [p.pop("layout") for p in parts])  # the files indexed once, there
     m = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    m["ids"] = np.arange(len(rows))
     if not len(m["ids"]):
         raise DataError(f"{cfg.data.path}: no rows")
     measured = make_tokenizer is not None
