@@ -28,6 +28,11 @@ smollm2: SmolLM2-135M-Instruct (9 query, 3 key/value heads) at T = 3 against T =
     docstrings), each rank calibrating and quantizing its own shards as a served rank does
     (troupe.serving.ranks), against T = 1's; continued pretraining, 10 steps at T = 3
     against T = 1 (the steps of RLHF's SFT are the same loss on other data).
+rlhf: RLHF's policy role (troupe.rlhf.roles.policy.Policy) of SmolLM2 at T = 3 against
+    T = 1 (ranks as threads): SFT on the bundled task's demonstrations (the largest relative
+    difference of the losses, bit for bit or not), then greedy rollouts of 64 tokens from the
+    trained weights through the role's own engine (tokens identical or not), and the
+    rollouts' log-probabilities under each.
 served: SmolLM2 behind the OpenAI server at T = 1 and 3, fp32 and W8A8 (see ``served``).
 """
 
@@ -359,6 +364,49 @@ def smollm2(a) -> None:
           "seconds": {1: round(losses[1][1], 1), 3: round(losses[3][1], 1)}})
 
 
+def rlhf(a) -> None:
+    from troupe.models import smollm2 as pkg
+    from troupe.rlhf.config import RLHFConfig
+    from troupe.rlhf.data.datasets import SortTask
+    from troupe.rlhf.data.experience import RolloutRequest
+    from troupe.rlhf.roles.policy import Policy
+    path = str(pkg.build())
+    steps, batch = a.steps, 4
+    demos = SortTask().demonstrations(steps * batch, 0)
+    prompts = ["sort 8302:", "Write a haiku about autumn.", "What is 17 + 25?"]
+
+    def run(tp):
+        T = 1 if tp is None else tp.world_size
+        torch.set_num_threads(2 if tp is None else 1)
+        cfg = RLHFConfig(model=dict(pretrained=path), workers=1, tensor_parallel=T,
+                         sft=dict(steps=steps, batch_size=batch,
+                                  optimizer=dict(name="adamw", lr=1e-5, warmup_steps=0)),
+                         step3=dict(max_new_tokens=64, temperature=0.0))
+        pol = Policy(cfg, None, 0 if tp is None else tp.rank, tp)
+        pol.train.use_optimizer(cfg.sft.optimizer, steps)
+        t0 = time.perf_counter()
+        losses = [pol.sft_step(demos[batch * s:batch * (s + 1)], s + 1).loss
+                  for s in range(steps)]
+        sft_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = pol.generate(RolloutRequest(prompts, list(range(len(prompts)))))
+        gen_s = time.perf_counter() - t0
+        logp = pol.logprobs(out.ids, out.valid, out.action, out.prompt_len)
+        return losses, out.ids.tolist(), logp, out.action, sft_s, gen_s
+
+    one = run(None)
+    three = run_ranks(3, run)[0]
+    rel = max(abs(x - y) / y for x, y in zip(three[0], one[0]))
+    tokens = int(one[3].sum())
+    emit({"part": "rlhf", "check": "sft_and_greedy", "T": 3, "model": "SmolLM2-135M-Instruct",
+          "sft_steps": steps, "max_rel_diff": rel, "bit_for_bit": three[0] == one[0],
+          "losses_T1": [round(x, 4) for x in one[0]], "greedy_tokens": tokens,
+          "greedy_identical": three[1] == one[1],
+          "logprob_max_abs_diff": float((three[2] - one[2]).abs().max()),
+          "sft_s": {1: round(one[4], 1), 3: round(three[4], 1)},
+          "generate_s": {1: round(one[5], 1), 3: round(three[5], 1)}})
+
+
 def served(a) -> None:
     """SmolLM2 behind apps/serve.py's server at T = 1 and T = 3 (fp32 and W8A8): the rate of
     one request of 64 greedy tokens (after one to warm up), and whether T = 3's text is
@@ -400,7 +448,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--parts", nargs="*",
                    default=["maths", "ted", "steps", "budget", "equality", "smollm2",
-                            "served"])
+                            "rlhf", "served"])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--memory-per-worker", type=float, default=1.4)
     a = p.parse_args()

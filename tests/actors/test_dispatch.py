@@ -70,3 +70,19 @@ def test_split_is_contiguous_and_near_even():
     assert [len(s) for s in split(list(range(10)), 4)] == [3, 3, 2, 2]
     with pytest.raises(ValueError, match="cannot split a batch of type int"):
         split(3, 2)
+
+
+def test_a_tensor_parallel_role_is_called_by_data_parallel_rank():
+    """Ranks 2d and 2d+1 hold one model: they get data-parallel rank d's slice (and a PerRank
+    of one item per data-parallel rank), and SHARD's results come back one per model."""
+    from troupe.actors.dispatch import per_rank_args, results_of
+    calls = per_rank_args(Dispatch.SHARD, ([0, 1, 2, 3, 4, 5],), {"k": PerRank(["a", "b"])},
+                          world_size=4, tensor_parallel=2)
+    assert [(a[0], kw["k"]) for a, kw in calls] == [([0, 1, 2], "a"), ([0, 1, 2], "a"),
+                                                    ([3, 4, 5], "b"), ([3, 4, 5], "b")]
+    every = per_rank_args(Dispatch.ALL, (PerRank([0, 1, 2, 3]),), {}, 4, 2)
+    assert [a[0] for a, _ in every] == [0, 1, 2, 3]
+    assert results_of(Dispatch.SHARD, ["d0", "d0'", "d1", "d1'"], 2) == ["d0", "d1"]
+    assert results_of(Dispatch.ALL, [0, 1, 2, 3], 2) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="3 items for 4 ranks or 2 data-parallel ranks"):
+        per_rank_args(Dispatch.ALL, (PerRank([0, 1, 2]),), {}, 4, 2)

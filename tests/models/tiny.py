@@ -6,11 +6,12 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<end>{% e
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def save_tiny_llama(path, family: str = "llama"):
+def save_tiny_llama(path, family: str = "llama", **shape):
     """A tiny random Llama (2 layers, GQA) and a character-level tokenizer for digits and
     "sort: " with a chat template, saved as a Hugging Face directory at ``path``. ``family``
     "qwen3" makes it a Qwen3 (q and k normalised per head, heads of 16 over a width of 32),
-    "mistral" a Mistral whose sliding window of 4 is shorter than a prompt."""
+    "mistral" a Mistral whose sliding window of 4 is shorter than a prompt. ``shape``: config
+    fields to change (e.g. SmolLM2's 9 query and 3 key/value heads)."""
     import tokenizers
     import transformers
     chars = list("0123456789sort: ")
@@ -31,10 +32,11 @@ def save_tiny_llama(path, family: str = "llama"):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                     dict(sliding_window=4)),
     }[family]
-    cfg = config(vocab_size=len(vocab), hidden_size=32, intermediate_size=48,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                 **extra)
+    fields = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                  **extra)
+    cfg = config(**{**fields, **shape})
     torch.manual_seed(0)
     model(cfg).save_pretrained(path)
     return path

@@ -17,6 +17,13 @@ come back as a list in rank order. SHARD: the first argument is split into one s
 (``split``), the other arguments go to every rank as they are; results in rank order. RANK0:
 only rank 0 runs the call, and its result alone comes back. In every mode an argument wrapped
 as ``PerRank(items)`` gives item r to rank r.
+
+A role split by tensor parallelism (``tensor_parallel`` T: ranks dT..dT+T-1 hold one model
+between them, data-parallel rank d) is called by data-parallel rank: SHARD splits the batch
+into one slice per data-parallel rank, which its T ranks all receive, and the results come
+back one per data-parallel rank (its first rank's: the others computed the same); a
+``PerRank`` of one item per data-parallel rank gives item d to its T ranks. ALL and RANK0 are
+as above, over every rank.
 """
 
 from __future__ import annotations
@@ -92,14 +99,22 @@ def even_bounds(length: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def per_rank_args(mode: Dispatch, args: tuple, kwargs: dict, world_size: int
-                  ) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) each rank receives under ``mode``."""
+def per_rank_args(mode: Dispatch, args: tuple, kwargs: dict, world_size: int,
+                  tensor_parallel: int = 1) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) each rank receives under ``mode`` (``tensor_parallel``: consecutive
+    ranks that hold one model, see the module doc)."""
+    T = tensor_parallel
+    dp = world_size // T
+
     def pick(value: Any, r: int) -> Any:
         if isinstance(value, PerRank):
-            if len(value.items) != world_size:
-                raise ValueError(f"PerRank holds {len(value.items)} items for {world_size} ranks")
-            return value.items[r]
+            if len(value.items) == world_size:
+                return value.items[r]
+            if len(value.items) == dp:
+                return value.items[r // T]
+            per_dp = f" or {dp} data-parallel ranks" if T > 1 else ""
+            raise ValueError(f"PerRank holds {len(value.items)} items for {world_size} "
+                             f"ranks{per_dp}")
         return value
 
     args = list(args)
@@ -107,7 +122,15 @@ def per_rank_args(mode: Dispatch, args: tuple, kwargs: dict, world_size: int
         if not args:
             raise ValueError("a SHARD method takes the batch to split as its first argument")
         if not isinstance(args[0], PerRank):
-            args[0] = PerRank(split(args[0], world_size))
+            args[0] = PerRank(split(args[0], dp))
     ranks = [0] if mode is Dispatch.RANK0 else range(world_size)
     return [(tuple(pick(a, r) for a in args), {k: pick(v, r) for k, v in kwargs.items()})
             for r in ranks]
+
+
+def results_of(mode: Dispatch, results: list[Any], tensor_parallel: int = 1) -> list[Any]:
+    """What a call under ``mode`` gives back from every rank's ``results`` (in rank order):
+    one per data-parallel rank for SHARD (its first rank's), all of them otherwise."""
+    if mode is Dispatch.SHARD and tensor_parallel > 1:
+        return results[::tensor_parallel]
+    return results

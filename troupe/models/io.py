@@ -14,12 +14,16 @@ from troupe import wire
 from troupe.models.lora import merged_state_dict
 
 
-def save_module(path: str | Path, module: nn.Module, **meta: Any) -> Path:
-    """Weights of ``module`` (LoRA adapters folded in) and ``meta`` to ``path``, atomically."""
+def save_module(path: str | Path, module: nn.Module, state: dict[str, torch.Tensor] | None = None,
+                **meta: Any) -> Path:
+    """Weights of ``module`` (LoRA adapters folded in) and ``meta`` to ``path``, atomically.
+    ``state``: the weights to write instead (a tensor-parallel module's put together:
+    troupe.parallel.tensor.full_state_dict)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    state = {k: v.contiguous() for k, v in merged_state_dict(module).items()}
+    state = merged_state_dict(module) if state is None else state
+    state = {k: v.contiguous() for k, v in state.items()}
     with open(tmp, "wb") as f:
         wire.dump({"meta": meta, "state": state}, f)
     os.replace(tmp, path)
@@ -42,9 +46,12 @@ def read_module_file(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 
 
 def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dict[str, Any]:
-    """Load weights saved by save_module into ``module``; returns the file's meta."""
+    """Load weights saved by save_module into ``module`` (a tensor-parallel model inside it
+    takes its rank's shards of the whole tensors: troupe.parallel.tensor.shard_state);
+    returns the file's meta."""
+    from troupe.parallel.tensor import shard_state  # troupe.parallel imports the models
     meta, state = read_module_file(path)
-    load_state(module, state, path, strict)
+    load_state(module, shard_state(module, state), path, strict)
     return meta
 
 

@@ -170,6 +170,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     vocabulary shard (columns rank * Vp/T ...; those at or past ``vocab`` are padding): as
     F.cross_entropy of the whole logits, without gathering them. Targets equal to
     ``ignore_index`` do not count."""
+    logp, _ = vocab_parallel_logprobs(logits, targets, group, vocab)
+    keep = targets != ignore_index
+    return -(logp * keep).sum() / keep.sum().clamp_min(1)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, group: Communicator,
+                            vocab: int, entropy: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) (N,) under logits (N, Vp / T) that hold this rank's vocabulary shard (as
+    ``vocab_parallel_cross_entropy``), differentiable; with ``entropy``, also each row's
+    entropy (N,), without gradient. Each rank's maximum, sum of exponentials, target logit
+    (and sum of p x logit) are all-reduced: numbers per row, never the logits."""
     logits = logits.float()
     width = logits.shape[-1]
     lo = group.rank * width
@@ -183,6 +195,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     local = targets - lo
     mine = (local >= 0) & (local < width)
     picked = torch.where(mine, shifted.gather(1, local.clamp(0, width - 1)[:, None])[:, 0], 0.0)
-    loss = sum_exp.log() - reduce_out(picked, group)
-    keep = targets != ignore_index
-    return (loss * keep).sum() / keep.sum().clamp_min(1)
+    logp = reduce_out(picked, group) - sum_exp.log()
+    if not entropy:
+        return logp, None
+    with torch.no_grad():  # H = log Z - sum_v p_v s_v, with s the shifted logits
+        e = shifted.exp()
+        weighted = torch.where(e > 0, e * shifted, 0.0).sum(-1)  # exp(-inf) * -inf is nan
+        ent = sum_exp.log() - group.all_reduce(weighted.contiguous(), "sum") / sum_exp
+    return logp, ent

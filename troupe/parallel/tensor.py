@@ -33,6 +33,7 @@ initialisation from the same seed, checkpoints across sizes and export).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -128,6 +129,36 @@ def check_split(cfg, T: int, training: bool = True) -> None:
                   and cfg.n_head % t == 0 and cfg.kv_heads % t == 0]
             raise ValueError(f"tensor_parallel={T}: {key}={width} does not split over {T} "
                              f"ranks; sizes that split it and the heads: {ok}")
+
+
+def check_optimizer(opt, T: int, key: str) -> None:
+    """ValueError naming ``key`` when the optimizer ``opt`` (an OptimizerConfig) takes norms
+    of whole tensors, which tensor parallelism's ranks hold in shards: LAMB's trust ratio, 0/1
+    Adam's update clipping."""
+    if opt.name in ("lamb", "onebit_lamb") or (opt.name == "zero_one_adam" and opt.update_clip):
+        what = "LAMB's trust ratio" if "lamb" in opt.name else \
+            f"0/1 Adam's update clipping ({key}.update_clip=0 turns it off)"
+        raise ValueError(f"tensor_parallel={T} with {key}.name={opt.name!r}: {what} takes "
+                         "the norm of whole tensors, which the ranks hold in shards; use adam, "
+                         "adamw or onebit_adam")
+
+
+def splits(cfg, T: int) -> bool:
+    """Whether T splits a model of config ``cfg`` for training (``check_split``)."""
+    try:
+        check_split(cfg, T)
+        return True
+    except ValueError:
+        return False
+
+
+def larger_fitting(cfg, T: int, total_at: Callable[[int], int], budget_bytes: float
+                   ) -> int | None:
+    """The smallest power-of-two size above T that splits ``cfg`` and whose rank's planned
+    bytes (``total_at(size)``) are within ``budget_bytes``; None if none up to 64: what a
+    memory refusal names (troupe.parallel.memory)."""
+    return next((t for t in (2, 4, 8, 16, 32, 64) if t > T and splits(cfg, t)
+                 and total_at(t) <= budget_bytes), None)
 
 
 def layout(model: nn.Module, T: int) -> dict[str, Split]:
@@ -229,14 +260,61 @@ def bias_on_first_rank(model: nn.Module) -> None:
             m.proj.bias = None
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, gathered from a tensor-parallel model's ranks (every rank
-    calls it and gets it); a model without tensor parallelism gives its own."""
-    group = getattr(model, "tp", None)
-    state = model.state_dict()
-    if group is None:
-        return state
-    for name, split in model.tp_layout.items():
-        parts = list(group.all_gather(state[name].contiguous()).unbind(0))
-        state[name] = split.merge(parts)
+def split_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The tensor-parallel models inside ``module`` (itself included), each with the prefix
+    of its names in ``module``'s state dict ("" for ``module`` itself; "lm.gpt." for a value
+    model's body)."""
+    return [(f"{name}." if name else "", m) for name, m in module.named_modules()
+            if getattr(m, "tp", None) is not None and getattr(m, "tp_layout", None)]
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of ``module`` (a GPT, or a module holding one: a language or
+    value model), each tensor-parallel model in it put together from its ranks' shards (every
+    rank of its group calls, and gets it: one all-gather a split tensor); a module without
+    tensor parallelism gives its own."""
+    state = module.state_dict()
+    for prefix, model in split_models(module):
+        for name, split in model.tp_layout.items():
+            key = prefix + name
+            parts = list(model.tp.all_gather(state[key].contiguous()).unbind(0))
+            state[key] = split.merge(parts)
     return state
+
+
+def gathered_parameters(model: nn.Module):
+    """``model``'s named parameters, the split ones put together, one at a time (every rank
+    of the tensor-parallel group walks it to the end, in step: each split one is an
+    all-gather); those of a model without tensor parallelism as they are."""
+    splits = model.tp_layout if getattr(model, "tp", None) is not None else {}
+    for name, p in model.named_parameters():
+        split = splits.get(name)
+        if split is None:
+            yield name, p
+        else:
+            yield name, split.merge(list(model.tp.all_gather(p.detach().contiguous()).unbind(0)))
+
+
+def whole_shape(model: nn.Module, name: str, shape: torch.Size) -> torch.Size:
+    """The whole tensor's shape of ``model``'s parameter ``name`` (of this rank's ``shape``)."""
+    split = (model.tp_layout if getattr(model, "tp", None) is not None else {}).get(name)
+    if split is None:
+        return shape
+    whole = list(shape)
+    whole[split.dim] = split.whole
+    return torch.Size(whole)
+
+
+def shard_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole state dict (``full_state_dict``'s, or a file's) cut to the shards this rank's
+    tensor-parallel models inside ``module`` hold; tensors already of a shard's shape, and
+    modules without tensor parallelism, are left as they are. No collective: each rank cuts
+    its own."""
+    out = dict(state)
+    for prefix, model in split_models(module):
+        for name, split in model.tp_layout.items():
+            key = prefix + name
+            if key in out and out[key].dim() > split.dim \
+                    and out[key].shape[split.dim] == split.whole:
+                out[key] = split.shard(out[key], model.tp.rank)
+    return out

@@ -52,6 +52,7 @@ from torch import nn
 
 from troupe.collectives import Communicator
 from troupe.errors import CollectiveTimeoutError, PeerLostError, TroupeError
+from troupe.parallel.tensor import whole_shape
 
 _ALIGN = 8       # every tensor starts on an 8-byte boundary of its bucket
 _ROW = 512       # the checksum reads a bucket as rows of 512 int64 words
@@ -85,8 +86,10 @@ def sync_tensors(model: nn.Module, dtype: torch.dtype | None = None
 def sync_specs(model: nn.Module, dtype: torch.dtype | None = None
                ) -> list[tuple[str, torch.Size, torch.dtype]]:
     """What ``sync_tensors`` would give, as (name, shape, dtype), read from the parameters'
-    shapes alone (a partitioned model's need not be gathered)."""
-    return [(name, t.shape, dtype or t.dtype) for name, t in _named(model.named_parameters())]
+    shapes alone (a partitioned model's need not be gathered; a tensor-parallel model's are
+    the whole tensors', which the trainer sends put together: troupe.parallel.tensor)."""
+    return [(name, whole_shape(model, name, t.shape), dtype or t.dtype)
+            for name, t in _named(model.named_parameters())]
 
 
 def sync_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None

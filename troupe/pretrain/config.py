@@ -196,16 +196,11 @@ def _check_tensor_parallel(cfg: PretrainConfig) -> None:
     each rank's shard instead), offloaded master weights; and, for troupe's own GPT (a
     pretrained one's config.json is read on the driver, troupe.pretrain.plan.plan), heads
     and widths that T does not split."""
-    T, opt = cfg.tensor_parallel, cfg.optimizer
-    if opt.name in ("lamb", "onebit_lamb") or (opt.name == "zero_one_adam" and opt.update_clip):
-        what = "LAMB's trust ratio" if "lamb" in opt.name else \
-            "0/1 Adam's update clipping (optimizer.update_clip=0 turns it off)"
-        raise ValueError(f"tensor_parallel={T} with optimizer.name={opt.name!r}: {what} takes "
-                         "the norm of whole tensors, which the ranks hold in shards; use adam, "
-                         "adamw or onebit_adam")
+    from troupe.parallel.tensor import check_optimizer, check_split
+    T = cfg.tensor_parallel
+    check_optimizer(cfg.optimizer, T, "optimizer")
     if cfg.train.offload:
         raise ValueError(f"tensor_parallel={T} with train.offload: the shard owners hold "
                          "whole dense parameters; use zero_stage=3 to spread them instead")
     if cfg.model.pretrained is None:
-        from troupe.parallel.tensor import check_split
         check_split(cfg.model.architecture(), T)

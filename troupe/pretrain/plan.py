@@ -13,7 +13,7 @@ from troupe.models.hf_config import context_length
 from troupe.parallel import apply_tensor_parallel
 from troupe.parallel.memory import GIB, MemoryPlan, check_budget, device_budget_gib, size
 from troupe.parallel.memory import plan as memory_plan
-from troupe.parallel.tensor import Place, check_split
+from troupe.parallel.tensor import Place, check_split, larger_fitting
 from troupe.pretrain.config import PretrainConfig
 from troupe.runtime.cluster import check_local_capacity
 
@@ -60,23 +60,15 @@ def check_memory(cfg: PretrainConfig, arch: GPTConfig, device: torch.device, ran
     mine = _memory_plan(cfg, arch, cfg.tensor_parallel)
     who = f"every rank of {world}" if rank is None else f"rank {rank} of {world}"
     if budget is not None and mine.total > budget * GIB:
-        larger = [t for t in (2, 4, 8, 16, 32, 64) if t > cfg.tensor_parallel and
-                  _splits(arch, t) and _memory_plan(cfg, arch, t).total <= budget * GIB]
+        larger = larger_fitting(arch, cfg.tensor_parallel,
+                                lambda t: _memory_plan(cfg, arch, t).total, budget * GIB)
         if larger:
-            who += (f" (tensor_parallel={larger[0]} would plan "
-                    f"{size(_memory_plan(cfg, arch, larger[0]).total)} a rank, with workers a "
-                    f"multiple of {larger[0]})")
+            who += (f" (tensor_parallel={larger} would plan "
+                    f"{size(_memory_plan(cfg, arch, larger).total)} a rank, with workers a "
+                    f"multiple of {larger})")
     other = _memory_plan(cfg, arch, cfg.tensor_parallel, 4 - cfg.zero_stage)
     check_budget(mine, budget, who, other)
     return mine
-
-
-def _splits(arch: GPTConfig, T: int) -> bool:
-    try:
-        check_split(arch, T)
-        return True
-    except ValueError:
-        return False
 
 
 def _memory_plan(cfg: PretrainConfig, arch: GPTConfig, T: int,

@@ -32,6 +32,11 @@ class RLHFConfig(AppConfig):
     or "module:attribute" naming your own troupe.rlhf.algorithms.Algorithm). steps: which
     of the three steps run (the command line's --step wins; step 3 is "step3" whatever the
     algorithm, and step 2 is skipped when no learned reward model is used). workers: data-parallel workers per role;
+    tensor_parallel: T, how many actors of each role (policy, reference, reward, critic) hold
+    one data-parallel rank's model between them, each its share of every layer
+    (troupe.parallel.tensor): a role is workers x T actors; a policy's rollouts are generated
+    by its T ranks together, and rollout replicas (which hold the whole model) get its weights
+    put together by name (troupe.parallel.weight_sync);
     threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
     has its own, step3.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
     reference_in_policy: the frozen reference lives in the policy's worker processes instead of
@@ -72,6 +77,7 @@ class RLHFConfig(AppConfig):
     dpo: DPOConfig = DPOConfig()
     env: EnvConfig = EnvConfig()
     workers: int = Field(default=2, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
     threads: int = Field(default=1, ge=1)
     colocate: bool = True
     reference_in_policy: bool = False
@@ -123,6 +129,8 @@ class RLHFConfig(AppConfig):
         if self.zero_stage == 3 and self.step3.ema:
             raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
                              "model on every rank; use zero_stage=1")
+        if self.tensor_parallel > 1:
+            _check_tensor_parallel(self)
         W = self.workers
         for key, batch in (("sft.batch_size", self.sft.batch_size),
                            ("reward.batch_size", self.reward.batch_size),
@@ -214,6 +222,36 @@ class RLHFConfig(AppConfig):
 
     def uses_reference(self) -> bool:
         return self.algo().uses_reference(self)
+
+
+def _check_tensor_parallel(cfg: RLHFConfig) -> None:
+    """What tensor parallelism does not combine with in RLHF (ValueError naming the key), and
+    troupe's own GPT's heads and widths that T does not split (a Hugging Face model's
+    config.json is read by the plan: troupe.rlhf.plan)."""
+    from troupe.parallel.tensor import check_optimizer, check_split
+    T, p = cfg.tensor_parallel, cfg.step3
+    refused = {
+        "zero_stage=3": cfg.zero_stage == 3,
+        "step3.lora": p.lora.enabled,
+        "step3.ema": p.ema,
+        "step3.int8_generation": p.int8_generation,
+        "step3.quantize_frozen": p.quantize_frozen != "none",
+        "step3.speculate_draft": p.speculate_draft is not None,
+        "decode_graphs": cfg.decode_graphs,
+        "env.function": bool(cfg.env.function),
+    }
+    for key, on in refused.items():
+        if on:
+            raise ValueError(f"tensor_parallel={T} with {key}: not built for models split by "
+                             "tensor parallelism (their shards would each need their own "
+                             f"copy, adapters or environment); set tensor_parallel=1 or "
+                             f"turn {key} off")
+    for key, opt in (("sft.optimizer", cfg.sft.optimizer), ("reward.optimizer",
+                     cfg.reward.optimizer), ("step3.actor", p.actor),
+                     ("step3.critic", p.critic), ("dpo.optimizer", cfg.dpo.optimizer)):
+        check_optimizer(opt, T, key)
+    if cfg.model.pretrained is None:
+        check_split(cfg.model.gpt, T)
 
 
 def _or(value, default):

@@ -67,19 +67,19 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
     train (RLHFTopology); and the rollout replicas of ``step3.rollout`` on their own, when step
     3 is one of ``steps`` and asks for them."""
     conf, device = _worker_config(cfg)
-    g, W, r = ActorGraph("rlhf"), cfg.workers, cfg.step3.rollout
+    g, r, T = ActorGraph("rlhf"), cfg.step3.rollout, cfg.tensor_parallel
     classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
                "critic": CriticActor}
     for name in roles(cfg):
-        g.role(name, classes[name], W, num_cpus=cfg.num_cpus, config=conf,
+        g.role(name, classes[name], cfg.workers * T, num_cpus=cfg.num_cpus, config=conf,
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
-               max_restarts=cfg.max_restarts)
+               max_restarts=cfg.max_restarts, tensor_parallel=T)
     if "rollout" in graph_roles(cfg, steps):  # engines on their own actors
         g.role("rollout", RolloutActor, r.replicas, num_cpus=r.num_cpus, config=conf,
                num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
                max_restarts=r.max_restarts)
-    topology = RLHFTopology.of(list(g.roles), W, cfg.zero_stage, r.replicas)
+    topology = RLHFTopology.of_recipe(list(g.roles), cfg)
     topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900,
                     collective_timeout_s=cfg.collective_timeout_s)
@@ -103,16 +103,17 @@ def reuse_graph(graph: Graph, cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -
     """``graph`` (built by ``build_graph`` for another recipe with the same roles, ranks and
     groups) with every worker given ``cfg`` and its role built afresh: what a run builds,
     without starting its processes again. ValueError naming what differs."""
-    want = {name: cfg.step3.rollout.replicas if name == "rollout" else cfg.workers
+    T = cfg.tensor_parallel
+    want = {name: (cfg.step3.rollout.replicas, 1) if name == "rollout" else (cfg.workers * T, T)
             for name in graph_roles(cfg, steps)}
-    have = {name: graph[name].world_size for name in graph.roles}
+    have = {name: (graph[name].world_size, graph[name].tensor_parallel) for name in graph.roles}
     if have != want:
-        raise ValueError(f"this graph holds {have} (role: ranks); the recipe needs {want}")
+        raise ValueError(f"this graph holds {have} (role: ranks, tensor_parallel); the recipe "
+                         f"needs {want}")
     conf, _ = _worker_config(cfg)
     for call in [graph[name].invoke_async(PolicyActor.configure, conf) for name in graph.roles]:
         call.result()
-    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
-                                       cfg.step3.rollout.replicas))
+    setup_roles(graph, RLHFTopology.of_recipe(list(graph.roles), cfg))
     return graph
 
 
@@ -121,7 +122,7 @@ def _worker_config(cfg: RLHFConfig) -> tuple[dict, str]:
     that device."""
     info = init()
     r = cfg.step3.rollout
-    needed = (cfg.workers * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+    needed = (cfg.workers * cfg.tensor_parallel * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
               + r.replicas * (r.num_gpus or 1.0))
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
     return cfg.model_copy(update={"device": device}).model_dump(), device

@@ -28,7 +28,10 @@ from troupe.config import ConfigError
 from troupe.errors import DataError
 from troupe.models import GPT, GPTConfig
 from troupe.models.hf_config import context_length, read_config
-from troupe.parallel.memory import MemoryPlan, check_budget, plan as memory_plan
+from troupe.parallel import apply_tensor_parallel
+from troupe.parallel.memory import GIB, MemoryPlan, check_budget, size
+from troupe.parallel.memory import plan as memory_plan
+from troupe.parallel.tensor import Place, check_split, larger_fitting
 from troupe.rlhf.config import STEP3, RLHFConfig
 from troupe.rlhf.data.datasets import Data, RowView, check_sizes, prepare_data
 from troupe.rlhf.models.build import recipe_tokenizer
@@ -67,6 +70,11 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     --print-config, whose recipe may be meant for a cluster): the graph's CPUs are also held
     against the local cluster's when the run would start one."""
     arch, key = architecture(cfg)
+    if cfg.tensor_parallel > 1 and cfg.model.pretrained is not None:
+        try:
+            check_split(arch, cfg.tensor_parallel)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
     C = arch.seq_len
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
@@ -117,8 +125,10 @@ def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
     """The graph's CPUs against the local cluster's, when the run would start one."""
     from troupe.rlhf.driver import roles  # the driver builds the graph (and imports this)
     names = roles(cfg)
-    cpus = len(names) * cfg.workers * cfg.num_cpus
-    what = f"workers={cfg.workers} x {len(names)} roles ({', '.join(names)}) x num_cpus={cfg.num_cpus:g}"
+    T = cfg.tensor_parallel
+    cpus = len(names) * cfg.workers * T * cfg.num_cpus
+    what = (f"workers={cfg.workers}" + (f" x tensor_parallel={T}" if T > 1 else "")
+            + f" x {len(names)} roles ({', '.join(names)}) x num_cpus={cfg.num_cpus:g}")
     r = cfg.step3.rollout
     if r.replicas and STEP3 in steps and cfg.algo().online:
         cpus += r.replicas * r.num_cpus
@@ -229,13 +239,25 @@ def _memory(cfg: RLHFConfig, arch: GPTConfig, steps: Sequence[str]) -> dict[str,
         optimizers["policy"] = cfg.step3.actor
         if cfg.uses_critic():
             optimizers["critic"] = cfg.step3.critic
-    with torch.device("meta"):
-        shapes = GPT(arch)
+    T, budget = cfg.tensor_parallel, cfg.memory_per_worker
+
+    @functools.cache
+    def shapes(t: int) -> GPT:  # tensor-parallel rank 0's shards (it holds the most)
+        with torch.device("meta"):
+            return apply_tensor_parallel(GPT(arch), Place(0, t) if t > 1 else None)
+
+    def planned(opt, t: int, stage: int) -> MemoryPlan:
+        return memory_plan(shapes(t), opt, cfg.workers, stage, cfg.zero_prefetch, tp=t)
     plans = {}
     for role, opt in optimizers.items():
-        mine = memory_plan(shapes, opt, cfg.workers, cfg.zero_stage, cfg.zero_prefetch)
-        other = memory_plan(shapes, opt, cfg.workers, 4 - cfg.zero_stage, cfg.zero_prefetch)
-        check_budget(mine, cfg.memory_per_worker, f"role {role!r}", other)
+        mine = planned(opt, T, cfg.zero_stage)
+        who = f"role {role!r}"
+        if budget is not None and mine.total > budget * GIB:
+            larger = larger_fitting(arch, T, lambda t: planned(opt, t, 1).total, budget * GIB)
+            if larger:
+                who += (f" (tensor_parallel={larger} would plan "
+                        f"{size(planned(opt, larger, 1).total)} a rank at zero_stage 1)")
+        check_budget(mine, budget, who, planned(opt, T, 4 - cfg.zero_stage))
         plans[role] = mine
     return plans
 

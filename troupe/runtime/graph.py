@@ -50,6 +50,14 @@ class RoleSpec(Config):
     colocate_with: str | None = None
     max_restarts: int = Field(0, ge=-1)
     config: Any = None
+    tensor_parallel: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _whole_groups(self) -> "RoleSpec":
+        if self.num_workers % self.tensor_parallel:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} must divide "
+                             f"num_workers={self.num_workers}")
+        return self
 
     @field_validator("resources")
     @classmethod
@@ -95,8 +103,10 @@ class ActorGraph:
              num_gpus: float = 0.0, resources: dict[str, float] | None = None,
              runtime_env: dict[str, Any] | None = None, strategy: Strategy = "PACK",
              colocate_with: str | None = None, max_restarts: int = 0,
-             config: Any = None) -> "ActorGraph":
-        """Declare a role; see RoleSpec for the fields. Returns self for chaining."""
+             config: Any = None, tensor_parallel: int = 1) -> "ActorGraph":
+        """Declare a role; see RoleSpec for the fields (``tensor_parallel``: consecutive ranks
+        that hold one model between them, called by data-parallel rank:
+        troupe.actors.dispatch). Returns self for chaining."""
         if name in self.roles:
             raise ValueError(f"role: name {name!r} is declared twice")
         if not callable(cls):
@@ -104,7 +114,8 @@ class ActorGraph:
         self.roles[name] = validate(RoleSpec, dict(
             name=name, cls=cls, num_workers=num_workers, num_cpus=num_cpus, num_gpus=num_gpus,
             resources=resources or {}, runtime_env=runtime_env, strategy=strategy,
-            colocate_with=colocate_with, max_restarts=max_restarts, config=config),
+            colocate_with=colocate_with, max_restarts=max_restarts, config=config,
+            tensor_parallel=tensor_parallel),
             f"role {name!r}")
         return self
 
@@ -282,7 +293,7 @@ class ActorGraph:
             actors.append(RemoteRoleWorker.options(**options).remote(
                 spec.cls, spec.config, self.name, spec.name, rank, spec.num_workers))
         return RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s,
-                         spec.cls)
+                         spec.cls, spec.tensor_parallel)
 
     def _wire(self, graph: Graph, spec: CollectiveSpec, timeout_s: float) -> None:
         members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
-from troupe.actors.dispatch import Dispatch, PerRank, mode_of, per_rank_args
+from troupe.actors.dispatch import Dispatch, PerRank, mode_of, per_rank_args, results_of
 from troupe.errors import CallTimeoutError, WorkerCallError, WorkerDiedError
 
 _POLL_S = 1.0  # how often a long call checks its finished ranks for errors
@@ -21,15 +21,19 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 class RoleGroup:
     """The workers of one role, built from ``cls``. ``invoke`` calls a method of ``cls`` by
     reference with the dispatch it declares (troupe.actors.dispatch); ``call``, ``call_rank``
-    and ``scatter`` are the same by name, for a method that declares none."""
+    and ``scatter`` are the same by name, for a method that declares none. ``tensor_parallel``:
+    how many consecutive ranks hold one model between them (SHARD calls go by data-parallel
+    rank: troupe.actors.dispatch)."""
 
     def __init__(self, name: str, actors: list[ray.actor.ActorHandle], node_ids: list[str],
-                 call_timeout_s: float | None, cls: type | None = None):
+                 call_timeout_s: float | None, cls: type | None = None,
+                 tensor_parallel: int = 1):
         self.name = name
         self.actors = actors
         self.node_ids = node_ids
         self.call_timeout_s = call_timeout_s
         self.cls = cls
+        self.tensor_parallel = tensor_parallel
 
     def invoke(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` (a function of the role's class, e.g. ``PolicyActor.generate``)
@@ -57,9 +61,11 @@ class RoleGroup:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"role {self.name!r} has ranks 0..{self.world_size - 1}, "
                                  f"not {rank}")
-            calls, ranks = per_rank_args(mode, args, kwargs, self.world_size)[rank:rank + 1], [rank]
+            calls = per_rank_args(mode, args, kwargs, self.world_size,
+                                  self.tensor_parallel)[rank:rank + 1]
+            ranks = [rank]
         else:
-            calls = per_rank_args(mode, args, kwargs, self.world_size)
+            calls = per_rank_args(mode, args, kwargs, self.world_size, self.tensor_parallel)
             ranks = list(range(len(calls)))
         refs = [self.actors[r].call.remote(name, a_args, a_kwargs)
                 for r, (a_args, a_kwargs) in zip(ranks, calls)]
@@ -205,11 +211,16 @@ class Call:
         self.ranks = list(range(len(refs))) if ranks is None else ranks
 
     def result(self, timeout_s: float | None = None) -> Any:
-        """The results in rank order (rank 0's alone for RANK0), or the first failure as a
-        typed error (see ``RoleGroup.gather``)."""
+        """The results in rank order (rank 0's alone for RANK0; for SHARD on a role split by
+        tensor parallelism, one per data-parallel rank), or the first failure as a typed
+        error (see ``RoleGroup.gather``)."""
         timeout = self.group.call_timeout_s if timeout_s is None else timeout_s
         out = self.group.gather(self.refs, self.ranks, self.method, timeout)
-        return out[0] if self.mode is Dispatch.RANK0 else out
+        if self.mode is Dispatch.RANK0:
+            return out[0]
+        if len(self.ranks) < self.group.world_size:  # invoke_on: the rank's own
+            return out
+        return results_of(self.mode, out, self.group.tensor_parallel)
 
 
 def _death_cause(e: RayActorError) -> str:

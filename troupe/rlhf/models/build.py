@@ -22,7 +22,9 @@ from troupe.optim import (
     build_optimizer,
     build_partitioned_optimizer,
 )
-from troupe.parallel import Zero3
+from troupe.models.io import load_module, save_module
+from troupe.parallel import Zero3, apply_tensor_parallel
+from troupe.parallel.tensor import full_state_dict, gathered_parameters
 from troupe.parallel.memory import check_budget, device_budget_gib, plan
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.models.lm import GPTLM
@@ -30,8 +32,8 @@ from troupe.rlhf.sections import ModelConfig
 
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
-             device: torch.device | str = "cpu", tools: list[dict] | None = None
-             ) -> tuple[GPTLM, Tokenizer | None]:
+             device: torch.device | str = "cpu", tools: list[dict] | None = None,
+             tp: Communicator | None = None) -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
     ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
     the host, so that every device starts from the same weights), on ``device``, computing in
@@ -39,16 +41,23 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     that never see text (reference, critic) ask for no tokenizer (a large vocabulary's
     tokenizer costs a process more than 100 MB). ``tools``: OpenAI tool specs every chat prompt
     is rendered with (the recipe's env.tools: SFT's demonstrations, the reward model's pairs
-    and the rollouts see the same system turn)."""
+    and the rollouts see the same system turn). ``tp``: the tensor-parallel group whose rank's
+    shards of the model this process holds (troupe.parallel.tensor; troupe's GPT drawn shard
+    by shard from the whole model's seed, a checkpoint loaded whole and cut)."""
     if cfg.pretrained is not None:
-        gpt = from_pretrained(cfg.pretrained).train()
+        gpt = apply_tensor_parallel(from_pretrained(cfg.pretrained).train(), tp)
         tok = recipe_tokenizer(cfg, tools) if tokenizer else None
     else:
         tok = ByteTokens()
         if cfg.gpt.vocab_size != tok.vocab_size:
             raise ValueError(f"model.gpt.vocab_size={cfg.gpt.vocab_size}: the byte tokenizer "
                              f"has {tok.vocab_size} tokens")
-        gpt = GPT(cfg.gpt, seed=seed)
+        if tp is None or tp.world_size == 1:
+            gpt = GPT(cfg.gpt, seed=seed)
+        else:
+            with torch.device("meta"):
+                gpt = apply_tensor_parallel(GPT(cfg.gpt, seed=seed), tp)
+            gpt.materialize("cpu").init_weights(seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
     return GPTLM(gpt.to(device), precision, cfg.packing, cfg.packing_tokens), tok
 
@@ -63,23 +72,49 @@ def recipe_tokenizer(cfg: ModelConfig, tools: list[dict] | None = None) -> Token
 
 
 def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicator | None,
-                    cfg: RLHFConfig, device: torch.device) -> "Trainable | PartitionedTrainable":
+                    cfg: RLHFConfig, device: torch.device,
+                    tp: Communicator | None = None) -> "Trainable | PartitionedTrainable":
     """A role's trained ``module`` (``blocks``: its decoder's) as the recipe lays it out:
-    whole on every rank (zero_stage 1) or partitioned over ``group`` (zero_stage 3)."""
+    whole on every rank (zero_stage 1; each rank of a tensor-parallel group ``tp`` its
+    shards) or partitioned over ``group`` (zero_stage 3)."""
     if cfg.zero_stage == 3:
         return PartitionedTrainable(module, blocks, group, cfg, device)
-    return Trainable(module, group, cfg.precision, cfg.memory_per_worker, blocks)
+    return Trainable(module, group, cfg.precision, cfg.memory_per_worker, blocks, tp)
 
 
-class Trainable:
+class _Weights:
+    """Saving and loading a role's weights, whatever its layout: whole files, written by rank
+    0 and read by every rank (a partitioned module gathered for it, a tensor-parallel one put
+    together from its shards and cut again: troupe.parallel.tensor)."""
+
+    tp: Communicator | None = None
+
+    def save(self, path: str, module: nn.Module, write: bool, **meta) -> None:
+        """``module``'s whole weights to ``path``, written where ``write`` (every rank calls)."""
+        with self.gathered():
+            state = full_state_dict(module) if self.tp is not None else None
+            if write:
+                save_module(path, module, state=state, **meta)
+
+    def load(self, path: str, module: nn.Module) -> None:
+        """Weights written by ``save`` (or by a run of another layout) into ``module``."""
+        with self.writable():
+            load_module(path, module)
+
+
+class Trainable(_Weights):
     """A module whose trainable parameters live in one flat buffer, stepped by a troupe
     optimizer that averages gradients over ``group`` (ZeRO-1, or 1-bit compressed). In fp16
     (``precision``) the losses are scaled on their way into ``backward`` and an update whose
-    gradients overflow is skipped (troupe.optim.LossScaler)."""
+    gradients overflow is skipped (troupe.optim.LossScaler). ``tp``: the tensor-parallel
+    group the module's model is split over (its ranks' gradients of the split weights are
+    each their slice's, of the replicated ones the same on each: ``group`` joins the ranks
+    holding the same shards)."""
 
     def __init__(self, module: nn.Module, group: Communicator | None, precision: str = "fp32",
-                 memory_per_worker: float | None = None, blocks: nn.ModuleList | None = None):
-        self.module, self.group = module, group
+                 memory_per_worker: float | None = None, blocks: nn.ModuleList | None = None,
+                 tp: Communicator | None = None):
+        self.module, self.group, self.tp = module, group, tp
         self.memory_per_worker, self.blocks = memory_per_worker, blocks
         self.scaler = LossScaler() if precision == "fp16" else None
         self.world = group.world_size if group is not None else 1
@@ -141,8 +176,9 @@ class Trainable:
     writable = gathered
 
     def stream(self, module: nn.Module):
-        """``module``'s named parameters, whole already (troupe.parallel.weight_sync)."""
-        return module.named_parameters()
+        """``module``'s named parameters, whole (troupe.parallel.weight_sync): a
+        tensor-parallel model's put together one at a time (every rank walks it to the end)."""
+        return gathered_parameters(module) if self.tp is not None else module.named_parameters()
 
     def settle(self) -> None:
         """After a forward without gradients (scoring): nothing to free at stage 1."""
@@ -160,13 +196,13 @@ class Trainable:
         assert self.opt is not None and self.opt_cfg is not None, "use_optimizer() first"
         lr = self.opt_cfg.lr_at(step, self.total_steps)
         self.flat.alloc_grad()  # a step without a backward since free_grad: zero gradients
-        if self.scaler is None or self.scaler.unscale_([self.flat], self.group):
+        if self.scaler is None or self.scaler.unscale_([self.flat], [self.group, self.tp]):
             self.opt.step(lr)
         self.flat.zero_grad()
         return lr
 
 
-class PartitionedTrainable:
+class PartitionedTrainable(_Weights):
     """Trainable's interface over a module partitioned block by block over ``group``
     (zero_stage 3, troupe.parallel.zero3): each rank keeps 1/W of the weights, gradients and
     optimizer state. The weights are whole only inside ``gathered()`` (generation, saving)

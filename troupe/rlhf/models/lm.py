@@ -16,6 +16,7 @@ from troupe.generation import ContinuousBatcher, DraftModel, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.kernels.small_gemm import DecodeWeights
 from troupe.models import GPT, PrefixTree
+from troupe.models.layers import vocab_parallel_logprobs
 from troupe.models.packing import Packing
 
 
@@ -81,22 +82,35 @@ class GPTLM(nn.Module):
         nonzero, 0 elsewhere: the vocabulary projection and its softmax run on those positions
         only (a 49k-word vocabulary on every prompt token costs as much as a few layers).
         With ``entropy``: also the entropy of the next-token distribution there, (B, S-1).
+        A tensor-parallel model's log-softmax is vocabulary-parallel (its logits never
+        gathered: troupe.models.layers.vocab_parallel_logprobs).
 
         prompt_len: the first ``prompt_len`` columns are the prompt; consecutive rows with the
         same prompt (a group of samples) then run it once, and the opening all prompts share
         once (``shared_hidden``)."""
         h_BRC = self.shared_hidden(ids_BS, valid_BS, prompt_len)[:, :-1]
         at = where_BR.bool()
+        targets_N = ids_BS[:, 1:][at]
+        tp = self.gpt.tp
         with self.autocast():
-            logits_NV = self.gpt.logits(h_BRC[at])
-        logp_NV = F.log_softmax(logits_NV.float(), dim=-1)
-        out = torch.zeros(where_BR.shape, dtype=logp_NV.dtype, device=logp_NV.device)
-        out[at] = logp_NV.gather(-1, ids_BS[:, 1:][at][:, None]).squeeze(-1)
+            h_NC = h_BRC[at]
+            logits_NV = self.gpt.logits(h_NC) if tp is None else self.gpt.logits_shard(h_NC)
+        if tp is None:
+            logp_NV = F.log_softmax(logits_NV.float(), dim=-1)
+            logp_N = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
+            ent_N = None
+            if entropy:
+                with torch.no_grad():
+                    ent_N = -(logp_NV.exp() * logp_NV).sum(-1)
+        else:  # this rank's vocabulary columns: the logits are never gathered
+            logp_N, ent_N = vocab_parallel_logprobs(logits_NV, targets_N, tp,
+                                                    self.gpt.cfg.vocab_size, entropy)
+        out = torch.zeros(where_BR.shape, dtype=logp_N.dtype, device=logp_N.device)
+        out[at] = logp_N
         if not entropy:
             return out
         ent = torch.zeros_like(out)
-        with torch.no_grad():
-            ent[at] = -(logp_NV.exp() * logp_NV).sum(-1)
+        ent[at] = ent_N
         return out, ent
 
     def shared_hidden(self, ids_BS: torch.Tensor, valid_BS: torch.Tensor,

@@ -70,8 +70,7 @@ class Replicas:
 
     def __init__(self, graph: Graph, cfg: RLHFConfig, log: MetricsLog):
         group = graph["rollout"]
-        topology = RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
-                                   group.world_size)
+        topology = RLHFTopology.of_recipe(list(graph.roles), cfg, group.world_size)
         self.supervisor = ReplicaSupervisor(graph, cfg, log, topology)
         self.weights = WeightSync(graph, cfg, topology, self.supervisor)
         self.supervisor.weights = self.weights

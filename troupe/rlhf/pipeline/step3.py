@@ -261,8 +261,7 @@ def _restart(graph: Graph, cfg: RLHFConfig, root: Path, sft_path: Path | None,
              reward_path: Path | None, resume: bool) -> Step3State:
     """After the failure policy brought the workers back: every role built afresh, then
     ``restore``."""
-    setup_roles(graph, RLHFTopology.of(list(graph.roles), cfg.workers, cfg.zero_stage,
-                                       cfg.step3.rollout.replicas))
+    setup_roles(graph, RLHFTopology.of_recipe(list(graph.roles), cfg))
     return restore(graph, cfg, root, sft_path, reward_path, resume)
 
 

@@ -131,10 +131,10 @@ class PolicyActor(_TrainedShell, ReferenceCalls):
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
         rank = get_context().rank
-        group = communicator(topology.policy)
-        self.role = Policy(self.cfg, group, rank)
+        group, tp = communicator(topology.policy), communicator(topology.policy_tp)
+        self.role = Policy(self.cfg, group, rank, tp)
         if self.cfg.reference_in_policy and self.cfg.uses_reference():
-            self.reference = Reference(self.cfg, rank, group)
+            self.reference = Reference(self.cfg, rank, group, tp)
 
     @dispatch(Dispatch.ALL)
     def start_sft(self, total_steps: int) -> None:
@@ -203,7 +203,8 @@ class ReferenceActor(_Shell, ReferenceCalls):
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
         self.role = self.reference = Reference(self.cfg, get_context().rank,
-                                               communicator(topology.reference))
+                                               communicator(topology.reference),
+                                               communicator(topology.reference_tp))
 
 
 class RewardCalls:
@@ -256,7 +257,8 @@ class RewardActor(_Shell, RewardCalls):
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
         self.role = self.reward_model = Reward(self.cfg, communicator(topology.reward),
-                                               get_context().rank)
+                                               get_context().rank,
+                                               communicator(topology.reward_tp))
 
 
 class CriticActor(_TrainedShell, RewardCalls):
@@ -265,9 +267,10 @@ class CriticActor(_TrainedShell, RewardCalls):
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
         group, rank = communicator(topology.critic), get_context().rank
+        tp = communicator(topology.critic_tp)
         if self.cfg.reward_in_critic and self.cfg.uses_reward_model():
-            self.reward_model = Reward(self.cfg, group, rank)
-        self.role = Critic(self.cfg, group, rank)
+            self.reward_model = Reward(self.cfg, group, rank, tp)
+        self.role = Critic(self.cfg, group, rank, tp)
 
     @dispatch(Dispatch.ALL)
     def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:

@@ -14,9 +14,8 @@ from troupe.collectives import Communicator
 from troupe.data import micro_batches
 from troupe.devices import move, precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
-from troupe.models.io import load_module, save_module
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
-from troupe.parallel import weight_sync
+from troupe.parallel import full_state_dict, weight_sync
 from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data.batch import split_completions
@@ -35,13 +34,18 @@ from troupe.rlhf.rollout.engine import RolloutEngine
 
 
 class Policy:
-    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+    """``rank``: this process's rank in the role; ``group``: its data-parallel group; ``tp``:
+    its tensor-parallel group (the ranks holding one model between them, which draw the same
+    dropout and generate the same tokens together)."""
+
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int,
+                 tp: Communicator | None = None):
         self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed * 1000 + rank)
+        torch.manual_seed(cfg.seed * 1000 + rank // cfg.tensor_parallel)
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
-                                     tools=cfg.env.tools)
-        self.train = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
+                                     tools=cfg.env.tools, tp=tp)
+        self.train = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device, tp)
         self.ema = None
         self.algorithm = cfg.algo()
         self.engine = RolloutEngine(cfg, self.tok)
@@ -72,8 +76,7 @@ class Policy:
     def begin_step3(self, sft_path: str | None) -> None:
         """Step 3 starts from the SFT weights (None: from the model's own)."""
         if sft_path is not None:
-            with self.train.writable():
-                load_module(sft_path, self.lm)
+            self.train.load(sft_path, self.lm)
         if not self.algorithm.online:
             d = self.cfg.dpo
             self.train.use_optimizer(d.optimizer, d.steps)
@@ -110,15 +113,16 @@ class Policy:
         r = self.cfg.step3.rollout
         dtype, bucket = precision_dtype(r.precision), int(r.bucket_mb * 2**20)
         partitioned = self.cfg.zero_stage == 3
+        split = self.lm.gpt.tp is not None
         trained = self.train.zero3.take_peak() if partitioned else None  # since the last sync
         if self.rank != 0 or group is None:
-            if partitioned:  # its gathers are collectives: every rank walks the stream
+            if partitioned or split:  # its gathers are collectives: every rank walks the stream
                 for _ in self.train.stream(self.lm.gpt):
                     pass
             return None
         fused = fuse_lora(self.lm)
         try:
-            if background and self.device.type == "cpu" and not partitioned:
+            if background and self.device.type == "cpu" and not (partitioned or split):
                 reuse = None if self.staged is None else self.staged.buffer
                 self.staged = weight_sync.stage(weight_sync.sync_tensors(self.lm.gpt, dtype),
                                                 bucket, into=reuse)
@@ -219,20 +223,20 @@ class Policy:
                         self.train.step(step))
 
     def save(self, path: str, ema: bool = False) -> str:
-        """Rank 0 writes the weights (every rank calls: a partitioned policy gathers)."""
-        with self.train.gathered():
-            if self.rank == 0:
-                save_module(path, self.ema if ema and self.ema is not None else self.lm,
-                            kind="policy")
+        """Rank 0 writes the weights (every rank calls: a partitioned policy gathers, a
+        tensor-parallel one puts its shards together)."""
+        self.train.save(path, self.ema if ema and self.ema is not None else self.lm,
+                        self.rank == 0, kind="policy")
         return path
 
     def export(self, directory: str) -> str:
         """The policy as a Hugging Face directory (adapters folded in), with the tokenizer
         files of the model it started from; written by rank 0, every rank calls."""
+        gpt = self.lm.gpt
         with self.train.gathered():
+            state = full_state_dict(gpt) if gpt.tp is not None else merged_state_dict(gpt)
             if self.rank == 0:
-                save_pretrained(self.lm.gpt, directory, self.cfg.model.pretrained,
-                                state=merged_state_dict(self.lm.gpt))
+                save_pretrained(gpt, directory, self.cfg.model.pretrained, state=state)
         return directory
 
     def state_dict(self) -> dict:
@@ -254,8 +258,7 @@ class Policy:
         set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
-        with self.train.writable():
-            load_module(path, self.lm)
+        self.train.load(path, self.lm)
 
 
 @torch.no_grad()

@@ -33,13 +33,15 @@ class Reference:
     """The frozen SFT policy, for the KL penalty (and DPO's reference log-probabilities: only
     then does it tokenize text)."""
 
-    def __init__(self, cfg: RLHFConfig, rank: int, group: Communicator | None = None):
+    def __init__(self, cfg: RLHFConfig, rank: int, group: Communicator | None = None,
+                 tp: Communicator | None = None):
         """``group``: with zero_stage 3, the ranks the frozen weights are partitioned over
-        (its own role's, or the policy's when it lives in the policy's processes)."""
+        (its own role's, or the policy's when it lives in the policy's processes); ``tp``:
+        the tensor-parallel group its model is split over."""
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision,
                                      tokenizer=not cfg.algo().online,  # DPO's pairs are text
-                                     device=self.device, tools=cfg.env.tools)
+                                     device=self.device, tools=cfg.env.tools, tp=tp)
         self.parts = None
         if cfg.zero_stage == 3 and group is not None:
             self.parts = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)

@@ -1,8 +1,11 @@
 """RLHF's collective groups (troupe.runtime.topology): one data-parallel group for each role
 that trains and has more than one worker (policy, reward, critic), named after the role; the
-frozen reference has one only with zero_stage 3 (its weights partitioned over it); and, with
-rollout replicas, ``weights``: the policy's rank 0 (group rank 0) and every replica (group
-ranks 1..N), over which the policy sends its weights after each update
+frozen reference has one only with zero_stage 3 (its weights partitioned over it); with
+``tensor_parallel`` T > 1, each role's ranks dT..dT+T-1 hold data-parallel rank d's model
+between them ("<role>_tp", troupe.parallel.tensor) and the data-parallel groups join the ranks
+t of every model (troupe.parallel.layout.ParallelLayout, tensor parallelism innermost); and,
+with rollout replicas, ``weights``: the policy's rank 0 (group rank 0) and every replica
+(group ranks 1..N), over which the policy sends its weights after each update
 (troupe.parallel.weight_sync). The policy's other ranks are each a part of their own, so that
 every member of the two roles finds the group by name."""
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from troupe.parallel.layout import ParallelLayout
 from troupe.runtime.topology import Group, Topology
 
 WEIGHTS = "weights"
@@ -22,17 +26,44 @@ class RLHFTopology(Topology):
     critic: Group | None = None
     reference: Group | None = None  # zero_stage 3: the frozen weights' partition group
     weights: Group | None = None    # rollout replicas: the policy's weights to them
+    policy_tp: Group | None = None  # tensor_parallel > 1: the ranks of one model
+    reward_tp: Group | None = None
+    critic_tp: Group | None = None
+    reference_tp: Group | None = None
 
     @classmethod
     def of(cls, roles: list[str], workers: int, zero_stage: int = 1,
-           replicas: int = 0) -> "RLHFTopology":
-        """The groups of the graph's ``roles`` with ``workers`` ranks each (and ``replicas``
-        rollout replicas when "rollout" is one of them)."""
+           replicas: int = 0, tensor_parallel: int = 1) -> "RLHFTopology":
+        """The groups of the graph's ``roles`` with ``workers`` data-parallel ranks each of
+        ``tensor_parallel`` actors (and ``replicas`` rollout replicas when "rollout" is one of
+        them)."""
         named = ("policy", "reward", "critic") + (("reference",) if zero_stage == 3 else ())
-        grouped = {r: Group(r, (r,)) for r in named if r in roles and workers > 1}
+        T = tensor_parallel
+        layout = ParallelLayout.of(workers * T, T)
+        grouped = {r: _group(r, r, layout.dp_groups) for r in named if r in roles}
+        if T > 1:
+            grouped.update({f"{r}_tp": _group(f"{r}_tp", r, layout.tp_groups)
+                            for r in ("policy", "reward", "critic", "reference") if r in roles})
         if "rollout" in roles and replicas > 0:
-            # members: policy ranks 0..W-1, then replicas W..W+N-1
-            parts = ((0, *range(workers, workers + replicas)),
-                     *((j,) for j in range(1, workers)))
+            # members: policy ranks 0..WT-1, then replicas WT..WT+N-1
+            n = workers * T
+            parts = ((0, *range(n, n + replicas)), *((j,) for j in range(1, n)))
             grouped["weights"] = Group(WEIGHTS, ("policy", "rollout"), parts=parts)
-        return cls(**grouped)
+        return cls(**{k: g for k, g in grouped.items() if g is not None})
+
+    @classmethod
+    def of_recipe(cls, roles: list[str], cfg, replicas: int | None = None) -> "RLHFTopology":
+        """``of`` with the recipe's (an RLHFConfig) workers, zero_stage, tensor_parallel and
+        replicas (``replicas``: the graph's own count, when it is not the recipe's)."""
+        return cls.of(roles, cfg.workers, cfg.zero_stage,
+                      cfg.step3.rollout.replicas if replicas is None else replicas,
+                      cfg.tensor_parallel)
+
+
+def _group(name: str, role: str, parts: list[list[int]]) -> Group | None:
+    """The group of these parts of ``role``'s ranks (None when each has one member; no parts
+    when it is one of every rank in order)."""
+    if all(len(p) == 1 for p in parts):
+        return None
+    whole = len(parts) == 1 and parts[0] == sorted(parts[0])
+    return Group(name, (role,), parts=None if whole else tuple(tuple(p) for p in parts))

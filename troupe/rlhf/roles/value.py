@@ -9,7 +9,6 @@ import torch
 from troupe.collectives import Communicator
 from troupe.data import micro_batches
 from troupe.devices import rng_state, set_rng_state, worker_device
-from troupe.models.io import load_module, save_module
 from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data.batch import completions
@@ -27,13 +26,15 @@ from troupe.rlhf.roles.reference import quantize_frozen
 class Reward:
     """The reward model: a value head on a language model, scored at the last real token."""
 
-    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int,
+                 tp: Communicator | None = None):
         self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed * 1000 + 500 + rank)
+        torch.manual_seed(cfg.seed * 1000 + 500 + rank // cfg.tensor_parallel)
         self.device = worker_device(cfg.device)
-        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tools=cfg.env.tools)
+        lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tools=cfg.env.tools,
+                                tp=tp)
         self.model = ValueModel(lm).to(self.device)
-        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
+        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device, tp)
         self.to_quantize = False  # set when load() freezes the model
 
     def _pairs(self, examples: list[tuple[str, str, str]]):
@@ -85,22 +86,18 @@ class Reward:
 
     def init_from_policy(self, path: str) -> None:
         """Start the body from a policy checkpoint (the value head stays at zero)."""
-        with self.train.writable():
-            load_module(path, self.model.lm)
+        self.train.load(path, self.model.lm)
 
     def save(self, path: str) -> str:
         """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
-        with self.train.gathered():
-            if self.rank == 0:
-                save_module(path, self.model, kind="reward")
+        self.train.save(path, self.model, self.rank == 0, kind="reward")
         return path
 
     def load(self, path: str) -> None:
         """The trained reward model, frozen from here on (its gradients and optimizer state
         are freed first)."""
         self.train.release()
-        with self.train.writable():
-            load_module(path, self.model)
+        self.train.load(path, self.model)
         self.to_quantize = self.cfg.step3.quantize_frozen == "w8a8"  # at the first score call
 
 
@@ -108,22 +105,22 @@ class Critic:
     """The value function, started from the reward model's weights (or, without one, from the
     SFT policy's body and a fresh head: ``begin_step3``)."""
 
-    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int):
+    def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int,
+                 tp: Communicator | None = None):
         self.cfg, self.rank = cfg, rank
         self.device = worker_device(cfg.device)
-        lm, _ = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tokenizer=False)
+        lm, _ = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tokenizer=False, tp=tp)
         self.model = ValueModel(lm).to(self.device)
-        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device)
+        self.train = build_trainable(self.model, lm.gpt.blocks, group, cfg, self.device, tp)
 
     def begin_step3(self, reward_path: str | None, sft_path: str | None = None) -> None:
         """Step 3 starts from the reward model's weights, head included; without a learned
         reward model, from the SFT policy's body (None: the model's own) and a fresh value
         head (zero: every value starts at 0)."""
-        with self.train.writable():
-            if reward_path is not None:
-                load_module(reward_path, self.model)
-            elif sft_path is not None:
-                load_module(sft_path, self.model.lm)
+        if reward_path is not None:
+            self.train.load(reward_path, self.model)
+        elif sft_path is not None:
+            self.train.load(sft_path, self.model.lm)
         self.train.use_optimizer(self.cfg.step3.critic,
                                  self.cfg.step3.iterations * self.cfg.step3.ppo_epochs)
 
@@ -151,9 +148,7 @@ class Critic:
 
     def save(self, path: str) -> str:
         """Rank 0 writes the weights (every rank calls: a partitioned model gathers)."""
-        with self.train.gathered():
-            if self.rank == 0:
-                save_module(path, self.model, kind="critic")
+        self.train.save(path, self.model, self.rank == 0, kind="critic")
         return path
 
     def state_dict(self) -> dict:
@@ -165,8 +160,7 @@ class Critic:
         set_rng_state(state, self.device)
 
     def load(self, path: str) -> None:
-        with self.train.writable():
-            load_module(path, self.model)
+        self.train.load(path, self.model)
 
 
 def last_real(valid_BS: torch.Tensor) -> torch.Tensor:
