@@ -29,10 +29,10 @@ smollm2: SmolLM2-135M-Instruct (9 query, 3 key/value heads) at T = 3 against T =
     (troupe.serving.ranks), against T = 1's; continued pretraining, 10 steps at T = 3
     against T = 1 (the steps of RLHF's SFT are the same loss on other data).
 rlhf: RLHF's policy role (troupe.rlhf.roles.policy.Policy) of SmolLM2 at T = 3 against
-    T = 1 (ranks as threads): SFT on the bundled task's demonstrations (the largest relative
-    difference of the losses, bit for bit or not), then greedy rollouts of 64 tokens from the
-    trained weights through the role's own engine (tokens identical or not), and the
-    rollouts' log-probabilities under each.
+    T = 1 (ranks as threads): greedy rollouts of up to 64 tokens through the role's own engine
+    (tokens identical or not) and their log-probabilities, before and after SFT on the
+    bundled task's demonstrations (the losses' relative difference at each step, bit for bit
+    or not).
 served: SmolLM2 behind the OpenAI server at T = 1 and 3, fp32 and W8A8 (see ``served``).
 """
 
@@ -383,28 +383,34 @@ def rlhf(a) -> None:
                                   optimizer=dict(name="adamw", lr=1e-5, warmup_steps=0)),
                          step3=dict(max_new_tokens=64, temperature=0.0))
         pol = Policy(cfg, None, 0 if tp is None else tp.rank, tp)
+        request = RolloutRequest(prompts, list(range(len(prompts))))
+        t0 = time.perf_counter()
+        before = pol.generate(request)  # the pretrained model: long answers
+        gen_s = time.perf_counter() - t0
+        before_logp = pol.logprobs(before.ids, before.valid, before.action, before.prompt_len)
         pol.train.use_optimizer(cfg.sft.optimizer, steps)
         t0 = time.perf_counter()
         losses = [pol.sft_step(demos[batch * s:batch * (s + 1)], s + 1).loss
                   for s in range(steps)]
         sft_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = pol.generate(RolloutRequest(prompts, list(range(len(prompts)))))
-        gen_s = time.perf_counter() - t0
-        logp = pol.logprobs(out.ids, out.valid, out.action, out.prompt_len)
-        return losses, out.ids.tolist(), logp, out.action, sft_s, gen_s
+        after = pol.generate(request)
+        after_logp = pol.logprobs(after.ids, after.valid, after.action, after.prompt_len)
+        return (losses, before, before_logp, after, after_logp, sft_s, gen_s)
 
     one = run(None)
     three = run_ranks(3, run)[0]
-    rel = max(abs(x - y) / y for x, y in zip(three[0], one[0]))
-    tokens = int(one[3].sum())
+    rel = [abs(x - y) / y for x, y in zip(three[0], one[0])]
     emit({"part": "rlhf", "check": "sft_and_greedy", "T": 3, "model": "SmolLM2-135M-Instruct",
-          "sft_steps": steps, "max_rel_diff": rel, "bit_for_bit": three[0] == one[0],
-          "losses_T1": [round(x, 4) for x in one[0]], "greedy_tokens": tokens,
-          "greedy_identical": three[1] == one[1],
-          "logprob_max_abs_diff": float((three[2] - one[2]).abs().max()),
-          "sft_s": {1: round(one[4], 1), 3: round(three[4], 1)},
-          "generate_s": {1: round(one[5], 1), 3: round(three[5], 1)}})
+          "sft_steps": steps, "max_rel_diff": max(rel), "rel_diff_by_step": rel,
+          "bit_for_bit": three[0] == one[0], "losses_T1": [round(x, 4) for x in one[0]],
+          "greedy_tokens_before_sft": int(one[1].action.sum()),
+          "greedy_identical_before_sft": three[1].ids.tolist() == one[1].ids.tolist(),
+          "logprob_max_abs_diff_before_sft": float((three[2] - one[2]).abs().max()),
+          "greedy_tokens_after_sft": int(one[3].action.sum()),
+          "greedy_identical_after_sft": three[3].ids.tolist() == one[3].ids.tolist(),
+          "logprob_max_abs_diff_after_sft": float((three[4] - one[4]).abs().max()),
+          "sft_s": {1: round(one[5], 1), 3: round(three[5], 1)},
+          "generate_s_before_sft": {1: round(one[6], 1), 3: round(three[6], 1)}})
 
 
 def served(a) -> None:
