@@ -122,6 +122,13 @@ def test_what_tensor_parallelism_does_not_split_is_refused(smol_heads, tmp_path)
     with pytest.raises(ConfigError, match=r"tensor_parallel=2: model has 9 query .* "
                                           r"\[1, 3\].*config.json"):
         plan(_cfg(smol_heads, 2, out_dir=str(tmp_path)), ("sft",))
+    # the memory plan counts a rank's shards, and a refusal names the size that fits
+    shape = dict(model=dict(gpt=dict(n_layer=4, n_head=4, d_model=256, seq_len=64)),
+                 memory_per_worker=0.04, workers=1, steps=["sft"], out_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"tensor_parallel=2 would plan 24.9 MiB a rank"):
+        plan(RLHFConfig(**shape), ("sft",))
+    assert plan(RLHFConfig(**shape, tensor_parallel=2), ("sft",)).memory[
+        "policy (sft)"].total < 0.04 * 2**30
 
 
 def test_a_split_policy_syncs_a_whole_replica(cluster, tmp_path):
