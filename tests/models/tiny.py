@@ -21,7 +21,9 @@ def save_tiny_llama(path, family: str = "llama", **shape):
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<end>"))
     tok.add_special_tokens(specials)
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
+    # ByteFallback before Fuse: the decoder form llguidance reads (structured outputs)
+    tok.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.ByteFallback(),
+                                                tokenizers.decoders.Fuse()])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<end>",
                                                 pad_token="<end>")
     fast.chat_template = TEMPLATE

@@ -46,12 +46,10 @@ def read_module_file(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 
 
 def load_module(path: str | Path, module: nn.Module, strict: bool = True) -> dict[str, Any]:
-    """Load weights saved by save_module into ``module`` (a tensor-parallel model inside it
-    takes its rank's shards of the whole tensors: troupe.parallel.tensor.shard_state);
-    returns the file's meta."""
-    from troupe.parallel.tensor import shard_state  # troupe.parallel imports the models
+    """Load weights saved by save_module into ``module``; returns the file's meta (a module
+    holding tensor-parallel shards: troupe.parallel.tensor.load_shards)."""
     meta, state = read_module_file(path)
-    load_state(module, shard_state(module, state), path, strict)
+    load_state(module, state, path, strict)
     return meta
 
 

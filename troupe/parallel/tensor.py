@@ -40,6 +40,7 @@ from torch import nn
 
 from troupe.collectives import Communicator
 from troupe.models.attention import Attention
+from troupe.models.io import load_state, read_module_file
 from troupe.models.layers import MLP
 from troupe.models.moe import MoE
 
@@ -318,3 +319,11 @@ def shard_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
                     and out[key].shape[split.dim] == split.whole:
                 out[key] = split.shard(out[key], model.tp.rank)
     return out
+
+
+def load_shards(path: str, module: nn.Module) -> dict:
+    """``troupe.models.io.load_module`` for a module that may hold tensor-parallel models:
+    the file's whole tensors cut to this rank's shards (``shard_state``); returns its meta."""
+    meta, state = read_module_file(path)
+    load_state(module, shard_state(module, state), path)
+    return meta

@@ -80,8 +80,10 @@ class ServeConfig(AppConfig):
     tensor_parallel: split each replica's model over this many actors (troupe.parallel.tensor:
     attention heads, MLPs and the vocabulary; each rank quantizes its own shards), which run
     every sequence together (a model larger than one worker; T must divide the query heads,
-    and the key/value heads or be a multiple of them). Under it the embedding stays fp32 and
-    adapters, speculation and captured steps are not available.
+    and the key/value heads or be a multiple of them). Under it structured outputs and the
+    prefix cache work (each rank masks the same tokens and caches its own shards' keys and
+    values); the embedding stays fp32 and adapters, speculation and captured steps are not
+    available.
     precision: "bf16" holds the weights that stay unquantized (embeddings, norms, fp32 layers)
     and the KV cache in bf16 and computes in it; "fp16" likewise in fp16 (for GPUs: the CPU
     has few fp16 kernels); "fp32" (default) in fp32.

@@ -29,6 +29,8 @@ from troupe.actors import Dispatch, PerRank, dispatch
 from troupe.config import validate
 from troupe.errors import WorkerDiedError
 from troupe.generation import ContinuousBatcher, Event, SamplingParams
+from troupe.generation.grammar import Grammars
+from troupe.generation.prefix_cache import PrefixCache
 from troupe.parallel import apply_expert_parallel, apply_tensor_parallel
 from troupe.parallel.tensor import bias_on_first_rank
 from troupe.runtime.graph import ActorGraph
@@ -80,10 +82,11 @@ class ServeRank:
         self.cfg = validate(ServeConfig, config, "serve config")
         torch.set_num_threads(self.cfg.threads)
         self.batcher: ContinuousBatcher | None = None
+        self.tok = None
 
     @dispatch(Dispatch.ALL)
     def setup(self, topology: ServingTopology) -> RankModel:
-        tok = source_tokenizer(self.cfg.model)
+        tok = self.tok = source_tokenizer(self.cfg.model)
         model = placed(load_source(self.cfg.model), self.cfg)
         if topology.tp is not None:  # each rank finds its own shards' outlier channels
             model = apply_tensor_parallel(model, topology.tp.communicator(), training=False)
@@ -94,9 +97,13 @@ class ServeRank:
             model = apply_expert_parallel(model, topology.ep.communicator())
             modes = quantize_served(model, self.cfg, outliers)
         # the expert ranks run their own sequences and stand in for each other's passes;
-        # the tensor-parallel ranks all run the same ones
+        # the tensor-parallel ranks all run the same ones, and so find the same prompts in
+        # their prefix caches (each of its own shards' keys and values)
+        mb = self.cfg.prefix_cache_mb if topology.tp is not None else 0
         self.batcher = ContinuousBatcher(model, tok.eos_id, self.cfg.limits.max_batch,
-                                         lockstep=topology.tp is None, tokenizer=tok.hf)
+                                         lockstep=topology.tp is None, tokenizer=tok.hf,
+                                         prefix_cache=PrefixCache(int(mb * 2**20)) if mb
+                                         else None)
         return RankModel(model.cfg.seq_len, weight_bytes(model), modes, model.cfg.vocab_size)
 
     @dispatch(Dispatch.ALL)
@@ -105,6 +112,11 @@ class ServeRank:
         lockstep step; returns its events (give each rank its own work with PerRank)."""
         adds, cancels = work
         for seq_id, prompt, params in adds:
+            if params.constraint is not None and self.batcher.grammars is None:
+                # tensor-parallel ranks mask the same tokens: the same grammar, the same
+                # whole logits (the replica checked the constraint compiles)
+                self.batcher.grammars = Grammars(self.tok.hf, self.batcher.cfg.vocab_size,
+                                                 self.tok.eos_id)
             self.batcher.add(seq_id, prompt, params)
         for seq_id in cancels:
             self.batcher.cancel(seq_id)
@@ -119,13 +131,16 @@ class RankBatcher:
     ``lost`` says why the gang is broken, once a rank has died: the others cannot step
     without it."""
 
-    adapters = prefix_cache = grammars = None  # the serving Batcher protocol: none of them
-    structured_outputs = False
+    adapters = prefix_cache = None  # the serving Batcher protocol: none here (the
+    # tensor-parallel ranks keep their own prefix caches)
     prefill_tokens = 0
     speculation = {"passes": 0, "proposed": 0, "accepted": 0}  # none: a lockstep engine
 
     def __init__(self, graph: Graph, replicated: bool = False):
         self.graph, self.ranks, self.replicated = graph, graph[ROLE], replicated
+        # constraints: checked by the replica (``grammars``, made there at the first one),
+        # sampled by each tensor-parallel rank; the expert ranks' lockstep passes take none
+        self.structured_outputs, self.grammars = replicated, None
         self.lost: str | None = None
         self.where: dict[str, int] = {}  # sequence -> rank
         self._adds: list[tuple[str, list[int], SamplingParams]] = []

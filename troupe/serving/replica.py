@@ -269,7 +269,7 @@ class ServeReplica:
                 if hf is None:
                     raise RequestError(400, f"{field}: structured outputs need a Hugging Face "
                                        "tokenizer; this model reads bytes", field)
-                self.batcher.grammars = Grammars(hf, self.batcher.cfg.vocab_size,
+                self.batcher.grammars = Grammars(hf, self.details["vocab_size"],
                                                  self.tok.eos_id)
         try:
             self.batcher.grammars.check(constraint)

@@ -22,9 +22,9 @@ from troupe.optim import (
     build_optimizer,
     build_partitioned_optimizer,
 )
-from troupe.models.io import load_module, save_module
+from troupe.models.io import save_module
 from troupe.parallel import Zero3, apply_tensor_parallel
-from troupe.parallel.tensor import full_state_dict, gathered_parameters
+from troupe.parallel.tensor import full_state_dict, gathered_parameters, load_shards
 from troupe.parallel.memory import check_budget, device_budget_gib, plan
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.models.lm import GPTLM
@@ -99,7 +99,7 @@ class _Weights:
     def load(self, path: str, module: nn.Module) -> None:
         """Weights written by ``save`` (or by a run of another layout) into ``module``."""
         with self.writable():
-            load_module(path, module)
+            load_shards(path, module)
 
 
 class Trainable(_Weights):

@@ -234,9 +234,10 @@ class Policy:
         files of the model it started from; written by rank 0, every rank calls."""
         gpt = self.lm.gpt
         with self.train.gathered():
-            state = full_state_dict(gpt) if gpt.tp is not None else merged_state_dict(gpt)
+            whole = full_state_dict(gpt) if gpt.tp is not None else None  # every rank gathers
             if self.rank == 0:
-                save_pretrained(gpt, directory, self.cfg.model.pretrained, state=state)
+                save_pretrained(gpt, directory, self.cfg.model.pretrained,
+                                state=merged_state_dict(gpt) if whole is None else whole)
         return directory
 
     def state_dict(self) -> dict:

@@ -12,7 +12,7 @@ from troupe.compression import quantize_model
 from troupe.compression.quantize import outlier_channels
 from troupe.data import micro_batches
 from troupe.devices import worker_device
-from troupe.models.io import load_module
+from troupe.parallel.tensor import load_shards
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.models.build import build_lm, build_trainable
 from troupe.rlhf.roles.policy import action_logprobs, pair_logprobs
@@ -53,7 +53,7 @@ class Reference:
 
     def load(self, path: str) -> None:
         with self.parts.writable() if self.parts is not None else contextlib.nullcontext():
-            load_module(path, self.lm)
+            load_shards(path, self.lm)
         self.to_quantize = self.quantize == "w8a8"  # at the first scoring call
 
     def logprobs(self, ids: torch.Tensor, valid: torch.Tensor, action: torch.Tensor,
