@@ -116,6 +116,15 @@ def test_what_tensor_parallelism_does_not_split_is_refused(smol_heads, tmp_path)
         _cfg(smol_heads, 3, step3=dict(lora=dict(enabled=True)))
     with pytest.raises(ValueError, match="tensor_parallel=3 with step3.actor.name='lamb'"):
         _cfg(smol_heads, 3, step3=dict(actor=dict(name="lamb")))
+    with pytest.raises(ValueError, match="with colocate=true: colocated roles share"):
+        _cfg(smol_heads, {"policy": 3})  # the critic and reward model whole, beside it
+    with pytest.raises(ValueError, match="tensor_parallel.reference=1: with "
+                                         "reference_in_policy"):
+        _cfg(smol_heads, {"policy": 3, "reference": 1}, colocate=False,
+             reference_in_policy=True)
+    with pytest.raises(ValueError, match=r"sizes must be 1..1024, got \{'tensor_parallel."
+                                         r"critic': 0\}"):
+        _cfg(smol_heads, {"critic": 0})
     with pytest.raises(ValueError, match=r"tensor_parallel=3: model has 4 query and 2 "
                                          r"key/value heads.*\[1, 2\]"):
         RLHFConfig(model=dict(gpt=dict(n_head=4, n_kv_head=2, d_model=32)), tensor_parallel=3)
@@ -132,9 +141,11 @@ def test_what_tensor_parallelism_does_not_split_is_refused(smol_heads, tmp_path)
 
 
 def test_a_split_policy_syncs_a_whole_replica(cluster, tmp_path):
-    """GRPO through the driver: policy and reference over two ranks, one whole rollout
-    replica; each sync carries the whole model (the shards put together by name), and the
-    replica's log-probabilities of what it sampled are the split trainer's."""
+    """GRPO through the driver, each role its own size: the policy over two ranks, the
+    frozen reference whole, one whole rollout replica. The reference's log-probabilities of
+    the first batch are the policy's (the same SFT weights, split and not: a KL of zero);
+    each sync carries the whole model (the shards put together by name), and the replica's
+    log-probabilities of what it sampled are the split trainer's."""
     cfg = RLHFConfig(
         model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=4, d_model=32, dropout=0.0)),
         algorithm="grpo", reward=dict(function="apps.rewards:sort_digits"),
@@ -142,7 +153,8 @@ def test_a_split_policy_syncs_a_whole_replica(cluster, tmp_path):
         task=dict(sft_examples=64, preference_examples=64, eval_examples=8),
         step3=dict(iterations=2, prompts_per_iter=4, samples_per_prompt=2, max_new_tokens=6,
                    eval_every=2, rollout=dict(replicas=1, num_cpus=0.2)),
-        workers=1, tensor_parallel=2, num_cpus=0.2, out_dir=str(tmp_path / "grpo"))
+        workers=1, tensor_parallel={"policy": 2, "reference": 1}, colocate=False,
+        num_cpus=0.2, out_dir=str(tmp_path / "grpo"))
     rlhf.run(cfg)
     records = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").open()]
     step3 = [r for r in records if r["kind"] == "step3"]
@@ -151,4 +163,5 @@ def test_a_split_policy_syncs_a_whole_replica(cluster, tmp_path):
     assert len(step3) == 2 and synced
     assert all(whole <= r["sync_bytes"] < 1.02 * whole for r in synced)  # tensors aligned
     assert all(r["logprob_mismatch_max"] < 1e-3 for r in step3)
+    assert abs(step3[0]["kl_loss"]) < 1e-6  # before the first update: the same model
     assert (tmp_path / "grpo/step3/iter-00002/policy.trp").is_file()

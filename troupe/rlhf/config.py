@@ -36,7 +36,10 @@ class RLHFConfig(AppConfig):
     one data-parallel rank's model between them, each its share of every layer
     (troupe.parallel.tensor): a role is workers x T actors; a policy's rollouts are generated
     by its T ranks together, and rollout replicas (which hold the whole model) get its weights
-    put together by name (troupe.parallel.weight_sync);
+    put together by name (troupe.parallel.weight_sync); a mapping gives each role its own
+    ({policy: 2, critic: 1}; a role not named: 1; roles placed apart, colocate=false, since
+    colocated ones share bundles rank for rank; a role living in another's processes,
+    reference_in_policy or reward_in_critic, has that role's);
     threads: torch threads of a worker in steps 1 and 2 (one role computes at a time; step 3
     has its own, step3.threads); colocate: the four roles share the policy's bundles (else each role is placed on its own);
     reference_in_policy: the frozen reference lives in the policy's worker processes instead of
@@ -77,7 +80,7 @@ class RLHFConfig(AppConfig):
     dpo: DPOConfig = DPOConfig()
     env: EnvConfig = EnvConfig()
     workers: int = Field(default=2, ge=1)
-    tensor_parallel: int = Field(default=1, ge=1, le=1024)
+    tensor_parallel: int | dict[Literal["policy", "reference", "reward", "critic"], int] = 1
     threads: int = Field(default=1, ge=1)
     colocate: bool = True
     reference_in_policy: bool = False
@@ -100,6 +103,16 @@ class RLHFConfig(AppConfig):
     @classmethod
     def _step3_was_ppo(cls, v):
         return [STEP3 if s == "ppo" else s for s in v] if isinstance(v, list) else v
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _sizes(cls, v):
+        sizes = {"tensor_parallel": v} if isinstance(v, int) else {
+            f"tensor_parallel.{r}": t for r, t in v.items()}
+        bad = {k: t for k, t in sizes.items() if not 1 <= t <= 1024}
+        if bad:
+            raise ValueError(f"sizes must be 1..1024, got {bad}")
+        return v
 
     @field_validator("algorithm")
     @classmethod
@@ -129,7 +142,7 @@ class RLHFConfig(AppConfig):
         if self.zero_stage == 3 and self.step3.ema:
             raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
                              "model on every rank; use zero_stage=1")
-        if self.tensor_parallel > 1:
+        if any(t > 1 for t in self.tp_sizes().values()):
             _check_tensor_parallel(self)
         W = self.workers
         for key, batch in (("sft.batch_size", self.sft.batch_size),
@@ -173,6 +186,20 @@ class RLHFConfig(AppConfig):
         cap, r = self.step3.tis_cap, self.step3.rollout
         off = r.replicas and (r.max_staleness > 0 or r.precision != self.precision)
         return 2.0 if cap is None and off else cap
+
+    def tp_of(self, role: str) -> int:
+        """The tensor-parallel size of ``role`` (a role living in another's processes has
+        that role's)."""
+        if role == "reference" and self.reference_in_policy:
+            role = "policy"
+        if role == "reward" and self.reward_in_critic:
+            role = "critic"
+        T = self.tensor_parallel
+        return T if isinstance(T, int) else T.get(role, 1)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """Each role's tensor-parallel size (``tp_of``)."""
+        return {r: self.tp_of(r) for r in ("policy", "reference", "reward", "critic")}
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------
     def algo(self) -> algorithms.Algorithm:
@@ -229,7 +256,20 @@ def _check_tensor_parallel(cfg: RLHFConfig) -> None:
     troupe's own GPT's heads and widths that T does not split (a Hugging Face model's
     config.json is read by the plan: troupe.rlhf.plan)."""
     from troupe.parallel.tensor import check_optimizer, check_split
-    T, p = cfg.tensor_parallel, cfg.step3
+    sizes, p = cfg.tp_sizes(), cfg.step3
+    if not isinstance(cfg.tensor_parallel, int):
+        for role, host, on in (("reference", "policy", cfg.reference_in_policy),
+                               ("reward", "critic", cfg.reward_in_critic)):
+            given = cfg.tensor_parallel.get(role)
+            if on and given is not None and given != sizes[host]:
+                raise ValueError(f"tensor_parallel.{role}={given}: with {role}_in_{host} the "
+                                 f"{role} lives in the {host}'s processes, of tensor_parallel."
+                                 f"{host}={sizes[host]}")
+        if cfg.colocate and len(set(sizes.values())) > 1:
+            raise ValueError(f"tensor_parallel={dict(cfg.tensor_parallel)} with colocate=true: "
+                             "colocated roles share the policy's bundles rank for rank, so "
+                             "they split their models alike; set colocate=false to give each "
+                             "role its own size")
     refused = {
         "zero_stage=3": cfg.zero_stage == 3,
         "step3.lora": p.lora.enabled,
@@ -242,16 +282,20 @@ def _check_tensor_parallel(cfg: RLHFConfig) -> None:
     }
     for key, on in refused.items():
         if on:
-            raise ValueError(f"tensor_parallel={T} with {key}: not built for models split by "
-                             "tensor parallelism (their shards would each need their own "
-                             f"copy, adapters or environment); set tensor_parallel=1 or "
-                             f"turn {key} off")
-    for key, opt in (("sft.optimizer", cfg.sft.optimizer), ("reward.optimizer",
-                     cfg.reward.optimizer), ("step3.actor", p.actor),
-                     ("step3.critic", p.critic), ("dpo.optimizer", cfg.dpo.optimizer)):
-        check_optimizer(opt, T, key)
+            raise ValueError(f"tensor_parallel={cfg.tensor_parallel} with {key}: not built for "
+                             "models split by tensor parallelism (their shards would each "
+                             "need their own copy, adapters or environment); set "
+                             f"tensor_parallel=1 or turn {key} off")
+    for key, opt, role in (("sft.optimizer", cfg.sft.optimizer, "policy"),
+                           ("reward.optimizer", cfg.reward.optimizer, "reward"),
+                           ("step3.actor", p.actor, "policy"),
+                           ("step3.critic", p.critic, "critic"),
+                           ("dpo.optimizer", cfg.dpo.optimizer, "policy")):
+        if sizes[role] > 1:
+            check_optimizer(opt, sizes[role], key)
     if cfg.model.pretrained is None:
-        check_split(cfg.model.gpt, T)
+        for t in sorted(set(sizes.values()) - {1}):
+            check_split(cfg.model.gpt, t)
 
 
 def _or(value, default):

@@ -67,10 +67,11 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
     train (RLHFTopology); and the rollout replicas of ``step3.rollout`` on their own, when step
     3 is one of ``steps`` and asks for them."""
     conf, device = _worker_config(cfg)
-    g, r, T = ActorGraph("rlhf"), cfg.step3.rollout, cfg.tensor_parallel
+    g, r = ActorGraph("rlhf"), cfg.step3.rollout
     classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
                "critic": CriticActor}
     for name in roles(cfg):
+        T = cfg.tp_of(name)
         g.role(name, classes[name], cfg.workers * T, num_cpus=cfg.num_cpus, config=conf,
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
@@ -103,9 +104,8 @@ def reuse_graph(graph: Graph, cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -
     """``graph`` (built by ``build_graph`` for another recipe with the same roles, ranks and
     groups) with every worker given ``cfg`` and its role built afresh: what a run builds,
     without starting its processes again. ValueError naming what differs."""
-    T = cfg.tensor_parallel
-    want = {name: (cfg.step3.rollout.replicas, 1) if name == "rollout" else (cfg.workers * T, T)
-            for name in graph_roles(cfg, steps)}
+    want = {name: (cfg.step3.rollout.replicas, 1) if name == "rollout" else
+            (cfg.workers * cfg.tp_of(name), cfg.tp_of(name)) for name in graph_roles(cfg, steps)}
     have = {name: (graph[name].world_size, graph[name].tensor_parallel) for name in graph.roles}
     if have != want:
         raise ValueError(f"this graph holds {have} (role: ranks, tensor_parallel); the recipe "
@@ -122,7 +122,7 @@ def _worker_config(cfg: RLHFConfig) -> tuple[dict, str]:
     that device."""
     info = init()
     r = cfg.step3.rollout
-    needed = (cfg.workers * cfg.tensor_parallel * len(roles(cfg)) * gpus_per_worker(cfg, "cuda")
+    needed = (cfg.workers * sum(map(cfg.tp_of, roles(cfg))) * gpus_per_worker(cfg, "cuda")
               + r.replicas * (r.num_gpus or 1.0))
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
     return cfg.model_copy(update={"device": device}).model_dump(), device

@@ -70,11 +70,12 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     --print-config, whose recipe may be meant for a cluster): the graph's CPUs are also held
     against the local cluster's when the run would start one."""
     arch, key = architecture(cfg)
-    if cfg.tensor_parallel > 1 and cfg.model.pretrained is not None:
-        try:
-            check_split(arch, cfg.tensor_parallel)
-        except ValueError as e:
-            raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
+    for t in sorted(set(cfg.tp_sizes().values()) - {1}):
+        if cfg.model.pretrained is not None:
+            try:
+                check_split(arch, t)
+            except ValueError as e:
+                raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
     C = arch.seq_len
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
@@ -125,10 +126,11 @@ def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
     """The graph's CPUs against the local cluster's, when the run would start one."""
     from troupe.rlhf.driver import roles  # the driver builds the graph (and imports this)
     names = roles(cfg)
-    T = cfg.tensor_parallel
-    cpus = len(names) * cfg.workers * T * cfg.num_cpus
-    what = (f"workers={cfg.workers}" + (f" x tensor_parallel={T}" if T > 1 else "")
-            + f" x {len(names)} roles ({', '.join(names)}) x num_cpus={cfg.num_cpus:g}")
+    actors = sum(map(cfg.tp_of, names))  # each role's tensor-parallel ranks
+    cpus = actors * cfg.workers * cfg.num_cpus
+    what = (f"workers={cfg.workers} x {len(names)} roles ({', '.join(names)})"
+            + (f" split into {actors} by tensor_parallel" if actors > len(names) else "")
+            + f" x num_cpus={cfg.num_cpus:g}")
     r = cfg.step3.rollout
     if r.replicas and STEP3 in steps and cfg.algo().online:
         cpus += r.replicas * r.num_cpus
@@ -239,7 +241,7 @@ def _memory(cfg: RLHFConfig, arch: GPTConfig, steps: Sequence[str]) -> dict[str,
         optimizers["policy"] = cfg.step3.actor
         if cfg.uses_critic():
             optimizers["critic"] = cfg.step3.critic
-    T, budget = cfg.tensor_parallel, cfg.memory_per_worker
+    budget = cfg.memory_per_worker
 
     @functools.cache
     def shapes(t: int) -> GPT:  # tensor-parallel rank 0's shards (it holds the most)
@@ -250,6 +252,7 @@ def _memory(cfg: RLHFConfig, arch: GPTConfig, steps: Sequence[str]) -> dict[str,
         return memory_plan(shapes(t), opt, cfg.workers, stage, cfg.zero_prefetch, tp=t)
     plans = {}
     for role, opt in optimizers.items():
+        T = cfg.tp_of(role.split()[0])  # "policy (sft)": the policy's
         mine = planned(opt, T, cfg.zero_stage)
         who = f"role {role!r}"
         if budget is not None and mine.total > budget * GIB:

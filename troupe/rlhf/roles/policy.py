@@ -41,7 +41,7 @@ class Policy:
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int,
                  tp: Communicator | None = None):
         self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed * 1000 + rank // cfg.tensor_parallel)
+        torch.manual_seed(cfg.seed * 1000 + rank // cfg.tp_of("policy"))
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
                                      tools=cfg.env.tools, tp=tp)

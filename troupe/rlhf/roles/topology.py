@@ -17,6 +17,7 @@ from troupe.parallel.layout import ParallelLayout
 from troupe.runtime.topology import Group, Topology
 
 WEIGHTS = "weights"
+ROLES = ("policy", "reference", "reward", "critic")  # the roles a model of theirs may split
 
 
 @dataclass(frozen=True)
@@ -33,31 +34,30 @@ class RLHFTopology(Topology):
 
     @classmethod
     def of(cls, roles: list[str], workers: int, zero_stage: int = 1,
-           replicas: int = 0, tensor_parallel: int = 1) -> "RLHFTopology":
+           replicas: int = 0, tensor_parallel: dict[str, int] | None = None) -> "RLHFTopology":
         """The groups of the graph's ``roles`` with ``workers`` data-parallel ranks each of
-        ``tensor_parallel`` actors (and ``replicas`` rollout replicas when "rollout" is one of
-        them)."""
+        ``tensor_parallel[role]`` actors (1 where not given), and ``replicas`` rollout replicas
+        when "rollout" is one of them."""
         named = ("policy", "reward", "critic") + (("reference",) if zero_stage == 3 else ())
-        T = tensor_parallel
-        layout = ParallelLayout.of(workers * T, T)
-        grouped = {r: _group(r, r, layout.dp_groups) for r in named if r in roles}
-        if T > 1:
-            grouped.update({f"{r}_tp": _group(f"{r}_tp", r, layout.tp_groups)
-                            for r in ("policy", "reward", "critic", "reference") if r in roles})
+        T = {r: (tensor_parallel or {}).get(r, 1) for r in ROLES}
+        layouts = {r: ParallelLayout.of(workers * T[r], T[r]) for r in ROLES}
+        grouped = {r: _group(r, r, layouts[r].dp_groups) for r in named if r in roles}
+        grouped.update({f"{r}_tp": _group(f"{r}_tp", r, layouts[r].tp_groups)
+                        for r in ROLES if r in roles})
         if "rollout" in roles and replicas > 0:
             # members: policy ranks 0..WT-1, then replicas WT..WT+N-1
-            n = workers * T
+            n = workers * T["policy"]
             parts = ((0, *range(n, n + replicas)), *((j,) for j in range(1, n)))
             grouped["weights"] = Group(WEIGHTS, ("policy", "rollout"), parts=parts)
         return cls(**{k: g for k, g in grouped.items() if g is not None})
 
     @classmethod
     def of_recipe(cls, roles: list[str], cfg, replicas: int | None = None) -> "RLHFTopology":
-        """``of`` with the recipe's (an RLHFConfig) workers, zero_stage, tensor_parallel and
-        replicas (``replicas``: the graph's own count, when it is not the recipe's)."""
+        """``of`` with the recipe's (an RLHFConfig) workers, zero_stage, each role's
+        tensor_parallel and replicas (``replicas``: the graph's own count, when it is not the recipe's)."""
         return cls.of(roles, cfg.workers, cfg.zero_stage,
                       cfg.step3.rollout.replicas if replicas is None else replicas,
-                      cfg.tensor_parallel)
+                      cfg.tp_sizes())
 
 
 def _group(name: str, role: str, parts: list[list[int]]) -> Group | None:

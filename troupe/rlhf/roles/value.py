@@ -29,7 +29,7 @@ class Reward:
     def __init__(self, cfg: RLHFConfig, group: Communicator | None, rank: int,
                  tp: Communicator | None = None):
         self.cfg, self.rank = cfg, rank
-        torch.manual_seed(cfg.seed * 1000 + 500 + rank // cfg.tensor_parallel)
+        torch.manual_seed(cfg.seed * 1000 + 500 + rank // cfg.tp_of("reward"))
         self.device = worker_device(cfg.device)
         lm, self.tok = build_lm(cfg.model, cfg.seed + 1, cfg.precision, tools=cfg.env.tools,
                                 tp=tp)
