@@ -15,6 +15,7 @@ from troupe.collectives.threads import run_ranks  # noqa: E402
 from troupe.config import ConfigError  # noqa: E402
 from troupe.models import GPT  # noqa: E402
 from troupe.models.io import read_module_file  # noqa: E402
+from troupe.parallel import weight_sync  # noqa: E402
 from troupe.rlhf import driver as rlhf  # noqa: E402
 from troupe.rlhf.config import RLHFConfig  # noqa: E402
 from troupe.rlhf.data.datasets import SortTask  # noqa: E402
@@ -116,6 +117,10 @@ def test_what_tensor_parallelism_does_not_split_is_refused(smol_heads, tmp_path)
         _cfg(smol_heads, 3, step3=dict(lora=dict(enabled=True)))
     with pytest.raises(ValueError, match="tensor_parallel=3 with step3.actor.name='lamb'"):
         _cfg(smol_heads, 3, step3=dict(actor=dict(name="lamb")))
+    with pytest.raises(ValueError, match="step3.rollout.tensor_parallel=3 with "
+                                         "step3.int8_generation"):
+        _cfg(smol_heads, 1, step3=dict(rollout=dict(replicas=1, tensor_parallel=3),
+                                       int8_generation=True))
     with pytest.raises(ValueError, match="with colocate=true: colocated roles share"):
         _cfg(smol_heads, {"policy": 3})  # the critic and reward model whole, beside it
     with pytest.raises(ValueError, match="tensor_parallel.reference=1: with "
@@ -140,28 +145,31 @@ def test_what_tensor_parallelism_does_not_split_is_refused(smol_heads, tmp_path)
         "policy (sft)"].total < 0.04 * 2**30
 
 
-def test_a_split_policy_syncs_a_whole_replica(cluster, tmp_path):
+def test_a_split_policy_syncs_a_replica_split_another_way(cluster, tmp_path):
     """GRPO through the driver, each role its own size: the policy over two ranks, the
-    frozen reference whole, one whole rollout replica. The reference's log-probabilities of
-    the first batch are the policy's (the same SFT weights, split and not: a KL of zero);
-    each sync carries the whole model (the shards put together by name), and the replica's
-    log-probabilities of what it sampled are the split trainer's."""
+    frozen reference whole, one rollout replica over four (4 query heads, 2 key/value heads
+    replicated: inference). The reference's log-probabilities of the first batch are the
+    policy's (the same SFT weights, split and not: a KL of zero); each sync carries the whole
+    model (the policy's shards put together by name, the replica's ranks each cutting its
+    own), and the replica's log-probabilities of what it sampled are the split trainer's."""
     cfg = RLHFConfig(
-        model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=4, d_model=32, dropout=0.0)),
+        model=dict(gpt=dict(seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                            dropout=0.0, positions="rope", norm="rmsnorm", mlp="swiglu",
+                            out_bias=False, mlp_bias=False)),
         algorithm="grpo", reward=dict(function="apps.rewards:sort_digits"),
         sft=dict(steps=3, batch_size=8),
         task=dict(sft_examples=64, preference_examples=64, eval_examples=8),
         step3=dict(iterations=2, prompts_per_iter=4, samples_per_prompt=2, max_new_tokens=6,
-                   eval_every=2, rollout=dict(replicas=1, num_cpus=0.2)),
+                   eval_every=2, rollout=dict(replicas=1, tensor_parallel=4, num_cpus=0.2)),
         workers=1, tensor_parallel={"policy": 2, "reference": 1}, colocate=False,
         num_cpus=0.2, out_dir=str(tmp_path / "grpo"))
     rlhf.run(cfg)
     records = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").open()]
     step3 = [r for r in records if r["kind"] == "step3"]
-    whole = sum(p.numel() for p in GPT(cfg.model.gpt).parameters()) * 4
+    whole = weight_sync.Layout.of(weight_sync.sync_specs(GPT(cfg.model.gpt)), 64 << 20)
     synced = [r for r in step3 if "sync_bytes" in r]  # the weights of each version to come
     assert len(step3) == 2 and synced
-    assert all(whole <= r["sync_bytes"] < 1.02 * whole for r in synced)  # tensors aligned
+    assert all(r["sync_bytes"] == whole.nbytes for r in synced)
     assert all(r["logprob_mismatch_max"] < 1e-3 for r in step3)
     assert abs(step3[0]["kl_loss"]) < 1e-6  # before the first update: the same model
     assert (tmp_path / "grpo/step3/iter-00002/policy.trp").is_file()

@@ -142,7 +142,7 @@ class RLHFConfig(AppConfig):
         if self.zero_stage == 3 and self.step3.ema:
             raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
                              "model on every rank; use zero_stage=1")
-        if any(t > 1 for t in self.tp_sizes().values()):
+        if any(t > 1 for t in self.tp_sizes().values()) or self.step3.rollout.tensor_parallel > 1:
             _check_tensor_parallel(self)
         W = self.workers
         for key, batch in (("sft.batch_size", self.sft.batch_size),
@@ -270,22 +270,26 @@ def _check_tensor_parallel(cfg: RLHFConfig) -> None:
                              "colocated roles share the policy's bundles rank for rank, so "
                              "they split their models alike; set colocate=false to give each "
                              "role its own size")
-    refused = {
-        "zero_stage=3": cfg.zero_stage == 3,
-        "step3.lora": p.lora.enabled,
-        "step3.ema": p.ema,
+    roles_split = any(t > 1 for t in sizes.values())
+    refused = {  # the trained and frozen roles' (a split replica holds none of them)
+        "zero_stage=3": roles_split and cfg.zero_stage == 3,
+        "step3.lora": roles_split and p.lora.enabled,
+        "step3.ema": roles_split and p.ema,
+        "step3.quantize_frozen": roles_split and p.quantize_frozen != "none",
+        # and the engine's, wherever it runs
         "step3.int8_generation": p.int8_generation,
-        "step3.quantize_frozen": p.quantize_frozen != "none",
         "step3.speculate_draft": p.speculate_draft is not None,
         "decode_graphs": cfg.decode_graphs,
         "env.function": bool(cfg.env.function),
     }
+    split = (("tensor_parallel", cfg.tensor_parallel) if roles_split
+             else ("step3.rollout.tensor_parallel", p.rollout.tensor_parallel))
     for key, on in refused.items():
         if on:
-            raise ValueError(f"tensor_parallel={cfg.tensor_parallel} with {key}: not built for "
-                             "models split by tensor parallelism (their shards would each "
-                             "need their own copy, adapters or environment); set "
-                             f"tensor_parallel=1 or turn {key} off")
+            raise ValueError(f"{split[0]}={split[1]} with {key}: not built for models split "
+                             "by tensor parallelism (their shards would each need their own "
+                             f"copy, adapters or environment); set {split[0]}=1 or turn "
+                             f"{key} off")
     for key, opt, role in (("sft.optimizer", cfg.sft.optimizer, "policy"),
                            ("reward.optimizer", cfg.reward.optimizer, "reward"),
                            ("step3.actor", p.actor, "policy"),
@@ -296,6 +300,8 @@ def _check_tensor_parallel(cfg: RLHFConfig) -> None:
     if cfg.model.pretrained is None:
         for t in sorted(set(sizes.values()) - {1}):
             check_split(cfg.model.gpt, t)
+        if p.rollout.tensor_parallel > 1:  # inference: key/value heads may be replicated
+            check_split(cfg.model.gpt, p.rollout.tensor_parallel, training=False)
 
 
 def _or(value, default):

@@ -77,9 +77,9 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
                max_restarts=cfg.max_restarts, tensor_parallel=T)
     if "rollout" in graph_roles(cfg, steps):  # engines on their own actors
-        g.role("rollout", RolloutActor, r.replicas, num_cpus=r.num_cpus, config=conf,
-               num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
-               max_restarts=r.max_restarts)
+        g.role("rollout", RolloutActor, r.replicas * r.tensor_parallel, num_cpus=r.num_cpus,
+               config=conf, num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
+               max_restarts=r.max_restarts, tensor_parallel=r.tensor_parallel)
     topology = RLHFTopology.of_recipe(list(g.roles), cfg)
     topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900,
@@ -104,7 +104,8 @@ def reuse_graph(graph: Graph, cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -
     """``graph`` (built by ``build_graph`` for another recipe with the same roles, ranks and
     groups) with every worker given ``cfg`` and its role built afresh: what a run builds,
     without starting its processes again. ValueError naming what differs."""
-    want = {name: (cfg.step3.rollout.replicas, 1) if name == "rollout" else
+    r = cfg.step3.rollout
+    want = {name: (r.replicas * r.tensor_parallel, r.tensor_parallel) if name == "rollout" else
             (cfg.workers * cfg.tp_of(name), cfg.tp_of(name)) for name in graph_roles(cfg, steps)}
     have = {name: (graph[name].world_size, graph[name].tensor_parallel) for name in graph.roles}
     if have != want:
@@ -123,7 +124,7 @@ def _worker_config(cfg: RLHFConfig) -> tuple[dict, str]:
     info = init()
     r = cfg.step3.rollout
     needed = (cfg.workers * sum(map(cfg.tp_of, roles(cfg))) * gpus_per_worker(cfg, "cuda")
-              + r.replicas * (r.num_gpus or 1.0))
+              + r.replicas * r.tensor_parallel * (r.num_gpus or 1.0))
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
     return cfg.model_copy(update={"device": device}).model_dump(), device
 

@@ -70,12 +70,14 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     --print-config, whose recipe may be meant for a cluster): the graph's CPUs are also held
     against the local cluster's when the run would start one."""
     arch, key = architecture(cfg)
-    for t in sorted(set(cfg.tp_sizes().values()) - {1}):
-        if cfg.model.pretrained is not None:
-            try:
-                check_split(arch, t)
-            except ValueError as e:
-                raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
+    splits = [(t, True) for t in sorted(set(cfg.tp_sizes().values()) - {1})]
+    if cfg.step3.rollout.tensor_parallel > 1:  # the replicas only infer
+        splits.append((cfg.step3.rollout.tensor_parallel, False))
+    for t, training in splits if cfg.model.pretrained is not None else ():
+        try:
+            check_split(arch, t, training)
+        except ValueError as e:
+            raise ConfigError(f"{e} ({cfg.model.pretrained}/config.json)") from None
     C = arch.seq_len
     where = f"the model's context of {C} tokens ({key})"
     _check_settings(cfg, C, where)
@@ -133,9 +135,10 @@ def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
             + f" x num_cpus={cfg.num_cpus:g}")
     r = cfg.step3.rollout
     if r.replicas and STEP3 in steps and cfg.algo().online:
-        cpus += r.replicas * r.num_cpus
-        what += (f" and step3.rollout.replicas={r.replicas} x step3.rollout.num_cpus="
-                 f"{r.num_cpus:g}")
+        cpus += r.replicas * r.tensor_parallel * r.num_cpus
+        what += (f" and step3.rollout.replicas={r.replicas}"
+                 + (f" x tensor_parallel={r.tensor_parallel}" if r.tensor_parallel > 1 else "")
+                 + f" x step3.rollout.num_cpus={r.num_cpus:g}")
     check_local_capacity(cpus, what)
 
 

@@ -212,9 +212,14 @@ class RolloutConfig(Config):
     "fp32", or "bf16", the policy's weights cast to it before they travel (half the bytes of
     a sync; the same bits as an fp32 sync cast on arrival), the engine's log-probabilities
     then a bf16 model's (the trainer's and the engine's differ more: step3.tis_cap corrects
-    it, 2 by default then)."""
+    it, 2 by default then). tensor_parallel: how many actors each replica's model is split
+    over (troupe.parallel.tensor; inference: the key/value heads may be replicated when T
+    exceeds them), its ranks generating together; each receives the policy's whole tensors,
+    whatever the policy's own layout, and keeps its shards. A split replica that dies is not
+    restarted alone (its peers wait in its collectives): the run's failure policy takes it."""
 
     replicas: int = Field(default=0, ge=0)
+    tensor_parallel: int = Field(default=1, ge=1, le=1024)
     max_staleness: int = Field(default=0, ge=0)
     num_cpus: float = Field(default=0.25, gt=0)
     num_gpus: float | None = Field(default=None, gt=0)

@@ -33,7 +33,8 @@ from troupe.rlhf.sections import ModelConfig
 
 def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True,
              device: torch.device | str = "cpu", tools: list[dict] | None = None,
-             tp: Communicator | None = None) -> tuple[GPTLM, Tokenizer | None]:
+             tp: Communicator | None = None, training: bool = True
+             ) -> tuple[GPTLM, Tokenizer | None]:
     """The language model and tokenizer a recipe names: the Hugging Face directory
     ``cfg.pretrained`` loaded into troupe's decoder, or troupe's GPT from ``seed`` (built on
     the host, so that every device starts from the same weights), on ``device``, computing in
@@ -43,9 +44,10 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
     is rendered with (the recipe's env.tools: SFT's demonstrations, the reward model's pairs
     and the rollouts see the same system turn). ``tp``: the tensor-parallel group whose rank's
     shards of the model this process holds (troupe.parallel.tensor; troupe's GPT drawn shard
-    by shard from the whole model's seed, a checkpoint loaded whole and cut)."""
+    by shard from the whole model's seed, a checkpoint loaded whole and cut; ``training``
+    False: for inference only, key/value heads may be replicated over its ranks)."""
     if cfg.pretrained is not None:
-        gpt = apply_tensor_parallel(from_pretrained(cfg.pretrained).train(), tp)
+        gpt = apply_tensor_parallel(from_pretrained(cfg.pretrained).train(), tp, training)
         tok = recipe_tokenizer(cfg, tools) if tokenizer else None
     else:
         tok = ByteTokens()
@@ -56,7 +58,7 @@ def build_lm(cfg: ModelConfig, seed: int, precision: str, tokenizer: bool = True
             gpt = GPT(cfg.gpt, seed=seed)
         else:
             with torch.device("meta"):
-                gpt = apply_tensor_parallel(GPT(cfg.gpt, seed=seed), tp)
+                gpt = apply_tensor_parallel(GPT(cfg.gpt, seed=seed), tp, training)
             gpt.materialize("cpu").init_weights(seed)
     gpt.checkpoint_activations = cfg.activation_checkpointing
     return GPTLM(gpt.to(device), precision, cfg.packing, cfg.packing_tokens), tok

@@ -1,5 +1,6 @@
 """The rollout role as the driver sees it (step3.rollout.replicas >= 1): engine replicas on
-actors of their own, fed prompts here and weights by the policy, with batches kept in flight
+actors of their own (a replica split by step3.rollout.tensor_parallel is T actors, each asked
+for its replica's slice and answering it together), fed prompts here and weights by the policy, with batches kept in flight
 up to ``max_staleness`` updates ahead of the policy.
 
 Iteration i trains on batch i. Batches are drawn and handed to the replicas ahead of time:
@@ -260,11 +261,12 @@ class ReplicaSupervisor:
 
     def collect(self, pending: Pending, step: int) -> list[Rollout]:
         """The batch's rollouts, one per replica, waiting as needed; a replica that died is
-        restarted and its slice asked again."""
+        restarted and its slice asked again. (A replica split over T actors answers T times,
+        the same rollout: its first actor's is taken.)"""
         while True:
             dead = self._wait(pending)
             if not dead:
-                return pending.results
+                return pending.results[::self.group.tensor_parallel]
             self.settle(step, also=dead, more=[pending])
 
     def _wait(self, pending: Pending) -> dict[int, WorkerError]:
@@ -315,7 +317,8 @@ class ReplicaSupervisor:
         ranks = sorted(dead)
         error = dead[ranks[0]]
         self.restarts += len(ranks)
-        if self.restarts > self.cfg.step3.rollout.max_restarts:
+        if self.restarts > self.cfg.step3.rollout.max_restarts or \
+                self.group.tensor_parallel > 1:  # its peers wait in its collectives
             raise error
         logger.warning("step 3: rollout replica(s) %s died (%s); restart %d of %d", ranks,
                        _cause(error), self.restarts, self.cfg.step3.rollout.max_restarts)

@@ -302,7 +302,8 @@ class RolloutActor(_Shell):
 
     @dispatch(Dispatch.ALL)
     def setup(self, topology: RLHFTopology) -> None:
-        self.role = RolloutReplica(self.cfg, get_context().rank)
+        self.role = RolloutReplica(self.cfg, get_context().rank,
+                                   communicator(topology.rollout_tp))
 
     def _replica(self) -> RolloutReplica:
         if self.role is None:  # Ray restarted this process; the driver has not set it up

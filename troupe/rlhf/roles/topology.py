@@ -31,19 +31,25 @@ class RLHFTopology(Topology):
     reward_tp: Group | None = None
     critic_tp: Group | None = None
     reference_tp: Group | None = None
+    rollout_tp: Group | None = None  # step3.rollout.tensor_parallel > 1: a replica's ranks
 
     @classmethod
     def of(cls, roles: list[str], workers: int, zero_stage: int = 1,
            replicas: int = 0, tensor_parallel: dict[str, int] | None = None) -> "RLHFTopology":
         """The groups of the graph's ``roles`` with ``workers`` data-parallel ranks each of
-        ``tensor_parallel[role]`` actors (1 where not given), and ``replicas`` rollout replicas
-        when "rollout" is one of them."""
+        ``tensor_parallel[role]`` actors (1 where not given), and ``replicas`` rollout actors
+        when "rollout" is one of them (``tensor_parallel["rollout"]`` of them a replica: every
+        one receives the weights)."""
         named = ("policy", "reward", "critic") + (("reference",) if zero_stage == 3 else ())
         T = {r: (tensor_parallel or {}).get(r, 1) for r in ROLES}
         layouts = {r: ParallelLayout.of(workers * T[r], T[r]) for r in ROLES}
         grouped = {r: _group(r, r, layouts[r].dp_groups) for r in named if r in roles}
         grouped.update({f"{r}_tp": _group(f"{r}_tp", r, layouts[r].tp_groups)
                         for r in ROLES if r in roles})
+        Tr = (tensor_parallel or {}).get("rollout", 1)
+        if "rollout" in roles and Tr > 1:
+            grouped["rollout_tp"] = _group("rollout_tp", "rollout",
+                                           ParallelLayout.of(replicas, Tr).tp_groups)
         if "rollout" in roles and replicas > 0:
             # members: policy ranks 0..WT-1, then replicas WT..WT+N-1
             n = workers * T["policy"]
@@ -54,10 +60,12 @@ class RLHFTopology(Topology):
     @classmethod
     def of_recipe(cls, roles: list[str], cfg, replicas: int | None = None) -> "RLHFTopology":
         """``of`` with the recipe's (an RLHFConfig) workers, zero_stage, each role's
-        tensor_parallel and replicas (``replicas``: the graph's own count, when it is not the recipe's)."""
+        tensor_parallel and rollout actors (``replicas``: the graph's, when not the
+        recipe's)."""
+        r = cfg.step3.rollout
         return cls.of(roles, cfg.workers, cfg.zero_stage,
-                      cfg.step3.rollout.replicas if replicas is None else replicas,
-                      cfg.tp_sizes())
+                      r.replicas * r.tensor_parallel if replicas is None else replicas,
+                      {**cfg.tp_sizes(), "rollout": r.tensor_parallel})
 
 
 def _group(name: str, role: str, parts: list[list[int]]) -> Group | None:

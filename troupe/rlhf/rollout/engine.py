@@ -26,6 +26,7 @@ from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.models.lora import fuse_lora, unfuse_lora
 from troupe.parallel import weight_sync
+from troupe.parallel.tensor import whole_shape
 from troupe.rlhf.agents.environments import EnvironmentPool
 from troupe.rlhf.agents.loop import AgentLoop, rollout_of
 from troupe.rlhf.config import RLHFConfig
@@ -153,11 +154,13 @@ class RolloutReplica:
     layout, its weights whatever version the policy last sent (none until the first sync:
     it refuses to generate before), and the engine that samples from them."""
 
-    def __init__(self, cfg: RLHFConfig, rank: int):
+    def __init__(self, cfg: RLHFConfig, rank: int, tp: Communicator | None = None):
+        """``rank``: this actor's in the role; ``tp``: the ranks of its replica
+        (step3.rollout.tensor_parallel), over which its model is split."""
         self.cfg, self.rank = cfg, rank
         self.device = worker_device(cfg.device)
         self.lm, self.tok = build_lm(cfg.model, cfg.seed, cfg.precision, device=self.device,
-                                     tools=cfg.env.tools)
+                                     tools=cfg.env.tools, tp=tp, training=False)
         self.lm.eval().requires_grad_(False)
         self.lm.gpt.to(precision_dtype(cfg.step3.rollout.precision))  # held, synced so
         self.engine = RolloutEngine(cfg, self.tok)
@@ -168,8 +171,19 @@ class RolloutReplica:
         that fails leaves this replica without a usable version until the next one."""
         r = self.cfg.step3.rollout
         self.version = None
-        report = weight_sync.receive(group, weight_sync.sync_tensors(self.lm.gpt), version,
-                                     int(r.bucket_mb * 2**20), r.sync_timeout_s)
+        gpt = self.lm.gpt
+        mine = weight_sync.sync_tensors(gpt)
+        # a split replica: the whole tensors arrive (whatever the policy's layout), then each
+        # rank keeps its shard of them
+        splits = gpt.tp_layout if gpt.tp is not None else {}
+        arriving = [(name, t.new_empty(whole_shape(gpt, name, t.shape)) if name in splits
+                     else t) for name, t in mine]
+        report = weight_sync.receive(group, arriving, version, int(r.bucket_mb * 2**20),
+                                     r.sync_timeout_s)
+        with torch.no_grad():
+            for (name, t), (_, whole) in zip(mine, arriving):
+                if whole is not t:
+                    t.copy_(splits[name].shard(whole, gpt.tp.rank))
         self.version = version
         return vars(report)
 
