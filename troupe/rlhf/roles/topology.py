@@ -5,7 +5,8 @@ frozen reference has one only with zero_stage 3 (its weights partitioned over it
 between them ("<role>_tp", troupe.parallel.tensor) and the data-parallel groups join the ranks
 t of every model (troupe.parallel.layout.ParallelLayout, tensor parallelism innermost); and,
 with rollout replicas, ``weights``: the policy's rank 0 (group rank 0) and every replica
-(group ranks 1..N), over which the policy sends its weights after each update
+actor (group ranks 1..N; a replica split by step3.rollout.tensor_parallel is T of them, also
+joined by "rollout_tp"), over which the policy sends its weights after each update
 (troupe.parallel.weight_sync). The policy's other ranks are each a part of their own, so that
 every member of the two roles finds the group by name."""
 
