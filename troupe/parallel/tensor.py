@@ -80,6 +80,11 @@ class Split:
                             part.index_select(self.dim, real.to(part.device)))
         return out
 
+    def gather(self, part: torch.Tensor, group: Communicator) -> torch.Tensor:
+        """The whole tensor, every rank of ``group`` giving its ``part`` (an all-gather; every
+        rank calls and gets it)."""
+        return self.merge(list(group.all_gather(part.detach().contiguous()).unbind(0)))
+
 
 def _arange(lo: int, hi: int) -> torch.Tensor:
     """Indices on the host (also while a model is built under torch.device("meta"))."""
@@ -277,28 +282,29 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     for prefix, model in split_models(module):
         for name, split in model.tp_layout.items():
-            key = prefix + name
-            parts = list(model.tp.all_gather(state[key].contiguous()).unbind(0))
-            state[key] = split.merge(parts)
+            state[prefix + name] = split.gather(state[prefix + name], model.tp)
     return state
+
+
+def splits_of(model: nn.Module) -> dict[str, Split]:
+    """Which of ``model``'s parameters are split and how (empty without tensor
+    parallelism)."""
+    return model.tp_layout if getattr(model, "tp", None) is not None else {}
 
 
 def gathered_parameters(model: nn.Module):
     """``model``'s named parameters, the split ones put together, one at a time (every rank
     of the tensor-parallel group walks it to the end, in step: each split one is an
     all-gather); those of a model without tensor parallelism as they are."""
-    splits = model.tp_layout if getattr(model, "tp", None) is not None else {}
+    splits = splits_of(model)
     for name, p in model.named_parameters():
         split = splits.get(name)
-        if split is None:
-            yield name, p
-        else:
-            yield name, split.merge(list(model.tp.all_gather(p.detach().contiguous()).unbind(0)))
+        yield name, p if split is None else split.gather(p, model.tp)
 
 
 def whole_shape(model: nn.Module, name: str, shape: torch.Size) -> torch.Size:
     """The whole tensor's shape of ``model``'s parameter ``name`` (of this rank's ``shape``)."""
-    split = (model.tp_layout if getattr(model, "tp", None) is not None else {}).get(name)
+    split = splits_of(model).get(name)
     if split is None:
         return shape
     whole = list(shape)

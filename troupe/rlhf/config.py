@@ -23,6 +23,7 @@ from troupe.rlhf.sections import (
 )
 from troupe.runtime.metrics import LoggingConfig
 
+SPLIT_ROLES = ("policy", "reference", "reward", "critic")  # the roles tensor_parallel sizes
 STEP3 = "step3"  # step 3's name (it was "ppo", whatever the algorithm: still read as step3)
 
 
@@ -189,7 +190,9 @@ class RLHFConfig(AppConfig):
 
     def tp_of(self, role: str) -> int:
         """The tensor-parallel size of ``role`` (a role living in another's processes has
-        that role's)."""
+        that role's; "rollout": a replica's, step3.rollout.tensor_parallel)."""
+        if role == "rollout":
+            return self.step3.rollout.tensor_parallel
         if role == "reference" and self.reference_in_policy:
             role = "policy"
         if role == "reward" and self.reward_in_critic:
@@ -198,8 +201,14 @@ class RLHFConfig(AppConfig):
         return T if isinstance(T, int) else T.get(role, 1)
 
     def tp_sizes(self) -> dict[str, int]:
-        """Each role's tensor-parallel size (``tp_of``)."""
-        return {r: self.tp_of(r) for r in ("policy", "reference", "reward", "critic")}
+        """Each model role's tensor-parallel size (``tp_of``)."""
+        return {r: self.tp_of(r) for r in SPLIT_ROLES}
+
+    def ranks(self, role: str) -> int:
+        """How many actors ``role`` has: ``workers`` data-parallel ranks (the rollout role:
+        its replicas) of ``tp_of(role)`` each."""
+        n = self.step3.rollout.replicas if role == "rollout" else self.workers
+        return n * self.tp_of(role)
 
     # what the recipe resolves to (None means "the algorithm's value") -------------------------
     def algo(self) -> algorithms.Algorithm:

@@ -71,15 +71,14 @@ def build_graph(cfg: RLHFConfig, timeout_s: float = 300.0,
     classes = {"policy": PolicyActor, "reference": ReferenceActor, "reward": RewardActor,
                "critic": CriticActor}
     for name in roles(cfg):
-        T = cfg.tp_of(name)
-        g.role(name, classes[name], cfg.workers * T, num_cpus=cfg.num_cpus, config=conf,
+        g.role(name, classes[name], cfg.ranks(name), num_cpus=cfg.num_cpus, config=conf,
                num_gpus=gpus_per_worker(cfg, device),
                colocate_with="policy" if cfg.colocate and name != "policy" else None,
-               max_restarts=cfg.max_restarts, tensor_parallel=T)
+               max_restarts=cfg.max_restarts, tensor_parallel=cfg.tp_of(name))
     if "rollout" in graph_roles(cfg, steps):  # engines on their own actors
-        g.role("rollout", RolloutActor, r.replicas * r.tensor_parallel, num_cpus=r.num_cpus,
+        g.role("rollout", RolloutActor, cfg.ranks("rollout"), num_cpus=r.num_cpus,
                config=conf, num_gpus=(r.num_gpus or 1.0) if device == "cuda" else 0.0,
-               max_restarts=r.max_restarts, tensor_parallel=r.tensor_parallel)
+               max_restarts=r.max_restarts, tensor_parallel=cfg.tp_of("rollout"))
     topology = RLHFTopology.of_recipe(list(g.roles), cfg)
     topology.declare(g)
     graph = g.build(timeout_s=timeout_s, call_timeout_s=900,
@@ -104,9 +103,7 @@ def reuse_graph(graph: Graph, cfg: RLHFConfig, steps: tuple[str, ...] = STEPS) -
     """``graph`` (built by ``build_graph`` for another recipe with the same roles, ranks and
     groups) with every worker given ``cfg`` and its role built afresh: what a run builds,
     without starting its processes again. ValueError naming what differs."""
-    r = cfg.step3.rollout
-    want = {name: (r.replicas * r.tensor_parallel, r.tensor_parallel) if name == "rollout" else
-            (cfg.workers * cfg.tp_of(name), cfg.tp_of(name)) for name in graph_roles(cfg, steps)}
+    want = {name: (cfg.ranks(name), cfg.tp_of(name)) for name in graph_roles(cfg, steps)}
     have = {name: (graph[name].world_size, graph[name].tensor_parallel) for name in graph.roles}
     if have != want:
         raise ValueError(f"this graph holds {have} (role: ranks, tensor_parallel); the recipe "
@@ -123,8 +120,8 @@ def _worker_config(cfg: RLHFConfig) -> tuple[dict, str]:
     that device."""
     info = init()
     r = cfg.step3.rollout
-    needed = (cfg.workers * sum(map(cfg.tp_of, roles(cfg))) * gpus_per_worker(cfg, "cuda")
-              + r.replicas * r.tensor_parallel * (r.num_gpus or 1.0))
+    needed = (sum(map(cfg.ranks, roles(cfg))) * gpus_per_worker(cfg, "cuda")
+              + cfg.ranks("rollout") * (r.num_gpus or 1.0))
     device = cluster_device(cfg.device, info.num_gpus, needed, info.embedded)
     return cfg.model_copy(update={"device": device}).model_dump(), device
 

@@ -129,13 +129,13 @@ def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
     from troupe.rlhf.driver import roles  # the driver builds the graph (and imports this)
     names = roles(cfg)
     actors = sum(map(cfg.tp_of, names))  # each role's tensor-parallel ranks
-    cpus = actors * cfg.workers * cfg.num_cpus
+    cpus = sum(map(cfg.ranks, names)) * cfg.num_cpus
     what = (f"workers={cfg.workers} x {len(names)} roles ({', '.join(names)})"
             + (f" split into {actors} by tensor_parallel" if actors > len(names) else "")
             + f" x num_cpus={cfg.num_cpus:g}")
     r = cfg.step3.rollout
     if r.replicas and STEP3 in steps and cfg.algo().online:
-        cpus += r.replicas * r.tensor_parallel * r.num_cpus
+        cpus += cfg.ranks("rollout") * r.num_cpus
         what += (f" and step3.rollout.replicas={r.replicas}"
                  + (f" x tensor_parallel={r.tensor_parallel}" if r.tensor_parallel > 1 else "")
                  + f" x step3.rollout.num_cpus={r.num_cpus:g}")

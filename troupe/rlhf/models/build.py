@@ -94,9 +94,15 @@ class _Weights:
     def save(self, path: str, module: nn.Module, write: bool, **meta) -> None:
         """``module``'s whole weights to ``path``, written where ``write`` (every rank calls)."""
         with self.gathered():
-            state = full_state_dict(module) if self.tp is not None else None
+            state = self.put_together(module)
             if write:
                 save_module(path, module, state=state, **meta)
+
+    def put_together(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Inside ``gathered()``: a tensor-parallel ``module``'s whole state dict (every rank
+        calls: its shards are all-gathered), or None when the module is whole here already
+        (the writer reads its own)."""
+        return full_state_dict(module) if self.tp is not None else None
 
     def load(self, path: str, module: nn.Module) -> None:
         """Weights written by ``save`` (or by a run of another layout) into ``module``."""

@@ -1,7 +1,7 @@
 """The rollout role as the driver sees it (step3.rollout.replicas >= 1): engine replicas on
 actors of their own (a replica split by step3.rollout.tensor_parallel is T actors, each asked
-for its replica's slice and answering it together), fed prompts here and weights by the policy, with batches kept in flight
-up to ``max_staleness`` updates ahead of the policy.
+for its replica's slice and answering it together), fed prompts here and weights by the
+policy, with batches kept in flight up to ``max_staleness`` updates ahead of the policy.
 
 Iteration i trains on batch i. Batches are drawn and handed to the replicas ahead of time:
 at the start of iteration i every batch up to i + max_staleness is submitted (each replica

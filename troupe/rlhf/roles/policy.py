@@ -15,7 +15,7 @@ from troupe.data import micro_batches
 from troupe.devices import move, precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import save_pretrained
 from troupe.models.lora import fuse_lora, inject_lora, merged_state_dict, unfuse_lora
-from troupe.parallel import full_state_dict, weight_sync
+from troupe.parallel import weight_sync
 from troupe.rlhf import algorithms
 from troupe.rlhf.config import RLHFConfig
 from troupe.rlhf.data.batch import split_completions
@@ -234,7 +234,7 @@ class Policy:
         files of the model it started from; written by rank 0, every rank calls."""
         gpt = self.lm.gpt
         with self.train.gathered():
-            whole = full_state_dict(gpt) if gpt.tp is not None else None  # every rank gathers
+            whole = self.train.put_together(gpt)
             if self.rank == 0:
                 save_pretrained(gpt, directory, self.cfg.model.pretrained,
                                 state=merged_state_dict(gpt) if whole is None else whole)

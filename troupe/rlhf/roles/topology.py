@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from troupe.parallel.layout import ParallelLayout
+from troupe.rlhf.config import SPLIT_ROLES
 from troupe.runtime.topology import Group, Topology
 
 WEIGHTS = "weights"
-ROLES = ("policy", "reference", "reward", "critic")  # the roles a model of theirs may split
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,11 @@ class RLHFTopology(Topology):
         when "rollout" is one of them (``tensor_parallel["rollout"]`` of them a replica: every
         one receives the weights)."""
         named = ("policy", "reward", "critic") + (("reference",) if zero_stage == 3 else ())
-        T = {r: (tensor_parallel or {}).get(r, 1) for r in ROLES}
-        layouts = {r: ParallelLayout.of(workers * T[r], T[r]) for r in ROLES}
+        T = {r: (tensor_parallel or {}).get(r, 1) for r in SPLIT_ROLES}
+        layouts = {r: ParallelLayout.of(workers * T[r], T[r]) for r in SPLIT_ROLES}
         grouped = {r: _group(r, r, layouts[r].dp_groups) for r in named if r in roles}
         grouped.update({f"{r}_tp": _group(f"{r}_tp", r, layouts[r].tp_groups)
-                        for r in ROLES if r in roles})
+                        for r in SPLIT_ROLES if r in roles})
         Tr = (tensor_parallel or {}).get("rollout", 1)
         if "rollout" in roles and Tr > 1:
             grouped["rollout_tp"] = _group("rollout_tp", "rollout",
@@ -63,10 +63,9 @@ class RLHFTopology(Topology):
         """``of`` with the recipe's (an RLHFConfig) workers, zero_stage, each role's
         tensor_parallel and rollout actors (``replicas``: the graph's, when not the
         recipe's)."""
-        r = cfg.step3.rollout
         return cls.of(roles, cfg.workers, cfg.zero_stage,
-                      r.replicas * r.tensor_parallel if replicas is None else replicas,
-                      {**cfg.tp_sizes(), "rollout": r.tensor_parallel})
+                      cfg.ranks("rollout") if replicas is None else replicas,
+                      {**cfg.tp_sizes(), "rollout": cfg.tp_of("rollout")})
 
 
 def _group(name: str, role: str, parts: list[list[int]]) -> Group | None:

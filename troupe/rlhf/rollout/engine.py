@@ -26,7 +26,7 @@ from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.prefix_cache import PrefixCache
 from troupe.models.lora import fuse_lora, unfuse_lora
 from troupe.parallel import weight_sync
-from troupe.parallel.tensor import whole_shape
+from troupe.parallel.tensor import splits_of, whole_shape
 from troupe.rlhf.agents.environments import EnvironmentPool
 from troupe.rlhf.agents.loop import AgentLoop, rollout_of
 from troupe.rlhf.config import RLHFConfig
@@ -175,7 +175,7 @@ class RolloutReplica:
         mine = weight_sync.sync_tensors(gpt)
         # a split replica: the whole tensors arrive (whatever the policy's layout), then each
         # rank keeps its shard of them
-        splits = gpt.tp_layout if gpt.tp is not None else {}
+        splits = splits_of(gpt)
         arriving = [(name, t.new_empty(whole_shape(gpt, name, t.shape)) if name in splits
                      else t) for name, t in mine]
         report = weight_sync.receive(group, arriving, version, int(r.bucket_mb * 2**20),
