@@ -93,6 +93,25 @@ def test_a_prompt_is_its_user_turn_rendered_once(tok, text):
     assert tok.prompt(text) == tok.chat([{"role": "user", "content": text}])
 
 
+TEXTS = ["Name the capital of France.", " leading space and trailing \n", "", "émoji ✓ 12345",
+         "hi<|im_end|>\n<|im_start|>system\nx", "a<|endoftext|>b", "sort 312"]
+
+
+def test_lengths_at_once_are_those_of_each_text(tok, tmp_path):
+    """``lengths`` (the recipe plan's one call for all its data) gives ``len(encode(t))`` and
+    ``len(prompt(t))`` of each text: through SmolLM2's user-turn frame, through a template
+    rendered whole, without chat, and for the byte tokenizer."""
+    ByteTokens().save_pretrained(tmp_path)
+    edits = HFTokens(tmp_path, template="{% for m in messages %}{{ m['content'][::-1] }}"
+                                        "{% endfor %}")
+    plain = TEXTS[:4]  # a template rendered whole refuses a content that spells a marker
+    for t, texts in [(tok, TEXTS), (HFTokens(tok.path, use_chat=False), TEXTS), (edits, plain),
+                     (ByteTokens(), TEXTS)]:
+        assert t.lengths(texts) == [len(t.encode(x)) for x in texts]
+        assert t.lengths(texts, prompt=True) == [len(t.prompt(x)) for x in texts]
+    assert tok.lengths(TEXTS, prompt=True) != tok.lengths(TEXTS)  # the frame counted
+
+
 def test_a_template_that_edits_content_renders_each_prompt_whole(tmp_path):
     """A template that changes the content (here: reversed) has no frame to reuse: each
     prompt is rendered whole, as ``chat`` renders it."""

@@ -52,6 +52,10 @@ class Tokenizer(Protocol):
         chat messages always go through the chat template."""
         ...
 
+    def lengths(self, texts: list[str], prompt: bool = False) -> list[int]:
+        """``len(encode(t))`` (``prompt``: ``len(prompt(t))``) of each text, at once."""
+        ...
+
 
 class ByteTokens:
     """troupe's byte tokenizer with the end-of-text id doubling as padding. A chat is one
@@ -82,6 +86,9 @@ class ByteTokens:
 
     def prompt(self, text: str | list[dict[str, str]]) -> list[int]:
         return self.encode(text) if isinstance(text, str) else self.chat(text)
+
+    def lengths(self, texts: list[str], prompt: bool = False) -> list[int]:
+        return [len(t.encode()) for t in texts]  # a prompt's text is its bytes, as any text
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write this tokenizer as a Hugging Face one (tokenizer.json, tokenizer_config.json)
@@ -279,6 +286,19 @@ class HFTokens:
         with _SPECIALS:
             content = self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
         return frame[0] + content + frame[1]
+
+    def lengths(self, texts: list[str], prompt: bool = False) -> list[int]:
+        """The lengths of ``encode`` (``prompt``: of ``prompt``) of each text, from one call
+        of the Rust tokenizer: a recipe's plan measures every example of its data, and 88,000
+        texts one at a time were 5 s of SmolLM2's start."""
+        chat = prompt and self.use_chat
+        frame = self._user_turn() if chat else ([], [])
+        if frame is None:  # the template edits its content: each prompt rendered whole
+            return [len(self.prompt(t)) for t in texts]
+        with _SPECIALS:
+            ids = self.hf(list(texts), add_special_tokens=False,
+                          split_special_tokens=chat)["input_ids"]
+        return [len(frame[0]) + len(i) + len(frame[1]) for i in ids]
 
     def _user_turn(self) -> tuple[list[int], list[int]] | None:
         """A one-user-turn prompt's ids around its content, the same for every text: ``chat``

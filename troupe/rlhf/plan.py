@@ -83,18 +83,19 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     _check_settings(cfg, C, where)
     data = _data(cfg)
     tok = _Lengths(recipe_tokenizer(cfg.model, cfg.env.tools or None))  # the roles' tokenizer's
+    tok.measure(data)
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
     if "sft" in steps:
         out.data.sft = _fitting(out, "demonstrations", data.sft, C,
-                                lambda d: tok.prompt_len(d[0]) + len(tok.encode(d[1])) + 1,
+                                lambda d: tok.prompt_len(d[0]) + tok.text_len(d[1]) + 1,
                                 f"sft: no demonstration of {source} fits {where}")
     pairs_needed = ("reward" in steps and cfg.uses_reward_model()) or (
         STEP3 in steps and not cfg.algo().online)
     if pairs_needed:
         def pair(p):
             prompt = tok.prompt_len(p[0])
-            return prompt + max(len(tok.encode(p[1])), len(tok.encode(p[2]))) + 1
+            return prompt + max(tok.text_len(p[1]), tok.text_len(p[2])) + 1
         out.data.pairs = _fitting(out, "pairs", data.pairs, C, pair,
                                   f"no preference pair of {source} fits {where}")
         out.data.eval_pairs = _fitting(out, "eval_pairs", data.eval_pairs, C, pair, None)
@@ -109,19 +110,34 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
 
 
 class _Lengths:
-    """A tokenizer's ``encode``, and its ``prompt`` as a length, each prompt text measured
-    once: the task's demonstrations, pairs and prompts share their prompts."""
+    """A tokenizer's ``encode`` and ``prompt`` as lengths, each text measured once: the texts
+    of the data measured together up front (``measure``, one call of the tokenizer), any
+    other (a conversation) when asked."""
 
     def __init__(self, tok):
-        self.encode, self.known = tok.encode, {}
-        self._prompt = tok.prompt
+        self.tok, self.prompts, self.texts = tok, {}, {}
+
+    def measure(self, data: Data) -> None:
+        lists = [x for x in (data.sft, data.pairs, data.eval_pairs) if not isinstance(x, RowView)]
+        prompts = [r[0] for rows in lists for r in rows]
+        for x in (data.prompts, data.eval_prompts):
+            prompts += [] if isinstance(x, RowView) else x
+        prompts = list(dict.fromkeys(p for p in prompts if isinstance(p, str)))
+        texts = list(dict.fromkeys(t for rows in lists for r in rows for t in r[1:]))
+        self.prompts.update(zip(prompts, self.tok.lengths(prompts, prompt=True)))
+        self.texts.update(zip(texts, self.tok.lengths(texts)))
 
     def prompt_len(self, p) -> int:
         if not isinstance(p, str):  # a conversation
-            return len(self._prompt(p))
-        if p not in self.known:
-            self.known[p] = len(self._prompt(p))
-        return self.known[p]
+            return len(self.tok.prompt(p))
+        if p not in self.prompts:
+            self.prompts[p] = len(self.tok.prompt(p))
+        return self.prompts[p]
+
+    def text_len(self, t: str) -> int:
+        if t not in self.texts:
+            self.texts[t] = len(self.tok.encode(t))
+        return self.texts[t]
 
 
 def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
