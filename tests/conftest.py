@@ -8,8 +8,13 @@ import troupe
 
 def pytest_collection_modifyitems(config, items):
     # Tests that start a Ray cluster of their own run first, before the shared one exists:
-    # with two clusters on one machine, a job submitted to the second never finished.
-    items.sort(key=lambda item: "own_cluster" not in item.keywords)
+    # with two clusters on one machine, a job submitted to the second never finished. The
+    # README's sections that run beside the suite are waited for after its other tests, and
+    # the tests that must have the machine quiet come last.
+    def phase(item):
+        return (0 if "own_cluster" in item.keywords else 2 if "beside" in item.keywords
+                else 3 if "quiet" in item.keywords else 1)
+    items.sort(key=phase)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -48,6 +53,30 @@ def cluster():
     info = troupe.init(num_cpus=16)
     yield info
     troupe.shutdown()
+
+
+@pytest.fixture(scope="session")
+def readme_beside(cluster, request, tmp_path_factory):
+    """The README's sections that need no machine of their own (tests/test_readme.py), run in
+    the background, one at a time, from the first test on the shared cluster (whose dashboard
+    then holds the port ``ray job submit`` lines name) until the suite waits for them."""
+    from tests import readme
+    return readme.Runner(readme.selected(request.session, own_cluster=False), readme.sections(),
+                         tmp_path_factory.mktemp("readme-beside"), lanes=1)
+
+
+@pytest.fixture(scope="session")
+def _beside_selected(request) -> bool:
+    return any("beside" in item.keywords for item in request.session.items)
+
+
+@pytest.fixture(autouse=True)
+def _readme_beside_the_suite(request, _beside_selected):
+    """Starts ``readme_beside`` with the first test after those with clusters of their own,
+    when the session selected any of its sections."""
+    if _beside_selected and not ("own_cluster" in request.keywords
+                                 or "quiet" in request.keywords):
+        request.getfixturevalue("readme_beside")
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,13 @@ How a line of a bash block runs:
 - Any other ``pip install`` runs as ``pip install --dry-run``: the suite's environment must
   already hold what it names, and nothing is installed over it.
 
-Sections run two at a time (``Runner``), since a section's commands leave a core idle for a
-third of their time (Ray starting and stopping, pip unpacking, a server waiting). Sections that
-would get in each other's way never overlap: what each holds alone is in ``holds``.
+Sections run in the background (``Runner``), since a section's commands leave a core idle for
+a third of their time (Ray starting and stopping, pip unpacking, a server waiting): those that
+need the machine to themselves (``ray start``, ``troupe hosts``) one after another before the
+suite's shared cluster starts; the others one at a time beside the rest of the suite, once the
+shared cluster holds the dashboard's port (their apps' embedded clusters take the next free
+one), and two at a time once the suite's other tests are done. Sections that would get in each
+other's way never overlap: what each holds alone is in ``holds``.
 
 A block preceded by ``<!-- readme-test: not here: REASON -->`` cannot run on this machine
 (a cloud account, GPUs); its app commands are checked with ``--print-config`` instead (the
@@ -363,6 +367,14 @@ def may_start(mine: set[str], running: list[set[str]], lanes: int) -> bool:
     return len(running) < lanes and "machine" not in held and not mine & held
 
 
+def selected(session, own_cluster: bool) -> list[str]:
+    """The sections whose tests (tests/test_readme.py) the pytest ``session`` selected: those
+    that run before the suite's shared cluster (``own_cluster``), or those beside the suite."""
+    return [item.callspec.params["name"] for item in session.items
+            if item.originalname == "test_section_runs_as_written"
+            and (item.get_closest_marker("own_cluster") is not None) == own_cluster]
+
+
 ROOMY = 16 << 30  # bytes available at the start for two SmolLM2 sections at once
 
 
@@ -396,6 +408,12 @@ class Runner:
         self.lanes = max(1, lanes)
         self.cond = threading.Condition()
         threading.Thread(target=self._schedule, name="readme-sections", daemon=True).start()
+
+    def widen(self, lanes: int) -> None:
+        """Let ``lanes`` sections run at once from now on."""
+        with self.cond:
+            self.lanes = max(self.lanes, lanes)
+            self.cond.notify_all()
 
     def _schedule(self) -> None:
         with self.cond:

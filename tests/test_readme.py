@@ -1,10 +1,10 @@
 """The README is executable: every command block of README.md and docs/*.md runs here as
-written (size overrides aside; tests/readme.py says how each line runs), section by section,
-before the suite's shared Ray cluster starts. A block the harness cannot classify fails."""
+written (size overrides aside; tests/readme.py says how each line runs), section by section:
+those that need the machine to themselves before the suite's shared Ray cluster starts, the
+others in the background beside the rest of the suite, waited for at its end. A block the
+harness cannot classify fails."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -49,27 +49,35 @@ def test_the_size_overrides_keep_what_a_line_sets():
     assert "step3.checkpoint_every=0" in rlhf and "step3.checkpoint_every=1" not in rlhf
 
 
+def _param(name: str):
+    """A section that needs the machine to itself (``ray start``, ``troupe hosts``) runs
+    before the suite's shared cluster starts (own_cluster); any other in the background
+    beside the suite (beside; tests/conftest.py: ``readme_beside``), its test at the end."""
+    alone = "machine" in readme.holds(SECTIONS[name])
+    return pytest.param(name, id=readme.slug(name),
+                        marks=pytest.mark.own_cluster if alone else pytest.mark.beside)
+
+
 @pytest.fixture(scope="session")
-def sections_run(request, tmp_path_factory, smollm2):
-    """The sections this session selected, started together in the background, two at a time
-    (tests/readme.py: Runner); each section's test waits for its own."""
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.originalname == "test_section_runs_as_written"]
-    return readme.Runner(names, SECTIONS, tmp_path_factory.mktemp("readme"),
-                         lanes=min(2, os.cpu_count() or 1))
+def readme_alone(request, tmp_path_factory):
+    """The sections that hold the machine, one after another, before the shared cluster."""
+    return readme.Runner(readme.selected(request.session, own_cluster=True), SECTIONS,
+                         tmp_path_factory.mktemp("readme-alone"), lanes=1)
 
 
 @pytest.mark.slow
-@pytest.mark.own_cluster
 @pytest.mark.timeout(3600)  # waits for the sections ahead of it too (each line has its own limit)
-@pytest.mark.parametrize("name", list(SECTIONS),
-                         ids=[readme.slug(n) for n in SECTIONS])
-def test_section_runs_as_written(name, sections_run):
+@pytest.mark.parametrize("name", [_param(n) for n in SECTIONS])
+def test_section_runs_as_written(name, request):
     """Each section's blocks in order (the recipes that name SmolLM2 find it built)."""
+    alone = request.node.get_closest_marker("own_cluster") is not None
+    runner = request.getfixturevalue("readme_alone" if alone else "readme_beside")
+    if not alone:  # the suite's other tests are done: the sections left get both cores
+        runner.widen(2)
     try:
-        sections_run.result(name, timeout=3500)
+        runner.result(name, timeout=3500)
     finally:
-        TIMINGS.extend(sections_run.timings.get(name, []))
+        TIMINGS.extend(runner.timings.get(name, []))
 
 
 def test_sections_that_would_clash_never_run_together():

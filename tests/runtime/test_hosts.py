@@ -27,7 +27,8 @@ try:
 except HostsError as e:
     REASON = str(e)
 
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+# quiet: its cuts and deadlines are seconds long; it runs last, with nothing beside the suite
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.quiet]
 
 JOB = textwrap.dedent("""
     import json, ray, torch
