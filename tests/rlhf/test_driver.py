@@ -87,9 +87,9 @@ def _interrupt(graph):
 def trained(cluster, tmp_path_factory):
     """Steps 1 and 2 done once; a graph with restarts allowed; the uninterrupted PPO run."""
     cfg = _cfg(tmp_path_factory.mktemp("ppo"), "base")
-    rlhf.run(cfg, ("sft", "reward"))
     graph = rlhf.build_graph(cfg)
     try:
+        rlhf.run(cfg, ("sft", "reward"), graph=graph)  # the same processes then run PPO
         _, full = _ppo(graph, cfg, Path(cfg.out_dir) / "full")
         yield cfg, graph, full
     finally:
