@@ -1,0 +1,56 @@
+"""Where the suite's time goes: a pytest plugin that writes, per test, its wall seconds and the
+machine's CPU seconds over them (all processes: the test's Ray actors and the README's
+background sections count where they ran), then one line per file, biggest first.
+
+    PYTHONPATH=benchmarks python -m pytest -q -p suite_cpu
+
+JSON lines go to results-suite_cpu.jsonl in the working directory (``SUITE_CPU_OUT`` to
+change it). On a 2-core machine a file whose CPU seconds are near twice its wall is bound by
+the cores; one far below waits (timeouts, node deaths, a single-threaded step). Run it alone:
+the CPU is the whole machine's."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+_OUT = os.environ.get("SUITE_CPU_OUT", "results-suite_cpu.jsonl")
+_started: dict[str, tuple[float, float]] = {}
+_rows: list[dict] = []
+
+
+def _cpu_seconds() -> float:
+    """Busy seconds of every core since boot (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _started[nodeid] = (time.monotonic(), _cpu_seconds())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    wall, cpu = _started.pop(nodeid)
+    _rows.append({"test": nodeid, "wall_s": round(time.monotonic() - wall, 2),
+                  "cpu_s": round(_cpu_seconds() - cpu, 2)})
+
+
+def pytest_sessionfinish(session):
+    files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for r in _rows:
+        f = files[r["test"].split("::")[0]]
+        f[0] += r["wall_s"]
+        f[1] += r["cpu_s"]
+        f[2] += 1
+    with open(_OUT, "w") as out:
+        for r in _rows:
+            out.write(json.dumps(r) + "\n")
+        for name, (wall, cpu, n) in sorted(files.items(), key=lambda kv: -kv[1][1]):
+            out.write(json.dumps({"file": name, "tests": n, "wall_s": round(wall, 1),
+                                  "cpu_s": round(cpu, 1)}) + "\n")
+        wall, cpu = sum(r["wall_s"] for r in _rows), sum(r["cpu_s"] for r in _rows)
+        out.write(json.dumps({"total_wall_s": round(wall), "total_cpu_s": round(cpu),
+                              "cores_busy": round(cpu / wall, 2) if wall else None}) + "\n")
