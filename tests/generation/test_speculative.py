@@ -36,8 +36,8 @@ def _prompts(n=8, seed=0):
     return out
 
 
-def _run(model, prompts, params, **engine):
-    e = ContinuousBatcher(model, None, max_batch=4, **engine)
+def _run(model, prompts, params, max_batch=4, **engine):
+    e = ContinuousBatcher(model, None, max_batch=max_batch, **engine)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         e.add(str(i), p, sp)
     out, logp = e.run_with_logprobs()
@@ -69,6 +69,17 @@ def test_greedy_and_sampled_tokens_are_those_without_speculation(arch):
     assert stats["passes"] > 0 and 0 < stats["accepted"] <= stats["proposed"], stats
 
 
+def _accept_all(seqs, props, logits, greedy, finite, eos_id):
+    """A broken acceptance rule: every proposal kept, whatever the model chooses."""
+    events, matched = [], []
+    for s, p in zip(seqs, props):
+        for t in p or [greedy[0]]:
+            s.out.append(t)
+            events.append(s.advance(t, eos_id))
+        matched.append(len(p))
+    return events, matched
+
+
 def test_a_broken_accept_all_rule_is_caught(monkeypatch):
     """Keeping every proposal, whatever the model chooses, changes the tokens: the identity
     above is a test that can fail."""
@@ -76,16 +87,7 @@ def test_a_broken_accept_all_rule_is_caught(monkeypatch):
     prompts = _prompts()
     params = [SamplingParams(max_tokens=24)] * len(prompts)
     want, _, _ = _run(model, prompts, params)
-
-    def accept_all(seqs, props, logits, greedy, finite, eos_id):
-        events, matched = [], []
-        for i, (s, p) in enumerate(zip(seqs, props)):
-            for t in p or [greedy[0]]:
-                s.out.append(t)
-                events.append(s.advance(t, eos_id))
-            matched.append(len(p))
-        return events, matched
-    monkeypatch.setattr(speculative, "accept", accept_all)
+    monkeypatch.setattr(speculative, "accept", _accept_all)
     got, _, _ = _run(model, prompts, params, speculate=4)
     assert got != want
 
@@ -106,6 +108,67 @@ def test_prefix_cache_stop_strings_and_max_tokens_inside_a_proposal():
     cached = PrefixCache(1 << 24)
     got, _, _ = _run(model, prompts, params, speculate=5, prefix_cache=cached)
     assert got == want and cached.hit_rate > 0
+
+
+def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution a draw should follow: the tempered softmax, cut to the likeliest tokens
+    whose mass before each is under ``top_p`` (the first always kept), renormalized."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    if top_p < 1.0:
+        sorted_, order = probs.sort(descending=True)
+        cut = torch.zeros_like(probs)
+        keep = (sorted_.cumsum(0) - sorted_) < top_p
+        cut[order[keep]] = sorted_[keep]
+        probs = cut / cut.sum()
+    return probs
+
+
+def _chi_square(model, prompt, rows, temperature, top_p, **engine) -> tuple[float, float, dict]:
+    """Pearson's statistic of the second and third sampled tokens of ``rows`` sequences (a
+    seed each, 8 at a time: the first comes from the prefill, the next two from a speculative
+    step, its proposal kept or not) against the model's exact joint distribution
+    sum over t1 of p(t1) p(t2 | t1) p(t3 | t1 t2); the 0.1% critical value for its degrees of
+    freedom (Wilson and Hilferty's approximation); the engine's speculation counts."""
+    sp = [SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=1000 + i)
+          for i in range(rows)]
+    got, _, e = _run(model, [prompt] * rows, sp, max_batch=8, **engine)
+    with torch.no_grad():
+        def dist(prefixes):  # the next token's distribution after each prefix, (N, V)
+            logits = model(torch.tensor([prompt + p for p in prefixes]))[0][:, -1]
+            return torch.stack([_nucleus(x, temperature, top_p) for x in logits])
+        V = model.cfg.vocab_size
+        first = dist([[]])[0]
+        second = dist([[a] for a in range(V)])                               # [t1, t2]
+        third = dist([[a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+        expect = (first[:, None, None] * second[:, :, None] * third).sum(0) * rows
+    seen = torch.zeros(V, V, dtype=torch.float64)
+    for out in got.values():
+        seen[out[1], out[2]] += 1
+    assert not bool((seen[expect == 0] > 0).any()), "a token the sampler must never draw"
+    cells = expect > 0
+    stat = float(((seen[cells] - expect[cells]) ** 2 / expect[cells]).sum())
+    dof = int(cells.sum()) - 1
+    z = 3.09  # the 99.9th percentile of the standard normal
+    return stat, dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3, e.speculation
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 1.0), (1.0, 0.9)])
+def test_sampled_frequencies_follow_the_target_model(monkeypatch, temperature, top_p):
+    """Speculating from a prompt that repeats itself (lookup proposes at every step), the
+    second and third tokens of 3,000 seeded sequences follow the model's own tempered, top-p cut
+    distribution (chi-square at 0.1%, on a 6-token vocabulary); the server and the rollouts
+    draw through this engine. An accept-all rule, which keeps proposals whatever the model
+    says, fails the same test."""
+    model = _model(vocab_size=6, **LLAMA)
+    prompt, rows = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 3000
+    stat, critical, spec = _chi_square(model, prompt, rows, temperature, top_p, speculate=3,
+                                       speculate_batch=8)
+    assert stat < critical, (stat, critical)
+    assert spec["passes"] > rows / 16 and 0 < spec["accepted"] < spec["proposed"], spec
+    monkeypatch.setattr(speculative, "accept", _accept_all)
+    broken, _, _ = _chi_square(model, prompt, rows, temperature, top_p, speculate=3,
+                               speculate_batch=8)
+    assert broken > critical, (broken, critical)
 
 
 @torch.no_grad()

@@ -102,8 +102,9 @@ def step(engine, seqs: list[Sequence], k: int) -> list[Event] | None:
     B = len(seqs)
     lengths = slots.host[:B]
     props = proposals(seqs, k, [slots.context - n for n in lengths], engine.draft)
-    if _native(engine):  # the verify in one native call: its rows at most MAX_ROWS
-        while sum(len(p) + 1 for p in props) > MAX_ROWS:
+    if _native(engine):  # the verify in one native call: its rows at most MAX_ROWS (a
+        # batch of more rows than that, as a speculate_batch above it allows, proposes none)
+        while any(props) and sum(len(p) + 1 for p in props) > MAX_ROWS:
             max(props, key=len).pop()
     if not any(props):
         if engine.draft is not None:  # it caught up: within what the target will have run
