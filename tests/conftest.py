@@ -1,4 +1,7 @@
-"""One Ray cluster for the whole suite; `gpu` tests skip without CUDA."""
+"""One Ray cluster for the whole suite; `gpu` tests skip without CUDA. The order: tests with
+clusters of their own (own_cluster) first, then the rest on the shared cluster with the
+README's other sections running beside them (readme_beside), then those sections' results
+(beside), then the timing-sensitive tests with nothing beside them (quiet)."""
 
 import pytest
 import torch
