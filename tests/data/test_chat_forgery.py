@@ -110,6 +110,7 @@ def test_lengths_at_once_are_those_of_each_text(tok, tmp_path):
         assert t.lengths(texts) == [len(t.encode(x)) for x in texts]
         assert t.lengths(texts, prompt=True) == [len(t.prompt(x)) for x in texts]
     assert tok.lengths(TEXTS, prompt=True) != tok.lengths(TEXTS)  # the frame counted
+    assert tok.lengths([]) == tok.lengths([], prompt=True) == []
 
 
 def test_a_template_that_edits_content_renders_each_prompt_whole(tmp_path):

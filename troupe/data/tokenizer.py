@@ -291,6 +291,8 @@ class HFTokens:
         """The lengths of ``encode`` (``prompt``: of ``prompt``) of each text, from one call
         of the Rust tokenizer: a recipe's plan measures every example of its data, and 88,000
         texts one at a time were 5 s of SmolLM2's start."""
+        if not texts:  # transformers' batch call fails on an empty list
+            return []
         chat = prompt and self.use_chat
         frame = self._user_turn() if chat else ([], [])
         if frame is None:  # the template edits its content: each prompt rendered whole

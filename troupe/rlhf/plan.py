@@ -83,16 +83,18 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
     _check_settings(cfg, C, where)
     data = _data(cfg)
     tok = _Lengths(recipe_tokenizer(cfg.model, cfg.env.tools or None))  # the roles' tokenizer's
-    tok.measure(data)
     out = Plan(data, C, key)
     source = cfg.data.path or "the task"
     if "sft" in steps:
+        tok.measure(rows=data.sft)
         out.data.sft = _fitting(out, "demonstrations", data.sft, C,
                                 lambda d: tok.prompt_len(d[0]) + tok.text_len(d[1]) + 1,
                                 f"sft: no demonstration of {source} fits {where}")
     pairs_needed = ("reward" in steps and cfg.uses_reward_model()) or (
         STEP3 in steps and not cfg.algo().online)
     if pairs_needed:
+        tok.measure(rows=[*_listed(data.pairs), *_listed(data.eval_pairs)])
+
         def pair(p):
             prompt = tok.prompt_len(p[0])
             return prompt + max(tok.text_len(p[1]), tok.text_len(p[2])) + 1
@@ -111,19 +113,20 @@ def plan(cfg: RLHFConfig, steps: Sequence[str], local: bool = False) -> Plan:
 
 class _Lengths:
     """A tokenizer's ``encode`` and ``prompt`` as lengths, each text measured once: the texts
-    of the data measured together up front (``measure``, one call of the tokenizer), any
-    other (a conversation) when asked."""
+    a step keeps or skips measured together before it filters them (``measure``, one call of
+    the tokenizer), any other (a conversation) when asked."""
 
     def __init__(self, tok):
         self.tok, self.prompts, self.texts = tok, {}, {}
 
-    def measure(self, data: Data) -> None:
-        lists = [x for x in (data.sft, data.pairs, data.eval_pairs) if not isinstance(x, RowView)]
-        prompts = [r[0] for rows in lists for r in rows]
-        for x in (data.prompts, data.eval_prompts):
-            prompts += [] if isinstance(x, RowView) else x
-        prompts = list(dict.fromkeys(p for p in prompts if isinstance(p, str)))
-        texts = list(dict.fromkeys(t for rows in lists for r in rows for t in r[1:]))
+    def measure(self, rows: list = (), prompts: list = ()) -> None:
+        """Measure in one call each the texts not known yet of ``rows`` (a prompt, then
+        texts) and ``prompts``; streamed rows (RowView) carry their lengths already."""
+        prompts = [*_listed(prompts), *(r[0] for r in _listed(rows))]
+        prompts = [p for p in dict.fromkeys(p for p in prompts if isinstance(p, str))
+                   if p not in self.prompts]
+        texts = [t for t in dict.fromkeys(t for r in _listed(rows) for t in r[1:])
+                 if t not in self.texts]
         self.prompts.update(zip(prompts, self.tok.lengths(prompts, prompt=True)))
         self.texts.update(zip(texts, self.tok.lengths(texts)))
 
@@ -138,6 +141,11 @@ class _Lengths:
         if t not in self.texts:
             self.texts[t] = len(self.tok.encode(t))
         return self.texts[t]
+
+
+def _listed(items) -> list:
+    """``items`` unless they are streamed rows (RowView: measured as they were sharded)."""
+    return [] if isinstance(items, RowView) else items
 
 
 def _check_cpus(cfg: RLHFConfig, steps: Sequence[str]) -> None:
@@ -219,6 +227,7 @@ def _prompts(out: Plan, tok, cfg: RLHFConfig, eval_only: bool, where: str) -> No
         out.skipped[kind] = len(prompts) - len(keep)
         return [prompts[i] for i in keep], [fields[i] for i in keep] if fields else fields
 
+    tok.measure(prompts=[*([] if eval_only else _listed(d.prompts)), *_listed(d.eval_prompts)])
     if not eval_only:
         d.prompts, d.fields = narrow(d.prompts, d.fields, "prompt", "prompts")
     d.eval_prompts, d.eval_fields = narrow(d.eval_prompts, d.eval_fields, "held-out prompt",
