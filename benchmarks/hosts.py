@@ -30,7 +30,9 @@ optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows
   seed by seed.
 moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
   int8 (model.moe.dispatch): all-to-all bytes and rows per step (the rows follow the gate,
-  which each run trains its own way) and validation loss.
+  which each run trains its own way) and validation loss. A control beside them: fp32 with
+  the experts over 2 ranks (ep_size 2: the same model and data, the gradients summed in
+  another order), how far rounding alone moves a run's loss once its gate routes its way.
 sync: GRPO (the sorting task's model widened to 7.2M parameters) with one rollout replica on
   a host of its own; each weight sync's seconds and bytes (fp32, and bf16 replicas), against
   bytes over the link's rate.
@@ -236,11 +238,11 @@ def moe(args) -> None:
     try:
         for seed in args.seeds:
             fp32 = None
-            for dispatch in ("model", "int8"):
+            for dispatch, ep in (("model", 4), ("int8", 4), ("model", 2)):
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / dispatch
                     run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
-                                    "model.moe.ep_size=4", f"model.moe.dispatch={dispatch}",
+                                    f"model.moe.ep_size={ep}", f"model.moe.dispatch={dispatch}",
                                     "train.strategy=STRICT_SPREAD",
                                     f"train.steps={args.steps or 200}",
                                     "train.eval_every=0", "train.checkpoint_every=0",
@@ -251,13 +253,14 @@ def moe(args) -> None:
                 val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
                 row = 128 * 4 if dispatch == "model" else 128 + 4  # moe-tiny: d_model 128
                 line = {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed,
-                        "dispatch": dispatch, "steps": len(steps), "bytes_per_row": row,
+                        "dispatch": dispatch, "ep_size": ep, "steps": len(steps),
+                        "bytes_per_row": row,
                         "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
                         "a2a_rows_per_step": steps[-1]["a2a_bytes"] // len(steps) // row,
                         "samples_per_s": round(16 * len(steps)
                                                / sum(r["seconds"] for r in steps), 3),
                         "val_loss": round(val, 4)}
-                if dispatch == "model":
+                if fp32 is None:
                     fp32 = line
                 else:
                     line["a2a_bytes_vs_fp32"] = round(line["a2a_bytes_per_step"]

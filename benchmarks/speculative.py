@@ -13,11 +13,15 @@ speculation (the prefill step left out), whether the tokens are the same, the ac
 (accepted over proposed), the tokens a verify pass yields per row, a speculative step's time
 (draft and verify) over a plain decode step's, and the speed-up those imply (tokens a pass
 over its cost, were every step speculative) beside the one measured. One JSON line each.
+Speculation is forced at every batch (``speculate_batch`` = the batch); above the engine's
+default ``speculate_batch`` one more lookup line runs with the default, where the engine
+decodes without speculation: the cost of having it configured.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -32,6 +36,9 @@ from troupe.generation import ContinuousBatcher, SamplingParams
 from troupe.generation.draft import DraftModel
 from troupe.models import from_pretrained
 from machine import machine  # benchmarks/machine.py, beside this script
+
+#: the engine's own ``speculate_batch``: above it a step decodes without speculation
+DEFAULT_SPECULATE_BATCH = inspect.signature(ContinuousBatcher).parameters["speculate_batch"].default
 
 QUESTIONS = ["What makes a good night's sleep?", "Explain how a bicycle stays upright.",
              "Why do leaves change colour in autumn?", "Give advice to a new programmer.",
@@ -48,11 +55,14 @@ def workloads(tok, n: int) -> dict[str, list[list[int]]]:
     return {"copy": copy, "chat": chat}
 
 
-def run(model, tok, prompts: list[list[int]], new: int, k: int, draft=None) -> dict:
-    """Decode ``prompts`` at once; tokens/s after the prefill and each kind of step's time."""
+def run(model, tok, prompts: list[list[int]], new: int, k: int, draft=None,
+        policy: bool = False) -> dict:
+    """Decode ``prompts`` at once; tokens/s after the prefill and each kind of step's time.
+    Speculation at any batch, or with ``policy`` where the engine's default allows it."""
+    batch = {} if policy else {"speculate_batch": len(prompts)}
     engine = ContinuousBatcher(model, tok.eos_id, max_batch=len(prompts), speculate=k,
-                               speculate_batch=len(prompts),
-                               draft=None if draft is None else DraftModel(draft, len(prompts)))
+                               draft=None if draft is None else DraftModel(draft, len(prompts)),
+                               **batch)
     for i, p in enumerate(prompts):
         engine.add(str(i), p, SamplingParams(max_tokens=new))
     out: dict[str, list[int]] = {}
@@ -96,10 +106,13 @@ def main() -> None:
         for B in a.batches:
             base = run(model, tok, prompts[:B], a.new, 0)
             step_s = statistics.median(base["plain"])
-            for k, proposer in [(k, "lookup") for k in a.k] + (
-                    [(a.draft_k, "draft_w8a8")] if a.draft_k else []):
+            runs = [(k, "lookup", False) for k in a.k] + (
+                [(a.draft_k, "draft_w8a8", False)] if a.draft_k else [])
+            if B > DEFAULT_SPECULATE_BATCH:  # where the default policy turns speculation off
+                runs += [(k, "lookup", True) for k in a.k[:1]]
+            for k, proposer, policy in runs:
                 spec = run(model, tok, prompts[:B], a.new, k,
-                           draft if proposer != "lookup" else None)
+                           draft if proposer != "lookup" else None, policy)
                 verify_s = statistics.median(spec["verify"]) if spec["verify"] else float("nan")
                 in_passes = spec["tokens"] - len(spec["plain"]) * B  # what verify steps made
                 per_pass = in_passes / max(spec["passes"], 1) / B
@@ -107,6 +120,7 @@ def main() -> None:
                 print(json.dumps({
                     "bench": "speculative", "machine": machine(), "workload": name,
                     "batch": B, "proposer": proposer, "k": k, "new": a.new,
+                    "speculate_batch": DEFAULT_SPECULATE_BATCH if policy else B,
                     "threads": a.threads,
                     "tok_s": spec["tok_s"], "tok_s_without": base["tok_s"],
                     "speedup": spec["tok_s"] / base["tok_s"],

@@ -6,35 +6,51 @@ workers, or look at a graph's processes, build graphs of their own."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class Graphs:
     """Graphs by what each is built from (``key(cfg, ...)``), the ``keep`` most recently used
     (each holds its workers' processes and memory). ``run(cfg, ...)`` is the driver's
     ``run(cfg, ..., graph=...)`` on a kept graph, or on a new one (``build(cfg, ...)``) kept
-    after; a graph whose run failed is shut down, in whatever state the failure left it."""
+    after; a graph whose run failed is shut down, in whatever state the failure left it.
+    ``use(cfg)`` lends a graph set up for ``cfg`` (``reuse(graph, cfg)`` on a kept one) to
+    code that drives it by hand."""
 
     def __init__(self, key: Callable[..., tuple], build: Callable[..., Any],
-                 run: Callable[..., Any], keep: int = 2):
-        self.key, self.build, self.runner, self.keep = key, build, run, keep
+                 run: Callable[..., Any], reuse: Callable[[Any, Any], Any] | None = None,
+                 keep: int = 2):
+        self.key, self.build, self.runner, self.reuse, self.keep = key, build, run, reuse, keep
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
 
     def run(self, cfg, *args, **kwargs):
+        with self._lend(cfg, *args) as (graph, _):
+            return self.runner(cfg, *args, graph=graph, **kwargs)
+
+    @contextlib.contextmanager
+    def use(self, cfg) -> Iterator[Any]:
+        with self._lend(cfg) as (graph, fresh):
+            yield graph if fresh else self.reuse(graph, cfg)
+
+    @contextlib.contextmanager
+    def _lend(self, cfg, *args) -> Iterator[tuple[Any, bool]]:
+        """A kept graph of ``cfg``'s key, or a new one (fresh: True), kept again after the
+        block; shut down if the block fails."""
         key = self.key(cfg, *args)
         graph = self.graphs.pop(key, None)
-        if graph is None:
+        fresh = graph is None
+        if fresh:
             while len(self.graphs) >= self.keep:
                 self.graphs.popitem(last=False)[1].shutdown()
             graph = self.build(cfg, *args)
         try:
-            out = self.runner(cfg, *args, graph=graph, **kwargs)
+            yield graph, fresh
         except BaseException:
             graph.shutdown()
             raise
         self.graphs[key] = graph
-        return out
 
     def close(self) -> None:
         while self.graphs:
@@ -54,8 +70,10 @@ def rlhf_graphs() -> Graphs:
                 r.replicas, cfg.colocate, cfg.num_cpus, cfg.num_gpus, cfg.device,
                 cfg.max_restarts, r.max_restarts, r.num_cpus, cfg.collective_timeout_s)
 
+    # three kept: tests/rlhf/test_driver.py's role sets recur three apart (12 graphs built
+    # with two kept, 8 with three; a tiny model's worker holds about 0.3 GB)
     return Graphs(key, lambda cfg, steps=rlhf.STEPS: rlhf.build_graph(cfg, steps=steps_of(steps)),
-                  rlhf.run)
+                  rlhf.run, keep=3)
 
 
 def pretrain_graphs() -> Graphs:
@@ -67,4 +85,4 @@ def pretrain_graphs() -> Graphs:
         return (cfg.workers, T.offload, PretrainTopology.of(cfg), cfg.threads, cfg.num_gpus,
                 cfg.device, T.strategy, T.shard_cpus, cfg.max_restarts, cfg.collective_timeout_s)
 
-    return Graphs(key, pretrain.build_graph, pretrain.run)
+    return Graphs(key, pretrain.build_graph, pretrain.run, pretrain.reuse_graph)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.waits  # pip building a wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -158,7 +158,8 @@ def test_sampled_frequencies_follow_the_target_model(monkeypatch, temperature, t
     second and third tokens of 3,000 seeded sequences follow the model's own tempered, top-p cut
     distribution (chi-square at 0.1%, on a 6-token vocabulary); the server and the rollouts
     draw through this engine. An accept-all rule, which keeps proposals whatever the model
-    says, fails the same test."""
+    says, fails the same test on a third of the sequences (its statistic grows with their
+    number: 1,960 to 3,022 at 3,000, against a critical value near 66)."""
     model = _model(vocab_size=6, **LLAMA)
     prompt, rows = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], 3000
     stat, critical, spec = _chi_square(model, prompt, rows, temperature, top_p, speculate=3,
@@ -166,7 +167,7 @@ def test_sampled_frequencies_follow_the_target_model(monkeypatch, temperature, t
     assert stat < critical, (stat, critical)
     assert spec["passes"] > rows / 16 and 0 < spec["accepted"] < spec["proposed"], spec
     monkeypatch.setattr(speculative, "accept", _accept_all)
-    broken, _, _ = _chi_square(model, prompt, rows, temperature, top_p, speculate=3,
+    broken, _, _ = _chi_square(model, prompt, rows // 3, temperature, top_p, speculate=3,
                                speculate_batch=8)
     assert broken > critical, (broken, critical)
 

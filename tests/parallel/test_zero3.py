@@ -89,56 +89,54 @@ def _dense_state(directory) -> dict[str, torch.Tensor]:
     return {k: torch.cat(assemble(shards, numels)) for k, shards in whole.items()}
 
 
-def _resave(cfg, source, target) -> None:
-    """Load ``source`` into a fresh graph of cfg.workers ranks and save it as ``target``."""
-    built = pretrain.build_graph(cfg)
-    try:
+def _resave(graphs, cfg, source, target) -> None:
+    """Load ``source`` into a graph of cfg.workers ranks set up afresh and save it as
+    ``target``."""
+    with graphs.use(cfg) as built:
         step = pretrain._resume(built.graph, cfg, str(source))
         checkpoint.save(pretrain._checkpointed(built.graph), target, step,
                         optimizer=cfg.optimizer.name, zero_stage=3,
                         config=cfg.model_dump(mode="json"))
-    finally:
-        built.shutdown()
 
 
-def test_checkpoints_reshard_2_to_4_to_1_exactly(cluster, tmp_path):
+def test_checkpoints_reshard_2_to_4_to_1_exactly(pretrain_graphs, tmp_path):
     """A stage-3 checkpoint of 2 ranks loaded by 4 and saved again holds exactly the same
     weights and optimizer moments; so does that one loaded by 1. A run resumed across world
     sizes goes on as the uninterrupted one does (within the rounding of the reduction)."""
     base = dict(DENSE, zero_stage=3, train__steps=6, train__checkpoint_every=2,
                 train__batch_size=4)
     two = _cfg(tmp_path, "two", workers=2, **base)
-    pretrain.run(two, resume=None, stop_after=4, progress=False)
+    pretrain_graphs.run(two, resume=None, stop_after=4, progress=False)
     step2 = pretrain.checkpoint_root(two) / "step-00000002"
     four = _cfg(tmp_path, "four", workers=4, **base)
-    _resave(four, step2, tmp_path / "as4")
+    _resave(pretrain_graphs, four, step2, tmp_path / "as4")
     as4 = ckpt.latest(tmp_path / "as4")
     assert ckpt.read_manifest(as4)["roles"] == {"trainer": 4}
     one = _cfg(tmp_path, "one", workers=1, **base)
-    _resave(one, as4, tmp_path / "as1")
+    _resave(pretrain_graphs, one, as4, tmp_path / "as1")
     as1 = ckpt.latest(tmp_path / "as1")
     want = _dense_state(step2)
     for got in (_dense_state(as4), _dense_state(as1)):
         assert set(got) == set(want) == {"params", "m", "v"}
         assert all(torch.equal(got[k], want[k]) for k in want)
     # resumed on 4 from step 2 and on 1 from there: the run of 2 ranks, within rounding
-    records = pretrain.run(four, resume=str(step2), progress=False)
+    records = pretrain_graphs.run(four, resume=str(step2), progress=False)
     assert [r["step"] for r in records if r["kind"] == "train"] == [3, 4, 5, 6]
     straight = load_full_model(pretrain.checkpoint_root(two) / "step-00000004", two)
     resumed = load_full_model(pretrain.checkpoint_root(four) / "step-00000004", four)
     for k, v in straight.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[k], v, rtol=1e-5, atol=1e-6)
-    last = pretrain.run(one, resume=str(pretrain.checkpoint_root(four) / "step-00000004"),
-                        progress=False)
+    last = pretrain_graphs.run(one, resume=str(pretrain.checkpoint_root(four) / "step-00000004"),
+                               progress=False)
     assert [r["step"] for r in last if r["kind"] == "train"] == [5, 6]
 
 
-def test_a_stage1_checkpoint_is_not_resumed_by_stage3(cluster, tmp_path):
+def test_a_stage1_checkpoint_is_not_resumed_by_stage3(pretrain_graphs, tmp_path):
     one = _cfg(tmp_path, "run", workers=2, train__steps=2, train__checkpoint_every=2, **DENSE)
-    pretrain.run(one, resume=None, progress=False)
+    pretrain_graphs.run(one, resume=None, progress=False)
     three = _cfg(tmp_path, "run", workers=2, train__steps=4, zero_stage=3, **DENSE)
     with pytest.raises(Exception, match="zero_stage"):
-        pretrain.run(three, resume="auto", progress=False)
+        pretrain_graphs.run(three, resume="auto", progress=False)
 
 
 def _billion() -> GPT:

@@ -109,9 +109,8 @@ def test_offloaded_shards_match_zero1(pretrain_graphs, tmp_path, optimizer):
     a = [r.get("loss", r.get("val_loss")) for r in zero1 if r["kind"] in steps]
     b = [r.get("loss", r.get("val_loss")) for r in first + second if r["kind"] in steps]
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
-    built = pretrain.build_graph(cfg, name="offload-memory")
-    built.shutdown()
-    owners = built.owners
+    with pretrain_graphs.use(cfg) as built:  # the run's graph, set up afresh
+        owners = built.owners
     assert all(t.optimizer_bytes == 0 for t in built.trainers)  # trainers hold no state
     total = 2 * owners[0].param_bytes
     assert [o.optimizer_bytes for o in owners] == [total] * 2  # m and v of one shard each
@@ -158,13 +157,14 @@ def _train_key(records):
             if r["kind"] in ("train", "eval")]
 
 
-def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(cluster, tmp_path):
+def test_killed_rank_is_restarted_and_the_run_matches_the_uninterrupted_one(pretrain_graphs,
+                                                                          tmp_path):
     """Rank 1 is killed before step 6: Ray restarts it, the groups (dp, and the expert
     groups) are rebuilt, every rank reloads step 4's checkpoint, and the logged losses are
     the uninterrupted run's, 1-bit error feedback included."""
     case = CASES["moe-onebit-adam"]
-    full = pretrain.run(_cfg(tmp_path, "full", **case), resume=None, progress=False)
-    pids = {}
+    full = pretrain_graphs.run(_cfg(tmp_path, "full", **case), resume=None, progress=False)
+    pids = {}  # the run killed builds its own graph: the kept ones stay whole
 
     def kill_rank_1(step, graph):
         pids.setdefault(step, [ray.get(a.ready.remote())["pid"] for a in graph["trainer"].actors])

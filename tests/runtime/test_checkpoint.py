@@ -14,6 +14,8 @@ from troupe.checkpoint import storage
 from troupe.errors import WorkerDiedError
 from troupe.runtime import ActorGraph, checkpoint, get_context
 
+pytestmark = pytest.mark.waits  # one process writing and reading
+
 
 class Saver:
     """Holds one tensor; ``crash_in_save`` makes rank 1 die halfway through writing its file."""

@@ -20,6 +20,8 @@ from troupe.runtime import (
     get_context,
 )
 
+pytestmark = pytest.mark.waits  # ranks sleeping past deadlines, one actor at a time
+
 
 class Policy:
     def __init__(self, config):

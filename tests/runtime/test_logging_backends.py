@@ -13,6 +13,8 @@ from troupe.pretrain import driver as pretrain
 from troupe.pretrain.config import PretrainConfig
 from troupe.runtime.metrics import LoggingConfig, MetricsLog
 
+pytestmark = pytest.mark.waits  # one process writing its logs
+
 RECORDS = [{"kind": "sft", "step": 1, "loss": 2.5}, {"kind": "sft", "step": 2, "loss": 2.0},
            {"kind": "step3", "step": 1, "gold": 0.25, "algorithm": "grpo", "note": None,
             "skipped": True, "padding": 0.5}]

@@ -15,7 +15,7 @@ from troupe.config import load_app_config
 from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # a server and few clients
 
 
 def peft_adapter(model_dir, out, seed: int, r: int = 8):

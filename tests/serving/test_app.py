@@ -16,6 +16,8 @@ from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
 
+pytestmark = pytest.mark.waits  # a server answering a few clients
+
 KEY_ENV, KEY = "TROUPE_TEST_API_KEY", "sk-test-4f9a"
 NAME = "tiny-w8a8"
 

@@ -11,6 +11,8 @@ from troupe.config import ConfigError, validate
 from troupe.serving.config import ServeConfig
 from troupe.serving.model import locate
 
+pytestmark = pytest.mark.waits  # the app's processes starting
+
 ROOT = Path(__file__).parents[2]
 
 

@@ -12,6 +12,8 @@ from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 from troupe.serving.model import load_served_model, save_model
 
+pytestmark = pytest.mark.waits  # a server answering a few clients
+
 MOE = dict(num_experts=4, expert_interval=1, top_k=2, capacity_factor=1.0)
 
 

@@ -16,6 +16,8 @@ from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 from troupe.serving.model import save_model
 
+pytestmark = pytest.mark.waits  # a server answering a few clients
+
 N, TEMPERATURE, TOP_P, SFT = 10, 0.9, 0.95, 60
 
 

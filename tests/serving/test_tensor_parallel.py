@@ -16,6 +16,8 @@ from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 from troupe.serving.model import check_source, save_model
 
+pytestmark = pytest.mark.waits  # a server answering a few clients
+
 # Llama's kind (rotary positions, RMSNorm, SwiGLU), 6 query heads over 3 key/value heads
 LLAMA = dict(vocab_size=257, seq_len=64, n_layer=2, n_head=6, n_kv_head=3, d_model=48,
              d_ff=96, norm="rmsnorm", positions="rope", mlp="swiglu", out_bias=False,

@@ -11,7 +11,7 @@ from troupe.pretrain.compress import CompressConfig, run
 from troupe.serving import deploy as serve
 from troupe.serving.config import ServeConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # a server and few clients
 
 
 @pytest.fixture(scope="module")
