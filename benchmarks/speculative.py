@@ -15,7 +15,8 @@ speculation (the prefill step left out), whether the tokens are the same, the ac
 over its cost, were every step speculative) beside the one measured. One JSON line each.
 Speculation is forced at every batch (``speculate_batch`` = the batch); above the engine's
 default ``speculate_batch`` one more lookup line runs with the default, where the engine
-decodes without speculation: the cost of having it configured.
+decodes without speculation while more than that many sequences run: the cost of having it
+configured (``--rounds`` alternating runs of it and of the plain engine, the median ratio).
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def run(model, tok, prompts: list[list[int]], new: int, k: int, draft=None,
             "tokens": tokens, **engine.speculation}
 
 
+def alternated(spec_run, base_run, spec: dict, base: dict, rounds: int) -> tuple[dict, dict]:
+    """``rounds`` runs of each, alternating (this machine's clock drifts between runs of the
+    same code); the pair of the median ratio."""
+    pairs = [(spec, base)] + [(spec_run(), base_run()) for _ in range(rounds - 1)]
+    pairs.sort(key=lambda p: p[0]["tok_s"] / p[1]["tok_s"])
+    return pairs[len(pairs) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(Path("~/.cache/troupe/smollm2-135m-instruct")
@@ -95,6 +104,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--draft-k", type=int, default=4, help="0: no draft-model runs")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="alternating rounds of the default policy's lines and the plain engine")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, tok = from_pretrained(a.model).eval(), load_tokenizer(a.model)
@@ -113,6 +124,12 @@ def main() -> None:
             for k, proposer, policy in runs:
                 spec = run(model, tok, prompts[:B], a.new, k,
                            draft if proposer != "lookup" else None, policy)
+                if policy:  # a ratio near 1: alternate rounds with the plain engine, median
+                    spec, base = alternated(lambda: run(model, tok, prompts[:B], a.new, k,
+                                                        None, True),
+                                            lambda: run(model, tok, prompts[:B], a.new, 0),
+                                            spec, base, a.rounds)
+                    step_s = statistics.median(base["plain"])
                 verify_s = statistics.median(spec["verify"]) if spec["verify"] else float("nan")
                 in_passes = spec["tokens"] - len(spec["plain"]) * B  # what verify steps made
                 per_pass = in_passes / max(spec["passes"], 1) / B
