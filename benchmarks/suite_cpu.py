@@ -8,7 +8,7 @@ JSON lines go to results-suite_cpu.jsonl in the working directory (``SUITE_CPU_O
 change it). On a 2-core machine a file whose CPU seconds are near twice its wall is bound by
 the cores; one far below waits (timeouts, node deaths, a single-threaded step). Run it alone:
 the CPU is the whole machine's. Each row also counts the actors the shared cluster started
-during the test (from its actor table, read once at the end), by class."""
+during the test, by class (from its actor table, read as each file ends)."""
 
 from __future__ import annotations
 

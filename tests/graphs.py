@@ -20,8 +20,7 @@ class Graphs:
     code that drives it by hand."""
 
     def __init__(self, key: Callable[..., tuple], build: Callable[..., Any],
-                 run: Callable[..., Any], reuse: Callable[[Any, Any], Any] | None = None,
-                 keep: int = 2):
+                 run: Callable[..., Any], reuse: Callable[[Any, Any], Any], keep: int = 2):
         self.key, self.build, self.runner, self.reuse, self.keep = key, build, run, reuse, keep
         self.graphs: OrderedDict[tuple, Any] = OrderedDict()
 
@@ -73,7 +72,7 @@ def rlhf_graphs() -> Graphs:
     # three kept: tests/rlhf/test_driver.py's role sets recur three apart (12 graphs built
     # with two kept, 8 with three; a tiny model's worker holds about 0.3 GB)
     return Graphs(key, lambda cfg, steps=rlhf.STEPS: rlhf.build_graph(cfg, steps=steps_of(steps)),
-                  rlhf.run, keep=3)
+                  rlhf.run, rlhf.reuse_graph, keep=3)
 
 
 def pretrain_graphs() -> Graphs:
