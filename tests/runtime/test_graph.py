@@ -89,7 +89,7 @@ def rlhf_like(cluster):
     g = ActorGraph("two-roles")
     g.role("actor", Policy, 2, num_cpus=1, config={"lr": 0.1})
     g.role("reference", Reference, 2, num_cpus=0.5, colocate_with="actor")
-    graph = g.build(timeout_s=60, call_timeout_s=60)
+    graph = g.build(timeout_s=60, call_timeout_s=60, reuse_workers=False)  # in its bundles
     yield graph
     graph.shutdown()
 

@@ -5,11 +5,16 @@ calls, and joins collective groups during build. A second concurrency group ("co
 stack dumps while a call is stuck, which is how timeouts name what a rank was doing: the
 driver's call timeouts, and a collective that timed out inside a worker, which asks its peers
 (their actor handles come with ``join_group``) where they are.
+
+A worker built with no role is a pooled one (troupe.runtime.pool): it waits idle, takes up a
+role with ``adopt`` and leaves it with ``release``, which puts the process back as ``adopt``
+found it (troupe.actors.reuse) or says it cannot.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 import threading
@@ -17,19 +22,49 @@ import traceback
 from typing import Any
 
 import ray
+import torch
+from ray import cloudpickle
+from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_put
 
 from troupe import checkpoint as ckpt
 from troupe import collectives
+from troupe.actors.reuse import Fresh, reconstructed
 from troupe.actors.store import KeyValue, RayStore
 from troupe.collectives import straggler
 from troupe.context import WorkerContext, _set_context
 from troupe.devices import to_host
 
 
-class RoleWorker:
-    """Hosts ``cls(config)`` as rank ``rank`` of role ``role``."""
+# The roles pooled workers host, by actor id, in Ray's key-value store (the cluster's GCS, as
+# Ray keeps an actor's own arguments): a pooled worker, which Ray restarts whenever it dies, is
+# built again with no role (its first arguments) and takes this one up again while the role
+# has restarts left, as a worker of its own would be rebuilt; once they are spent, its
+# constructor fails, which ends it as Ray ends a worker out of restarts.
+_ROLES = "troupe-pooled-roles"
 
-    def __init__(self, cls: type, config: Any, graph: str, role: str, rank: int,
+
+class RoleWorker:
+    """Hosts ``cls(config)`` as rank ``rank`` of role ``role``; with no ``cls``, waits idle
+    for ``adopt``."""
+
+    def __init__(self, cls: type | None = None, config: Any = None, graph: str = "",
+                 role: str = "", rank: int = 0, world_size: int = 1) -> None:
+        self.impl: Any = None
+        self.in_flight: str | None = None
+        self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
+        self.keys = KeyValue()  # rendezvous keys of the groups this worker is rank 0 of
+        self.fresh = Fresh.take() if cls is None else None
+        self._take_up(cls, config, graph, role, rank, world_size)
+        if self.fresh is not None and reconstructed():
+            kept = _internal_kv_get(self._key(), namespace=_ROLES)
+            if kept:  # Ray restarted a pooled worker: the role it hosted, as a restart builds
+                *role_args, threads, restarts = cloudpickle.loads(kept)
+                if restarts == 0:
+                    raise RuntimeError(f"role {role_args[3]!r} rank {role_args[4]}: its worker "
+                                       "died, and the role's restarts are spent")
+                self.adopt(*role_args, threads, restarts - 1 if restarts > 0 else restarts)
+
+    def _take_up(self, cls: type | None, config: Any, graph: str, role: str, rank: int,
                  world_size: int) -> None:
         rt = ray.get_runtime_context()
         self.context = WorkerContext(
@@ -37,12 +72,52 @@ class RoleWorker:
             node_id=rt.get_node_id(), node_ip=ray.util.get_node_ip_address(),
             gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
         )
+        if cls is None:
+            return
         _set_context(self.context)
-        self.impl = cls(config) if config is not None else cls()
-        self.in_flight: str | None = None
-        self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
-        self.keys = KeyValue()  # rendezvous keys of the groups this worker is rank 0 of
         straggler.set_probe(self._probe)
+        self.impl = cls(config) if config is not None else cls()
+
+    def adopt(self, cls: type, config: Any, graph: str, role: str, rank: int, world_size: int,
+              threads: int, max_restarts: int) -> dict[str, Any]:
+        """Take up a role, as a worker built for it would (torch's threads: ``threads``, what
+        Ray gives a worker of its CPUs; ``max_restarts``: how often Ray's restarts of this
+        process bring the role back, -1 always); returns ``ready()``."""
+        if self.fresh is None or self.impl is not None:
+            raise RuntimeError(f"adopt: this worker hosts role {self.context.role!r}; only an "
+                               "idle pooled worker takes up a role")
+        _internal_kv_put(self._key(), cloudpickle.dumps(
+            (cls, config, graph, role, rank, world_size, threads, max_restarts)),
+            namespace=_ROLES)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        self._take_up(cls, config, graph, role, rank, world_size)
+        return self.ready()
+
+    @staticmethod
+    def _key() -> str:
+        return ray.get_runtime_context().get_actor_id()
+
+    def release(self) -> list[str]:
+        """Leave the role: its groups destroyed, its object dropped, the process state put
+        back, its child processes ended (troupe.actors.reuse). Returns what could not be put
+        back (threads the role left running): empty when the worker may host another role."""
+        if self.fresh is None:
+            raise RuntimeError("release: only a pooled worker leaves its role")
+        _internal_kv_del(self._key(), namespace=_ROLES)
+        for name in collectives.list_groups():
+            collectives.destroy_group(name)
+        self.impl, self.peers, self.keys = None, {}, KeyValue()
+        _set_context(None)
+        straggler.set_probe(None)
+        gc.collect()
+        return_free_memory()
+        self.fresh.end_children()
+        self.fresh.restore()
+        self._take_up(None, None, "", "", 0, 1)
+        if reconstructed():
+            return ["restarted by Ray (the next role would take itself for restarted)"]
+        return self.fresh.leftovers()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.impl, method, None) if not method.startswith("_") else None
@@ -119,6 +194,11 @@ class RoleWorker:
                 "where": f"rank {c.rank} ({c.role!r}) on {c.node_ip}",
                 "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
                           f"{self._stacks()}"}
+
+    @ray.method(concurrency_group="control")
+    def in_flight_call(self) -> str | None:
+        """The call this worker is serving now, if any (answered while it is busy)."""
+        return self.in_flight
 
     @ray.method(concurrency_group="control")
     def stacks(self) -> str:

@@ -25,7 +25,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from troupe.actors.worker import RemoteRoleWorker
 from troupe.collectives.groups import BACKENDS, resolve_backend
 from troupe.config import Config, validate
-from troupe.errors import CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError
+from troupe.errors import (CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError,
+                           WorkerDiedError)
+from troupe.runtime import pool as pooling
 from troupe.runtime.cluster import init
 from troupe.runtime.handle import Graph, RoleGroup, Wiring
 
@@ -184,8 +186,10 @@ class ActorGraph:
         return placed
 
     def build(self, timeout_s: float = 300.0, call_timeout_s: float | None = None,
-              collective_timeout_s: float | None = None) -> Graph:
-        """Place, start and wire every role; returns the Graph handle.
+              collective_timeout_s: float | None = None, reuse_workers: bool = True) -> Graph:
+        """Place, start and wire every role; returns the Graph handle. When the driver reuses
+        worker processes (troupe.runtime.pool), the roles it may host take pooled workers;
+        ``reuse_workers=False`` gives this graph workers of its own regardless.
 
         Raises PlacementTimeoutError (a role could not be placed in ``timeout_s``),
         WorkerCallError / WorkerDiedError (a worker failed to start), CollectiveTimeoutError
@@ -194,17 +198,18 @@ class ActorGraph:
         placed = self._check()
         info = init()
         deadline = time.monotonic() + timeout_s
-        pgs, roles = {}, {}
+        pgs, roles, started = {}, {}, {}
+        pool = pooling.current() if reuse_workers else None
         try:
             for root, members in placed.items():
                 pgs[root] = self._placement_group(root, members)
             self._wait_placed(pgs, placed, timeout_s, deadline, can_grow=not info.embedded)
             for root, members in placed.items():
                 for m in members:
-                    roles[m] = self._start_role(self.roles[m], pgs[root], call_timeout_s)
-            for group in roles.values():
-                infos = group.get([a.ready.remote() for a in group.actors], "__init__",
-                                  max(deadline - time.monotonic(), 1.0))
+                    roles[m], started[m] = self._start_role(self.roles[m], pgs[root],
+                                                            call_timeout_s, pool)
+            for name, group in roles.items():
+                infos = _started(group, started[name], max(deadline - time.monotonic(), 1.0))
                 group.node_ids[:] = [i["node_id"] for i in infos]
             graph = Graph(self.name, roles, list(pgs.values()), {})
             for spec in self.collectives.values():
@@ -279,7 +284,21 @@ class ActorGraph:
             # nodes alive after the graph is gone.
             request_resources(bundles=[])
 
-    def _start_role(self, spec: RoleSpec, pg, call_timeout_s: float | None) -> RoleGroup:
+    def _start_role(self, spec: RoleSpec, pg, call_timeout_s: float | None,
+                    pool: pooling.WorkerPool | None) -> tuple[RoleGroup, list]:
+        """The role's workers, and for each a ref whose value is its ``ready()`` once its role
+        object is built: pooled workers when ``pool`` is given and the role may use them
+        (troupe.runtime.pool), otherwise actors of its own in the bundles of ``pg``."""
+        args = [(spec.cls, spec.config, self.name, spec.name, rank, spec.num_workers)
+                for rank in range(spec.num_workers)]
+        if pool is not None and pooling.may_host(spec):
+            bundles = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            nodes = [bundles[rank] for rank in range(spec.num_workers)]
+            adopted = [pool.adopt(node, a, spec.num_cpus, spec.max_restarts)
+                       for node, a in zip(nodes, args)]
+            group = RoleGroup(spec.name, [a for a, _ in adopted], nodes, call_timeout_s,
+                              spec.cls, spec.tensor_parallel, pool=pool)
+            return group, [ref for _, ref in adopted]
         actors = []
         for rank in range(spec.num_workers):
             options: dict[str, Any] = dict(
@@ -290,10 +309,10 @@ class ActorGraph:
             )
             if spec.runtime_env:
                 options["runtime_env"] = spec.runtime_env
-            actors.append(RemoteRoleWorker.options(**options).remote(
-                spec.cls, spec.config, self.name, spec.name, rank, spec.num_workers))
-        return RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s,
-                         spec.cls, spec.tensor_parallel)
+            actors.append(RemoteRoleWorker.options(**options).remote(*args[rank]))
+        group = RoleGroup(spec.name, actors, [""] * spec.num_workers, call_timeout_s,
+                          spec.cls, spec.tensor_parallel)
+        return group, [a.ready.remote() for a in actors]
 
     def _wire(self, graph: Graph, spec: CollectiveSpec, timeout_s: float) -> None:
         members = [(r, i) for r in spec.roles for i in range(graph[r].world_size)]
@@ -303,6 +322,19 @@ class ActorGraph:
         for part in parts:
             connect_group(graph, spec.name, part, backend, timeout_s)
         graph.collectives[spec.name] = Wiring(backend, parts)
+
+
+def _started(group: RoleGroup, refs: list, timeout_s: float) -> list[dict[str, Any]]:
+    """Each worker's ``ready()`` once its role object is built. A role whose constructor
+    raised ends a worker of its own (WorkerDiedError); a pooled worker lives on, and says the
+    same by the same error."""
+    try:
+        return group.get(refs, "__init__", timeout_s)
+    except WorkerCallError as e:
+        if group.pool is None:
+            raise
+        raise WorkerDiedError(e.role, e.rank, e.node_id,
+                              f"its role's constructor raised:\n{e.remote_traceback}") from None
 
 
 def _describe(bundle_lists: list[list[dict[str, float]]]) -> str:

@@ -27,8 +27,9 @@ class RoleGroup:
 
     def __init__(self, name: str, actors: list[ray.actor.ActorHandle], node_ids: list[str],
                  call_timeout_s: float | None, cls: type | None = None,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, pool: Any = None):
         self.name = name
+        self.pool = pool  # the WorkerPool its workers go back to (troupe.runtime.pool), or None
         self.actors = actors
         self.node_ids = node_ids
         self.call_timeout_s = call_timeout_s
@@ -261,10 +262,15 @@ class Graph:
             raise KeyError(f"graph {self.name!r} has no role {role!r}; roles: {list(self.roles)}")
 
     def shutdown(self) -> None:
-        """Kill every worker and remove the placement groups."""
+        """End every worker (a pooled one goes back to its pool: troupe.runtime.pool) and
+        remove the placement groups."""
+        pooled = [g for g in self.roles.values() if g.pool is not None]
         for group in self.roles.values():
-            for actor in group.actors:
-                ray.kill(actor, no_restart=True)
+            if group.pool is None:
+                for actor in group.actors:
+                    ray.kill(actor, no_restart=True)
+        if pooled:  # one pool per driver: released together, one wait for all
+            pooled[0].pool.give_back([w for g in pooled for w in zip(g.node_ids, g.actors)])
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
         self.roles, self.placement_groups, self.closed = {}, [], True
