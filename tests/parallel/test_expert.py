@@ -132,3 +132,23 @@ def test_int8_rows_round_trip_within_half_a_step_and_carry_no_rows():
     step = x.abs().amax(1, keepdim=True) / 127
     assert torch.all((back - x).abs() <= step / 2 + 1e-12) and torch.equal(back[3], x[3])
     assert unpack_int8_rows(pack_int8_rows(torch.empty(0, 64)), torch.float32).shape == (0, 64)
+    odd = torch.tensor([[1.0, -2.0, 127.0]])  # a row of 7 bytes: its scale starts unaligned
+    assert torch.equal(unpack_int8_rows(pack_int8_rows(odd), torch.float32), odd)
+
+
+def test_int8_all_to_all_keeps_a_ranks_rows_to_itself_exact_and_meters_the_others():
+    from troupe.collectives.autograd import Meter, all_to_all
+    from troupe.collectives.threads import run_ranks
+
+    def rank(group):
+        r = group.rank
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(r)) * (1 + r)
+        meter = Meter()
+        out = all_to_all(x, group, [1, 2] if r == 0 else [2, 1], [1, 2] if r == 0 else [2, 1],
+                         int8=True, meter=meter)
+        return x, out, meter.bytes
+
+    (x0, out0, bytes0), (x1, out1, bytes1) = run_ranks(2, rank)
+    assert torch.equal(out0[:1], x0[:1]) and torch.equal(out1[2:], x1[2:])  # own rows exact
+    assert not torch.equal(out0[1:], x1[:2]) and torch.allclose(out0[1:], x1[:2], atol=0.05)
+    assert (bytes0, bytes1) == (2 * 68, 2 * 68)  # rows to the other rank, int8 + scale

@@ -6,11 +6,13 @@ Tensor parallelism's (troupe.parallel.tensor), each pair the other's transpose: 
 ``split_rows`` (this rank's share of the rows; gradients gathered) and ``gather_rows``
 (every rank's rows; this rank's share of the gradient).
 
-``int8_all_to_all`` carries each row (a token's activations; in backward, its gradient) as
-int8 with a scale of its own: absmax / 127, sent as 4 bytes after the row's M bytes, so a row
-of M fp32 values costs M + 4 bytes instead of 4M (0.27x at M = 64, 0.25x as M grows). The
-error of a value is at most half a step of its row's scale (absmax / 254). A ``Meter`` counts
-the bytes a rank sent to the others (its own rows stay home)."""
+``all_to_all(..., int8=True)`` carries each row (a token's activations; in backward, its
+gradient) as int8 with a scale of its own: absmax / 127, sent as 4 bytes after the row's M
+bytes, so a row of M fp32 values costs M + 4 bytes instead of 4M (0.27x at M = 64, 0.25x as
+M grows). A value is rounded to the nearest step, an error of at most absmax / 254 (rounding
+the gradients stochastically instead, unbiased but noisier, did worse on moe-tiny:
+benchmarks/RESULTS.md). The rows a rank sends to itself never leave it and stay exact. A
+``Meter`` counts the bytes a rank sent to the others."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def pack_int8_rows(x: torch.Tensor) -> torch.Tensor:
 def unpack_int8_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``pack_int8_rows``'s inverse (up to the rounding): (R, M) of ``dtype``."""
     q = packed[:, :-4].contiguous().view(torch.int8)
-    scale = packed[:, -4:].contiguous().view(torch.float32)
+    scale = packed[:, -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return (q.float() * scale).to(dtype)
 
 
@@ -59,7 +61,11 @@ def _exchange(x: torch.Tensor, group: Communicator, output_splits: list[int],
     if meter is not None:
         meter.add(group, input_splits, packed.shape[1])
     got = group.all_to_all(packed, output_splits, input_splits)
-    return unpack_int8_rows(got, x.dtype).view(got.shape[0], *x.shape[1:])
+    out = unpack_int8_rows(got, x.dtype).view(got.shape[0], *x.shape[1:])
+    r = group.rank  # this rank's rows to itself, as they were
+    src, dst = sum(input_splits[:r]), sum(output_splits[:r])
+    out[dst:dst + input_splits[r]] = x[src:src + input_splits[r]]
+    return out
 
 
 class _AllToAll(torch.autograd.Function):

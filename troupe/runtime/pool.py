@@ -47,7 +47,7 @@ class WorkerPool:
     def __init__(self, max_idle: int = 8, release_timeout_s: float = 10.0):
         self.max_idle, self.release_timeout_s = max_idle, release_timeout_s
         self.idle: dict[str, list[ray.actor.ActorHandle]] = {}  # by node
-        self.job = ray.get_runtime_context().get_job_id()
+        self.job: str | None = None  # the Ray session the idle workers belong to
         self.counts = {"started": 0, "reused": 0, "ended": 0}  # workers, since the pool began
 
     def adopt(self, node_id: str, role_args: tuple, num_cpus: float, max_restarts: int = 0
@@ -106,9 +106,9 @@ class WorkerPool:
         ray.kill(worker, no_restart=True)
 
     def close(self) -> None:
-        """End every idle worker."""
+        """End every idle worker (gone already with their session when Ray is not up)."""
         for workers in self.idle.values():
-            for worker in workers:
+            for worker in workers if ray.is_initialized() else []:
                 ray.kill(worker, no_restart=True)
         self.idle = {}
 
@@ -124,7 +124,7 @@ _pool: WorkerPool | None = None
 
 def reuse_workers(enabled: bool = True, max_idle: int = 8) -> None:
     """Whether graphs this driver builds from now on reuse worker processes (see the module
-    doc); off ends the idle ones."""
+    doc; it may be called before ``troupe.init``); off ends the idle ones."""
     global _pool
     if _pool is not None:
         _pool.close()
@@ -135,7 +135,7 @@ def current() -> WorkerPool | None:
     """The driver's pool when reuse is on and belongs to the Ray session connected now."""
     if _pool is None or not ray.is_initialized():
         return None
-    if _pool.job != ray.get_runtime_context().get_job_id():  # a new session: those are gone
-        _pool.idle = {}
-        _pool.job = ray.get_runtime_context().get_job_id()
+    job = ray.get_runtime_context().get_job_id()
+    if _pool.job != job:  # the first graph, or a new session: the idle ones are gone
+        _pool.idle, _pool.job = {}, job
     return _pool

@@ -35,7 +35,8 @@ class MoEConfig(Config):
         model's dtype; "int8" each token's activations (and, going back, the experts' outputs;
         in backward, the gradients) as int8 with a scale per token, 0.27x fp32's bytes at
         d_model 64 and less for wider models (troupe.collectives.autograd). Off by default: it
-        adds a rounding of up to absmax / 254 per value.
+        rounds each value sent to another rank to the nearest of its row's 255 steps (up to
+        absmax / 254); a rank's rows to itself stay exact.
     """
 
     num_experts: int | list[int] = 4
