@@ -61,9 +61,7 @@ def cluster():
     graphs reuse worker processes (troupe.runtime.pool): about 2 s of CPU saved per worker
     not started, of some 360 graph workers in the suite. The tests that look at placement
     groups' actors build with ``reuse_workers=False``."""
-    from troupe.runtime.pool import reuse_workers
-
-    from troupe.runtime.pool import current
+    from troupe.runtime.pool import current, reuse_workers
 
     info = troupe.init(num_cpus=16)
     reuse_workers(max_idle=16)  # a large RLHF graph's workers; each idle one holds ~0.3 GB

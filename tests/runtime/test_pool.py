@@ -82,7 +82,7 @@ def test_a_worker_whose_role_left_a_thread_running_is_ended(cluster):
         [again] = [o["pid"] for o in second["w"].call("look")]
     assert again != pid
     deadline = time.monotonic() + 30
-    while _alive(pid):
+    while psutil.pid_exists(pid):
         assert time.monotonic() < deadline, f"the worker with a leftover thread (pid {pid}) runs on"
         time.sleep(0.2)
 
@@ -127,14 +127,6 @@ def test_gpu_roles_and_runtime_environments_get_workers_of_their_own():
     assert not pooling.may_host(RoleSpec(name="a", cls=Probe, num_gpus=1))
     assert not pooling.may_host(RoleSpec(name="a", cls=Probe,
                                          runtime_env={"env_vars": {"A": "1"}}))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(autouse=True)

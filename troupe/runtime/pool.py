@@ -107,9 +107,10 @@ class WorkerPool:
 
     def close(self) -> None:
         """End every idle worker (gone already with their session when Ray is not up)."""
-        for workers in self.idle.values():
-            for worker in workers if ray.is_initialized() else []:
-                ray.kill(worker, no_restart=True)
+        if ray.is_initialized():
+            for workers in self.idle.values():
+                for worker in workers:
+                    ray.kill(worker, no_restart=True)
         self.idle = {}
 
 
