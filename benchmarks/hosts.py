@@ -238,7 +238,10 @@ def moe(args) -> None:
     try:
         for seed in args.seeds:
             fp32 = None
-            for dispatch, ep in (("model", 4), ("int8", 4), ("model", 2)):
+            runs = {"fp32": ("model", 4), "int8": ("int8", 4), "control": ("model", 2)}
+            for name, (dispatch, ep) in runs.items():
+                if args.only and name != "fp32" and name not in args.only:
+                    continue  # fp32 is the reference of the others
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / dispatch
                     run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
@@ -405,7 +408,8 @@ def main() -> None:
                    help="training steps (optimizers: 100, moe: 200)")
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--loss", type=float, default=0.01)
-    p.add_argument("--only", nargs="*", default=None, help="optimizers: these alone")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="optimizers: these alone; moe: fp32 and these of int8, control")
     args = p.parse_args()
     try:
         check_tools()

@@ -2,12 +2,15 @@
 clusters of their own (own_cluster) first, then the rest on the shared cluster with the
 README's other sections running beside them (readme_beside), those that mostly wait (waits)
 first, then those sections' results (beside), then the timing-sensitive tests with nothing
-beside them (quiet)."""
+beside them (quiet). A module that mostly waits and must not share its process with the
+others (tests/runtime/test_hosts.py) runs in a pytest of its own from the first test on, its
+outcomes reported with the README's (tests/lanes.py)."""
 
 import pytest
 import torch
 
 import troupe
+from tests import lanes
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,6 +22,7 @@ def pytest_collection_modifyitems(config, items):
     # its part, so the README's first sections use that core rather than slowing the tests
     # that keep both busy.
     order = {"own_cluster": 0, "waits": 1, "beside": 3, "quiet": 4}  # the others: 2
+    lanes.divert(items)  # modules run in a pytest of their own beside the suite
 
     def phase(item):
         return min((i for mark, i in order.items() if mark in item.keywords), default=2)
@@ -53,6 +57,17 @@ def no_hosts_left():
         except OSError:
             pass
     assert not alive, f"the suite left the emulated hosts' processes behind: pids {alive}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _lanes_beside_the_suite(no_hosts_left, tmp_path_factory):
+    """Starts the lanes (tests/lanes.py) with the first test; at the session's end, stops
+    any still running (an interrupted session), before ``no_hosts_left`` looks."""
+    for lane in lanes.LANES.values():
+        lane.start(tmp_path_factory.mktemp("lane-" + lane.module.rsplit("/", 1)[-1][:-3]))
+    yield
+    for lane in lanes.LANES.values():
+        lane.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,10 @@ How a line of a bash block runs:
   app appended, each unless the line sets that key itself: the same commands, shorter runs.
 - A server (the ``serve`` app without ``--check`` or ``--print-config``) is started in the
   background; the section goes on once it says where it serves, and it is stopped (SIGINT, as
-  Ctrl-C) when the section ends. ``ray start`` is followed by ``ray stop`` at the section's end,
-  ``troupe hosts up`` by ``troupe hosts down`` (and is skipped, with the reason, without root
-  or ``ip``/``tc``).
+  Ctrl-C) when the section ends. ``ray start`` runs with RAY_TMPDIR a directory of the
+  section's, whose cluster's processes are killed at the section's end (what ``ray stop``
+  does, but to that cluster alone); ``troupe hosts up`` is followed by ``troupe hosts down``
+  (and is skipped, with the reason, without root or ``ip``/``tc``).
 - A line that makes a virtual environment (``python3 -m venv``) runs as written, in the
   section's copy: installs never touch the suite's own environment.
 - Any other ``pip install`` runs as ``pip install --dry-run``: the suite's environment must
@@ -42,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -195,8 +197,8 @@ class Section:
     workdir: Path
     timings: list[dict] = field(default_factory=list)
     servers: list[subprocess.Popen] = field(default_factory=list)
-    ray_started: bool = False
     hosts_up: bool = False  # `troupe hosts up` ran: `troupe hosts down` at the end, whatever
+    ray_tmp: Path | None = None  # RAY_TMPDIR of a section that runs `ray start`
 
     @classmethod
     def make(cls, tmp: Path) -> "Section":
@@ -216,6 +218,8 @@ class Section:
                if k not in ("RAY_ADDRESS", "TROUPE_API_KEY", "VIRTUAL_ENV")}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONUNBUFFERED"] = "1"
+        if self.ray_tmp is not None:
+            env["RAY_TMPDIR"] = str(self.ray_tmp)
         return env
 
     def run(self, command: str, what: str, timeout: float = 900) -> str:
@@ -274,11 +278,30 @@ class Section:
                     how = "still running 60 s after Ctrl-C: killed"
                 self.timings.append({"block": "(end of section)", "command": f"server {how}",
                                      "seconds": round(time.monotonic() - start, 1)})
-        if self.ray_started:
-            subprocess.run(["ray", "stop", "--force"], env=self.env(), capture_output=True)
+        if self.ray_tmp is not None:
+            stop_ray_under(self.ray_tmp)
         if self.hosts_up:
             subprocess.run([sys.executable, "-m", "troupe", "hosts", "down"], env=self.env(),
                            cwd=self.workdir, capture_output=True)
+
+
+def stop_ray_under(tmp: Path) -> None:
+    """Kill the processes of the Ray cluster whose files are under ``tmp`` (RAY_TMPDIR of
+    its ``ray start``; each of its processes names that directory in its command line), as
+    ``ray stop --force`` would but for that cluster alone; then remove ``tmp``."""
+    import psutil
+
+    mine = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(tmp) in arg for arg in proc.info["cmdline"] or ()):
+            mine.append(proc)
+    for proc in mine:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(mine, timeout=30)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_block(section: Section, block: Block) -> None:
@@ -301,8 +324,11 @@ def run_block(section: Section, block: Block) -> None:
         elif is_server(line):
             section.serve(with_sizes(line), what)
         else:
-            if re.search(r"\bray start\b", line):
-                section.ray_started = True
+            if re.search(r"\bray start\b", line) and section.ray_tmp is None:
+                # its cluster's files under a directory of the section's own, so that the
+                # section's end stops that cluster alone (``ray stop`` ends every Ray process
+                # of the machine: the emulated hosts' of tests/runtime/test_hosts.py too)
+                section.ray_tmp = Path(tempfile.mkdtemp(prefix="trs-", dir="/tmp"))
             if re.search(r"\btroupe hosts up\b", line):
                 from troupe.runtime.hosts import HostsError, check_tools
                 try:
@@ -337,10 +363,11 @@ def test_command(block: Block) -> str:
 def holds(blocks: list[Block]) -> set[str]:
     """What a section holds while it runs, so that sections running at once never share it:
 
-    - "machine": ``ray start``/``ray stop`` act on every Ray cluster of the machine, and a job
-      submitted to 127.0.0.1:8265 needs that dashboard to be its own cluster's; ``troupe
-      hosts`` starts Ray nodes that a ``ray stop`` beside it would end: nothing else runs
-      beside them;
+    - "machine": ``ray start`` takes the machine's default ports (6379, and 8265, where a
+      job submitted to 127.0.0.1:8265 needs the dashboard of its own cluster); ``troupe
+      hosts`` sections run the same way, no other section and no cluster of the suite's
+      beside them (tests/runtime/test_hosts.py's emulated hosts excepted: their own names,
+      namespaces and Ray directories);
     - "port": a server binds the recipes' port;
     - "smollm2": the 135M model's runs, 3-7 GB each at their peak (the Hugging Face section's
       RLHF run 7.0 GB, the RLHF section's GRPO run 4.4); held alone only on a machine with

@@ -199,6 +199,36 @@ def test_member_that_never_joins_is_named(cluster):
         graph.shutdown()
 
 
+def test_a_timeout_names_the_ranks_behind_and_not_those_gone_on():
+    """The ranks named are those whose count of operations is behind the waiting rank's: one
+    that finished the operation (its part sent before a link stalled) and waits in the next
+    reached it, and with every rank there the error blames the link; a rank that does not
+    answer the probe is named with where it is."""
+    from types import SimpleNamespace
+
+    from troupe.collectives import straggler
+
+    comm = SimpleNamespace(name="dp", rank=0, world_size=3, seq=7, timeout_s=5.0)
+    seen = {1: {"seq": 7, "in_op": "all_gather"}, 2: {"seq": 6, "in_op": None}}
+
+    def error(states):
+        straggler.set_probe(lambda group, ranks: {r: {"report": "...", "where": f"host {r}",
+                                                      **states[r]} for r in ranks})
+        try:
+            return straggler.timeout_error(comm, "all_gather", RuntimeError("Timed out"))
+        finally:
+            straggler.set_probe(None)
+
+    assert error(seen).missing == [2]  # behind: it never reached operation 7
+    ahead = error({**seen, 2: {"seq": 8, "in_op": "reduce_scatter"}})
+    assert ahead.missing == [] and "every rank reached it" in str(ahead)
+    assert "host 1, host 2" in str(ahead)
+    done = error({**seen, 2: {"seq": 7, "in_op": None}})  # it finished 7 and computes
+    assert done.missing == [] and "a stalled or cut link" in str(done)
+    silent = error({**seen, 2: {"seq": -1, "in_op": None, "answered": False}})
+    assert silent.missing == [2] and "host 2 did not answer" in str(silent)
+
+
 def test_ucc_says_clearly_when_unavailable():
     from troupe.collectives.torch_backend import make_process_group, ucc_available
     if ucc_available():

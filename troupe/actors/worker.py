@@ -52,6 +52,7 @@ class RoleWorker:
         self.impl: Any = None
         self.in_flight: str | None = None
         self.peers: dict[str, list[ray.actor.ActorHandle]] = {}  # group -> actors, group rank order
+        self.places: dict[str, list[str]] = {}  # group -> where each rank is, for errors
         self.keys = KeyValue()  # rendezvous keys of the groups this worker is rank 0 of
         self.fresh = Fresh.take() if cls is None else None
         self._take_up(cls, config, graph, role, rank, world_size)
@@ -107,7 +108,7 @@ class RoleWorker:
         _internal_kv_del(self._key(), namespace=_ROLES)
         for name in collectives.list_groups():
             collectives.destroy_group(name)
-        self.impl, self.peers, self.keys = None, {}, KeyValue()
+        self.impl, self.peers, self.places, self.keys = None, {}, {}, KeyValue()
         _set_context(None)
         straggler.set_probe(None)
         gc.collect()
@@ -149,12 +150,12 @@ class RoleWorker:
     def join_group(self, name: str, backend: str, rank: int, world_size: int,
                    store_host: ray.actor.ActorHandle, timeout_s: float, generation: int,
                    peers: list[ray.actor.ActorHandle] | None = None,
-                   one_node: bool = False) -> None:
+                   one_node: bool = False, places: list[str] | None = None) -> None:
         """Join collective group ``name``; its rendezvous keys live in ``store_host`` (the
         group's rank-0 worker, see troupe.actors.store). gloo binds 127.0.0.1 when every
         member is on this node (``one_node``), else this node's address; never a wildcard."""
         self.in_flight = f"join_group({name!r})"
-        self.peers[name] = peers or []
+        self.peers[name], self.places[name] = peers or [], places or []
         try:
             collectives.init_group(name, backend, rank, world_size,
                                    RayStore(store_host, timeout_s), timeout_s, generation,
@@ -174,14 +175,16 @@ class RoleWorker:
 
     def _probe(self, group: str, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """Where ranks of ``group`` are (see troupe.collectives.straggler)."""
-        peers = self.peers.get(group, [])
+        peers, places = self.peers.get(group, []), self.places.get(group, [])
         refs = {r: peers[r].collective_state.remote(group) for r in ranks if r < len(peers)}
         out = {}
         for r in ranks:
             try:
                 out[r] = ray.get(refs[r], timeout=10)
             except Exception as e:  # a dead or unreachable peer is a missing one
-                out[r] = {"seq": -1, "in_op": None, "report": f"<no answer: {type(e).__name__}>"}
+                where = places[r] if r < len(places) else f"rank {r}"
+                out[r] = {"seq": -1, "in_op": None, "answered": False, "where": where,
+                          "report": f"<no answer from {where}: {type(e).__name__}>"}
         return out
 
     @ray.method(concurrency_group="control")
@@ -190,7 +193,6 @@ class RoleWorker:
         comm = collectives.find_group(group)
         c = self.context
         return {"seq": getattr(comm, "seq", -1), "in_op": getattr(comm, "in_op", None),
-                "timed_out_seq": getattr(comm, "timed_out_seq", -1),
                 "where": f"rank {c.rank} ({c.role!r}) on {c.node_ip}",
                 "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
                           f"{self._stacks()}"}

@@ -3,8 +3,9 @@
 Every communicator counts the collective operations it starts (``seq``) and marks the one in
 flight (``in_op``); ranks at the same operation have the same count. When an operation times
 out, the waiting rank asks its peers for their count and Python stacks through a probe that the
-runtime installs (it reaches the peers' actors through Ray); the ranks that were not in this
-operation are the ones it waited for. Without a probe the error lists every other rank.
+runtime installs (it reaches the peers' actors through Ray); the ranks whose count is behind
+this operation's are the ones it waited for. When every rank reached it (some may have
+finished it and gone on), the data between them did not arrive: a stalled or cut link. Without a probe the error lists every other rank.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any, Callable
 
 from troupe.errors import CollectiveTimeoutError, PeerLostError
 
-# probe(group, ranks) -> {rank: {"seq": int, "in_op": str | None, "timed_out_seq": int,
-#                                 "report": str}}
+# probe(group, ranks) -> {rank: {"seq": int, "in_op": str | None, "where": str,
+#                                 "report": str, "answered": False if it did not}}
 Probe = Callable[[str, list[int]], dict[int, dict[str, Any]]]
 _probe: Probe | None = None
 
@@ -71,15 +72,19 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
         s = states.get(r)
         if s is None:
             return False
-        if peer is None and s.get("timed_out_seq") == comm.seq:
-            return True  # it waited here too, and gave up first
-        if s.get("in_op") is None:
-            return False
-        return peer is not None or s.get("seq") == comm.seq
+        if peer is not None:  # a send or recv: the peer is in one, or it is missing
+            return s.get("in_op") is not None
+        # at this operation, or past it: a rank whose part was sent before a link stalled
+        # finishes the operation and goes on (to wait in the next one) while this one waits
+        return s.get("seq", -1) >= comm.seq
 
     missing = [r for r in others if not arrived(r)] if states else others
     what = f"reach {op} (operation #{comm.seq} on the group; rank {comm.rank} waited there)"
     reports = {r: states[r]["report"] for r in missing if r in states}
+    silent = [states[r]["where"] for r in missing if states.get(r, {}).get("answered") is False]
+    if silent:  # a probe that gets no answer: the peer's host, or the link to it, is down
+        what = (f"reach {op} (operation #{comm.seq} on the group; rank {comm.rank} waited "
+                f"there, and {', '.join(silent)} did not answer: a host or a link down?)")
     if states and not missing:  # everyone is there: what they send each other did not arrive
         peers = ", ".join(states[r].get("where", f"rank {r}") for r in others)
         what = (f"complete {op} (operation #{comm.seq} on the group): every rank reached it, "

@@ -65,7 +65,6 @@ class TorchCommunicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.seq = 0  # operations started on this group; equal on ranks at the same operation
         self.in_op: str | None = None
-        self.timed_out_seq = -1  # the operation this rank gave up waiting in, if any
         self.wait_s = 0.0  # seconds spent in operations since the start (their transfers)
 
     def _run(self, op: str, launch, peer: int | None = None) -> None:
@@ -84,8 +83,6 @@ class TorchCommunicator:
                 raise straggler.lost_error(self, op, e, peer) from e
             if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                 raise
-            if peer is None:
-                self.timed_out_seq = self.seq
             raise straggler.timeout_error(self, op, e, peer) from e
         finally:
             self.in_op = None

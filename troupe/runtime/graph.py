@@ -360,9 +360,14 @@ def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backe
     store port); its gloo sockets bind 127.0.0.1 when all members share a node. Raises
     CollectiveTimeoutError naming absent ranks."""
     actors = [graph[role].actors[rank] for role, rank in members]
-    one_node = len({graph[role].node_ids[rank] for role, rank in members}) == 1
+    node_ids = [graph[role].node_ids[rank] for role, rank in members]
+    one_node = len(set(node_ids)) == 1
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    where = [f"rank {rank} ({role!r}) on {ips.get(node, node)}"
+             for (role, rank), node in zip(members, node_ids)]
     refs = [a.join_group.remote(name, backend, i, len(members), actors[0], timeout_s,
-                                generation, actors, one_node) for i, a in enumerate(actors)]
+                                generation, actors, one_node, where)
+            for i, a in enumerate(actors)]
     for i, ((role, rank), ref) in enumerate(zip(members, refs)):
         try:
             graph[role].gather([ref], [rank], f"join_group({name!r})", timeout_s + 30)
