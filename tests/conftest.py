@@ -13,6 +13,7 @@ import troupe
 from tests import lanes
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what they deselect
 def pytest_collection_modifyitems(config, items):
     # Tests that start a Ray cluster of their own run first, before the shared one exists:
     # with two clusters on one machine, a job submitted to the second never finished. The

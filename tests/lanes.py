@@ -2,11 +2,12 @@
 
 tests/runtime/test_hosts.py spends its four minutes mostly waiting (cuts, Ray declaring a node
 lost, a server's deadlines) with about one core busy; so do the tests with clusters of their
-own that open the suite. Run one after the other, a core idles through both. With the suite
-selected as a whole, the module runs in a child pytest (``python -m pytest MODULE``) started
-with the first test, and each of its tests is replaced in this process by a stand-in of the
-same name that waits for the child and reports the test's outcome there: its failure's text,
-or its skip's reason. A session that selects the module alone runs it here, as any other.
+own that open the suite. Run one after the other, a core idles through both. When the session
+selects other tests too, the module's selected tests run in a child pytest (``python -m
+pytest MODULE::TEST ...``) started with the first test, and each is replaced in this process
+by a stand-in of the same name that waits for the child and reports the test's outcome there:
+its failure's text, or its skip's reason. A session that selects the module alone runs it
+here, as any other.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Lane:
 
     def __init__(self, module: str):
         self.module = module
+        self.names: list[str] = []  # the tests the session selected, in its order
         self.proc: subprocess.Popen | None = None
         self.outcomes: dict[str, tuple[str, str]] | None = None
 
@@ -42,8 +44,8 @@ class Lane:
         self.log = workdir / "output.txt"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", self.module,
-                 f"--junitxml={workdir / 'report.xml'}", f"--basetemp={workdir / 'tmp'}"],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 *(f"{self.module}::{name}" for name in self.names), f"--junitxml={workdir / 'report.xml'}", f"--basetemp={workdir / 'tmp'}"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, IN_LANE: self.module})
 
@@ -107,6 +109,7 @@ def divert(items: list) -> None:
             continue
         lane = LANES.setdefault(module, Lane(module))
         for i in mine:
+            lane.names.append(items[i].name)
             items[i] = stand_in(items[i], lane)
 
 
