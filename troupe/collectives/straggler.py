@@ -4,8 +4,9 @@ Every communicator counts the collective operations it starts (``seq``) and mark
 flight (``in_op``); ranks at the same operation have the same count. When an operation times
 out, the waiting rank asks its peers for their count and Python stacks through a probe that the
 runtime installs (it reaches the peers' actors through Ray); the ranks whose count is behind
-this operation's are the ones it waited for. When every rank reached it (some may have
-finished it and gone on), the data between them did not arrive: a stalled or cut link. Without a probe the error lists every other rank.
+this operation's are the ones it waited for, a rank that does not answer named with where it
+is. When every rank reached it (some may have finished it and gone on), the data between them
+did not arrive: a stalled or cut link. Without a probe the error lists every other rank.
 """
 
 from __future__ import annotations

@@ -363,10 +363,10 @@ def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backe
     node_ids = [graph[role].node_ids[rank] for role, rank in members]
     one_node = len(set(node_ids)) == 1
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    where = [f"rank {rank} ({role!r}) on {ips.get(node, node)}"
-             for (role, rank), node in zip(members, node_ids)]
+    places = [f"rank {rank} ({role!r}) on {ips.get(node, node)}"
+              for (role, rank), node in zip(members, node_ids)]
     refs = [a.join_group.remote(name, backend, i, len(members), actors[0], timeout_s,
-                                generation, actors, one_node, where)
+                                generation, actors, one_node, places)
             for i, a in enumerate(actors)]
     for i, ((role, rank), ref) in enumerate(zip(members, refs)):
         try:
