@@ -6,6 +6,8 @@ beside them (quiet). A module that mostly waits and must not share its process w
 others (tests/runtime/test_hosts.py) runs in a pytest of its own from the first test on, its
 outcomes reported with the README's (tests/lanes.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def _lanes_beside_the_suite(no_hosts_left, tmp_path_factory):
     """Starts the lanes (tests/lanes.py) with the first test; at the session's end, stops
     any still running (an interrupted session), before ``no_hosts_left`` looks."""
     for lane in lanes.LANES.values():
-        lane.start(tmp_path_factory.mktemp("lane-" + lane.module.rsplit("/", 1)[-1][:-3]))
+        lane.start(tmp_path_factory.mktemp("lane-" + Path(lane.module).stem))
     yield
     for lane in lanes.LANES.values():
         lane.stop()

@@ -45,7 +45,8 @@ class Lane:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 *(f"{self.module}::{name}" for name in self.names), f"--junitxml={workdir / 'report.xml'}", f"--basetemp={workdir / 'tmp'}"],
+                 *(f"{self.module}::{name}" for name in self.names),
+                 f"--junitxml={workdir / 'report.xml'}", f"--basetemp={workdir / 'tmp'}"],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, IN_LANE: self.module})
 
@@ -56,8 +57,8 @@ class Lane:
         if self.outcomes is None:
             self.proc.wait()
             self.outcomes = self._read()
-        tail = self.log.read_text(errors="replace")[-4000:]
         if name not in self.outcomes:
+            tail = self.log.read_text(errors="replace")[-4000:]
             pytest.fail(f"{self.module}::{name} has no outcome in its lane (exit "
                         f"{self.proc.returncode}); its output ends:\n{tail}")
         outcome, text = self.outcomes[name]

@@ -193,7 +193,7 @@ class RoleWorker:
         comm = collectives.find_group(group)
         c = self.context
         return {"seq": getattr(comm, "seq", -1), "in_op": getattr(comm, "in_op", None),
-                "where": f"rank {c.rank} ({c.role!r}) on {c.node_ip}",
+                "where": place(c.role, c.rank, c.node_ip),
                 "report": f"role {c.role!r} rank {c.rank} on node {c.node_id} ({c.node_ip}), "
                           f"{self._stacks()}"}
 
@@ -221,6 +221,11 @@ RemoteRoleWorker = ray.remote(concurrency_groups={"control": 1, "store": 2})(Rol
 
 
 _libc = None
+
+
+def place(role: str, rank: int, address: str) -> str:
+    """How errors name a rank of a role and where it runs: "rank 1 ('trainer') on 10.0.0.3"."""
+    return f"rank {rank} ({role!r}) on {address}"
 
 
 def return_free_memory() -> None:

@@ -80,12 +80,12 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
         return s.get("seq", -1) >= comm.seq
 
     missing = [r for r in others if not arrived(r)] if states else others
-    what = f"reach {op} (operation #{comm.seq} on the group; rank {comm.rank} waited there)"
-    reports = {r: states[r]["report"] for r in missing if r in states}
+    waited = f"operation #{comm.seq} on the group; rank {comm.rank} waited there"
     silent = [states[r]["where"] for r in missing if states.get(r, {}).get("answered") is False]
     if silent:  # a probe that gets no answer: the peer's host, or the link to it, is down
-        what = (f"reach {op} (operation #{comm.seq} on the group; rank {comm.rank} waited "
-                f"there, and {', '.join(silent)} did not answer: a host or a link down?)")
+        waited += f", and {', '.join(silent)} did not answer: a host or a link down?"
+    what = f"reach {op} ({waited})"
+    reports = {r: states[r]["report"] for r in missing if r in states}
     if states and not missing:  # everyone is there: what they send each other did not arrive
         peers = ", ".join(states[r].get("where", f"rank {r}") for r in others)
         what = (f"complete {op} (operation #{comm.seq} on the group): every rank reached it, "

@@ -22,7 +22,7 @@ import ray
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from troupe.actors.worker import RemoteRoleWorker
+from troupe.actors.worker import RemoteRoleWorker, place
 from troupe.collectives.groups import BACKENDS, resolve_backend
 from troupe.config import Config, validate
 from troupe.errors import (CollectiveTimeoutError, PlacementTimeoutError, WorkerCallError,
@@ -363,7 +363,7 @@ def connect_group(graph: Graph, name: str, members: list[tuple[str, int]], backe
     node_ids = [graph[role].node_ids[rank] for role, rank in members]
     one_node = len(set(node_ids)) == 1
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    places = [f"rank {rank} ({role!r}) on {ips.get(node, node)}"
+    places = [place(role, rank, ips.get(node, node))
               for (role, rank), node in zip(members, node_ids)]
     refs = [a.join_group.remote(name, backend, i, len(members), actors[0], timeout_s,
                                 generation, actors, one_node, places)
