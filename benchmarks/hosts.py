@@ -15,13 +15,13 @@ numbers read back from its metrics.jsonl; the hosts are removed at the end, what
 Run it alone: the hosts share this machine's cores, and their links are the kernel's work.
 
 collectives: one gloo process a host (no Ray), a 51 MB buffer (WIDE's gradient): the
-  operations ZeRO-1 could be made of (gloo's alltoall, its reduce_scatter, troupe's
-  reduce_scatter, which is that alltoall and a sum in rank order, gloo's allgather and
-  allreduce), seconds (slowest rank, best of 3) and the share of the link's rate.
+  operations ZeRO-1 could be made of (gloo's alltoall, the same exchange in W-1 rounds of
+  shifted pairs, gloo's reduce_scatter, troupe's reduce_scatter, a ring, gloo's allgather
+  and allreduce), seconds (slowest rank, best of 3) and the share of the link's rate.
 optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
   window a rank a step: a gradient of 51 MB against 4.9 GFLOP of compute per rank, the regime
   where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
-  1-bit LAMB; each line: samples/s over the steps after the optimizer's warm-up and over the
+  1-bit LAMB, and Adam over zero_stage 2 (the reduce-scatter beside the backward); each line: samples/s over the steps after the optimizer's warm-up and over the
   run, the validation loss at the last step, and the bound the same run implies: batch /
   (the slowest rank's seconds outside collectives, its compute alone: forward, backward and
   the optimizer's own arithmetic, + the step's bytes per rank over the link's rate), and the
@@ -72,6 +72,8 @@ WARMUP = 10  # the 1-bit optimizers' full-precision steps (freeze_step, var_free
 # the learning rate's warmup: the variance freezes once the rate is up, as DeepSpeed advises
 OPTIMIZERS = {
     "adam": ["optimizer.name=adam"],
+    # Adam over zero_stage 2: ZeRO-1's bytes, the reduce-scatter beside the backward
+    "adam_zero2": ["optimizer.name=adam", "zero_stage=2"],
     "onebit_adam": ["optimizer.name=onebit_adam", f"optimizer.freeze_step={WARMUP}"],
     "zero_one_adam": ["optimizer.name=zero_one_adam", f"optimizer.var_freeze_step={WARMUP}",
                       "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=8",
@@ -132,7 +134,8 @@ def collective_rank(rank: int, world: int, host: str, port: int) -> None:
                                                      dist.AllToAllOptions()).wait(), 1),
         "gloo reduce_scatter": (lambda: g.pg.reduce_scatter(
             [part], [list(x.tensor_split(world))], reduce_sum).wait(), 1),
-        "troupe reduce_scatter": (lambda: g.reduce_scatter(x), 1),
+        "troupe reduce_scatter": (lambda: g.reduce_scatter(x), 1),  # a ring
+        "alltoall in shifted pairs": (lambda: _shifted(g.pg, exchanged, x, rank, world), 1),
         "gloo allgather": (lambda: g.pg.allgather([list(gathered.unbind(0))], [part]).wait(), 1),
         "gloo allreduce": (lambda: g.pg.allreduce([x]).wait(), 2),
     }
@@ -145,6 +148,17 @@ def collective_rank(rank: int, world: int, host: str, port: int) -> None:
             best = min(best, time.perf_counter() - t0)
         print(json.dumps({"op": name, "seconds": best, "times": times}), flush=True)
     collectives.destroy_group("bench")
+
+
+def _shifted(pg, out, x, rank: int, world: int) -> None:
+    """An alltoall in W-1 rounds: in round s rank r sends to r+s and receives from r-s."""
+    src_parts, dst_parts = x.view(world, -1), out.view(world, -1)
+    dst_parts[rank].copy_(src_parts[rank])
+    for s in range(1, world):
+        to, frm = (rank + s) % world, (rank - s) % world
+        sent = pg.send([src_parts[to]], to, s)
+        pg.recv([dst_parts[frm]], frm, s).wait()
+        sent.wait()
 
 
 def collectives_(args) -> None:

@@ -43,7 +43,7 @@ RLHF = {
 
 PRETRAIN = {
     "workers": [1, 2, 3, 4],
-    "zero_stage": [1, 3],
+    "zero_stage": [1, 2, 3],
     "optimizer.name": ["adam", "adamw", "lamb", "onebit_adam", "zero_one_adam", "onebit_lamb"],
     "model.seq_len": [4, 16, 64, 128, 4096],
     "curriculum.enabled": [False, True],
@@ -76,7 +76,7 @@ COMPRESS = {  # over a teacher of 4 blocks and context 64 (tests/apps/test_confi
     "distill.temperature": [0.5, 1.0, 2.0],
     "distill.hidden_mse": [0.0, 1.0],
     "workers": [1, 2, 3],
-    "zero_stage": [1, 3],
+    "zero_stage": [1, 2, 3],
     "train.batch_size": [1, 2, 4, 6],
     "memory_per_worker": [NONE, 0.00001, 1.0],
 }

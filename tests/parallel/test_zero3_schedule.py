@@ -110,3 +110,41 @@ def test_the_stream_gives_every_parameter_whole_with_a_block_or_two_gathered():
         seen.append(name)
     assert seen == list(want) and most <= 2, (seen, most)
     assert all(u.state is UnitState.SHARDED for u in [z.root, *z.units])
+
+
+def test_stage2_gathers_each_block_once_a_step_and_reduces_in_the_backward():
+    """Stage 2: over two micro-batches every unit is gathered once and stays whole until
+    release; a block's gradient is reduce-scattered while the blocks before it run their
+    backward (when the first block's output gradient arrives, those two blocks down are in
+    their shards already); the gradients are the unpartitioned model's, bit for bit."""
+    ref, model = Toy(scaled=True), Toy(scaled=True)
+    z = Zero3(model, None, prefetch=1, stage=2)
+    gathered, reduced_early = [], []
+    real = z._gather_async
+
+    def spy(unit):
+        if unit.state is UnitState.SHARDED:
+            gathered.append(unit.index)
+        real(unit)
+    z._gather_async = spy
+    dense = z.buckets["dense"]
+
+    def in_shards(grad):  # block 0's output gradient: the backward of blocks 1.. is done
+        reduced_early.append([bool(dense.grad[o:o + part.numel].abs().sum() > 0) for part, o
+                              in zip(dense.partitions[3:], dense.offsets[3:])])
+    model.blocks[0].register_forward_hook(lambda m, a, out: out.register_hook(in_shards) and None)
+    x = torch.randn(3, WIDTH)
+    for _ in range(2):
+        model(x).backward()
+        ref(x).backward()
+        assert all(u.state is not UnitState.SHARDED for u in [z.root, *z.units])
+    assert sorted(gathered) == list(range(-1, BLOCKS)), gathered  # each unit once
+    assert reduced_early and all(all(r) for r in reduced_early), reduced_early
+    z.release()
+    assert all(u.state is UnitState.SHARDED for u in [z.root, *z.units])
+    want = torch.cat([p.grad.reshape(-1) for p in ref.blocks.parameters()])
+    got = torch.cat([dense.grad[o:o + part.numel]
+                     for part, o in zip(dense.partitions[1:], dense.offsets[1:])])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="stage must be 2 or 3"):
+        Zero3(Toy(), None, stage=1)

@@ -98,12 +98,12 @@ class TorchCommunicator:
         check_op(op)
         even_splits(x.shape[0], self.world_size)
         if self.backend == "gloo" and op in ("sum", "mean"):
-            # gloo's own reduce_scatter moved a 14 MB gradient in 16 ms where its all_to_all
-            # and a local sum take 11.6 (two ranks on this project's CPUs); the sum runs in
-            # rank order, the same on every rank and for any cut of the tensor
-            parts = self.all_to_all(x.contiguous())
-            out = parts.view(self.world_size, -1).sum(0)
-            out = out.view(x.shape[0] // self.world_size, *x.shape[1:])
+            # gloo's own reduce_scatter sends at 0.45 of a link's rate, an all_to_all and a
+            # local sum at 0.6-0.7 (every rank sending to every other at once); a ring at
+            # 0.87, as gloo's allgather does (4 hosts at 1 Gbit/s, benchmarks/hosts.py)
+            out = _Ring(self.pg, x.contiguous(), self.rank, self.world_size)
+            self._run("reduce_scatter", lambda: out)
+            out = out.result.view(x.shape[0] // self.world_size, *x.shape[1:])
             return out.div_(self.world_size) if op == "mean" else out
         chunks = list(x.contiguous().tensor_split(self.world_size))
         out = torch.empty_like(chunks[self.rank])
@@ -167,3 +167,32 @@ class TorchCommunicator:
             except RuntimeError:
                 pass
         self.pg = None
+
+
+class _Ring:
+    """A ring reduce-scatter of ``x`` over ``pg`` as a Work whose ``wait`` runs it: in step s
+    (1..W-1) rank r sends its running sum of chunk r-s to rank r+1 and adds its own chunk
+    r-s-1 to the sum rank r-1 sent, so that rank r ends with the sum of chunk r. Each rank
+    sends one flow and receives one at a time, which a link carries at its rate. Every
+    chunk's sum runs in the ring's order from the rank after its owner: the same on every
+    run (and, with 2 ranks, the same as any other order)."""
+
+    TAG = 0x7270  # its sends' tag, apart from the group's other point-to-point messages
+
+    def __init__(self, pg: dist.ProcessGroup, x: torch.Tensor, rank: int, world: int):
+        self.pg, self.chunks, self.rank, self.world = pg, x.view(world, -1), rank, world
+        self.result = self.chunks[rank].clone() if world == 1 else None
+
+    def wait(self, timeout: timedelta) -> None:
+        if self.result is not None:
+            return
+        W, r = self.world, self.rank
+        deadline = time.monotonic() + timeout.total_seconds()
+        left = lambda: timedelta(seconds=max(deadline - time.monotonic(), 0.001))  # noqa: E731
+        acc, buf = self.chunks[(r - 1) % W].clone(), torch.empty_like(self.chunks[0])
+        for s in range(1, W):
+            sent = self.pg.send([acc], (r + 1) % W, self.TAG)
+            self.pg.recv([buf], (r - 1) % W, self.TAG).wait(left())
+            sent.wait(left())
+            acc, buf = buf.add_(self.chunks[(r - s - 1) % W]), acc
+        self.result = acc

@@ -135,12 +135,12 @@ def build_partitioned_optimizer(cfg: OptimizerConfig, data: torch.Tensor, grad: 
                                 segments: Callable[[], tuple[torch.Tensor, int]],
                                 group: Communicator | None,
                                 comm: CommCounter) -> PartitionedOptimizer:
-    """ZeRO-3's optimizer over one bucket of a partitioned model: this rank's master weights
+    """ZeRO-2/3's optimizer over one bucket of a partitioned model: this rank's master weights
     ``data`` and gradient shard ``grad``; ``segments()`` gives each element's tensor and
     their count (LAMB's per-tensor norms, summed over ``group``; asked for by LAMB only: an
     index per element costs 8 bytes a parameter)."""
     if not cfg.sharded:
-        raise ValueError(f"zero_stage 3 partitions the state of adam, adamw or lamb; "
+        raise ValueError(f"zero_stages 2 and 3 partition the state of adam, adamw or lamb; "
                          f"optimizer.name={cfg.name!r} keeps its own (use zero_stage 1)")
     if cfg.name == "lamb":
         ids, count = segments()

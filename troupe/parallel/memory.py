@@ -16,7 +16,7 @@ from torch import nn
 
 from troupe.config import ConfigError
 from troupe.optim import OptimizerConfig, padded_size
-from troupe.parallel.partition import transient_bytes, unit_parameters
+from troupe.parallel.partition import kept_bytes, transient_bytes, unit_parameters
 
 GIB = 1 << 30
 
@@ -29,7 +29,7 @@ class MemoryBudgetError(ConfigError):
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes one rank keeps between steps (parameters, gradients, optimizer state) and, for
-    zero_stage 3, the transient peak of the blocks gathered while the model runs."""
+    zero_stage 2 and 3, the transient peak of the blocks gathered while the model runs."""
 
     zero_stage: int
     params: int
@@ -64,22 +64,24 @@ def plan(model: nn.Module, cfg: OptimizerConfig, world: int, zero_stage: int = 1
          blocks: nn.ModuleList | None = None, tp: int = 1) -> MemoryPlan:
     """The plan of one of ``world`` data-parallel ranks training ``model`` (built whole,
     e.g. on the meta device: only shapes are read; tensor-parallel, one rank's shards)
-    with ``cfg`` at ``zero_stage`` (3: ``prefetch`` blocks gathered ahead); experts are split
+    with ``cfg`` at ``zero_stage`` (3: ``prefetch`` blocks gathered ahead; 2: every block
+    kept gathered through the step); experts are split
     over ``ep_size`` ranks and their state over the ranks that hold the same ones, world /
     ep_size of each of the ``tp`` tensor-parallel ranks. ``blocks``: the model's decoder
-    blocks (default ``model.blocks``), the units of stage 3."""
+    blocks (default ``model.blocks``), the units of stages 2 and 3."""
     units = unit_parameters(model, blocks)
     edp = world * tp // ep_size
     dense = [[p.numel() for p in u if not getattr(p, "expert", False)] for u in units]
     expert = [[p.numel() // ep_size for p in u if getattr(p, "expert", False)] for u in units]
-    if zero_stage == 3:
+    if zero_stage in (2, 3):
         shards = [padded_size(d, world) // world for d in dense if d]
         shards += [padded_size(e, edp) // edp for e in expert if e]
         n = sum(shards)
         full = [4 * (padded_size(d, world) if d else 0) + 4 * (padded_size(e, edp) if e else 0)
                 for d, e in zip(dense, expert)]
-        gathered = transient_bytes(max(full[1:], default=0), full[0], prefetch)
-        return MemoryPlan(3, 4 * n, 4 * n, 8 * n, gathered)
+        gathered = (transient_bytes(max(full[1:], default=0), full[0], prefetch)
+                    if zero_stage == 3 else kept_bytes(full[1:], full[0]))
+        return MemoryPlan(zero_stage, 4 * n, 4 * n, 8 * n, gathered)
     P_dense, P_expert = sum(map(sum, dense)), sum(map(sum, expert))
     local = P_dense + P_expert
     if offload:

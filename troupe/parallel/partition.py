@@ -2,16 +2,19 @@
 padded to a multiple of the group's size W, of which rank r keeps elements [r*n/W, (r+1)*n/W)
 (``Partition``); and every unit's partition over one group, this rank's shards concatenated,
 as the optimizer steps them (``PartitionedBucket``); which parameters make each unit
-(``unit_parameters``), what the gathered units may hold at once (``transient_bytes``), and a
-unit built on the meta device given storage (``materialize``). troupe.parallel.zero3 schedules
-when a partition is gathered, freed and its gradient reduced; troupe.parallel.reshard loads a
-bucket saved by another number of ranks."""
+(``unit_parameters``), a unit and its state (``Unit``, ``UnitState``), what the gathered units
+may hold at once (``transient_bytes``, ``kept_bytes``), and a unit built on the meta device
+given storage (``materialize``). troupe.parallel.zero3 schedules when a partition is gathered,
+freed and its gradient reduced; troupe.parallel.reshard loads a bucket saved by another number
+of ranks."""
 
 from __future__ import annotations
 
+import enum
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -211,6 +214,13 @@ def transient_bytes(largest_block: int, root: int, prefetch: int) -> int:
     return largest_block * (prefetch + 2) + 2 * root
 
 
+def kept_bytes(blocks: list[int], root: int) -> int:
+    """The bound on what a stage-2 rank holds gathered at once, from the full bytes of each
+    block and of the root: every unit's weights, two blocks' gradients (one being reduced,
+    one waiting for it: the backward waits then) and the root's weights and gradient."""
+    return sum(blocks) + 2 * max(blocks, default=0) + 2 * root
+
+
 def materialize(params: list[nn.Parameter], names: dict[int, str],
                 init: Callable[[set[str]], None] | None) -> None:
     """Parameters on the meta device given storage and their values, ``init`` naming them
@@ -254,3 +264,66 @@ def comm_thread() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(1, thread_name_prefix="zero3")
         return _POOL
+
+
+class UnitState(enum.Enum):
+    """Where a unit is in its life, the one field the hooks read and write: SHARDED (only this
+    rank's shards, the full buffers without storage) -> GATHERING (an all-gather in flight,
+    ``Unit.gather`` its future) -> GATHERED (whole: for a forward, ``gathered()``, the root
+    between forwards) -> BACKWARD when the gradient of its output arrives (whole while its
+    backward runs, its gradients to be reduce-scattered; the root's from its first forward
+    with gradients until ``release``) -> GATHERED once they are handed to the reduce-scatter
+    -> SHARDED when freed. A forward pre-hook that finds its unit in BACKWARD is activation
+    checkpointing's recomputation, which the hooks leave alone."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)  # compared by identity (the schedule's lists look units up)
+class Unit:
+    """A block, or the root, with one partition per bucket it has parameters in."""
+
+    index: int                               # position among the blocks; -1: the root
+    modules: list[nn.Module]
+    partitions: list[tuple[PartitionedBucket, int]]  # (bucket, index of the partition in it)
+    state: UnitState = UnitState.SHARDED
+    gather: Future | None = field(default=None, repr=False)  # while GATHERING
+
+    def parts(self) -> Iterator[Partition]:
+        for bucket, i in self.partitions:
+            yield bucket.partitions[i]
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for part in self.parts() for p in part.params)
+
+    def nbytes(self) -> int:
+        return sum(p.padded * 4 for p in self.parts())
+
+
+class BackwardDone(torch.autograd.Function):
+    """The identity on ``tensors``; its backward, run once the gradients of all of them are
+    complete, calls ``done`` (a block's inputs: its backward is over). ``anchor``, a tensor
+    that requires a gradient (or None), makes the outputs require one when no input does."""
+
+    @staticmethod
+    def forward(ctx, done: Callable[[], None], anchor, *tensors):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, None, *grads)
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or those of a tuple or list."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []

@@ -16,7 +16,7 @@ while the unit is not gathered.
 - Backward: when the gradient of a block's output arrives (before the block's own backward)
   the block is gathered again and the next ones of the backward prefetched (the forward's
   recorded order, reversed); once the gradients of all the block's inputs that require one
-  are complete (its backward is done: ``_BackwardDone``) the block's gradient is
+  are complete (its backward is done: ``BackwardDone``) the block's gradient is
   reduce-scattered (the group's mean, in ``reduce_dtype``) into this rank's gradient shard,
   and its weights and gradient are freed. So at most a few units' gradients exist at full
   size, and micro-batches accumulate into the shards: each gathers every block twice and
@@ -30,6 +30,13 @@ order the blocks run, reduce-scatters from the last block down (the root's at ``
 An expert that received no tokens on a rank contributes a zero gradient there and its rank
 still joins the reduce-scatter, so no rank waits on a collective another skipped.
 
+``stage=2`` keeps each unit whole from its gather until ``release``: the forward gathers it
+(prefetching as above) and neither the forward nor the backward frees it, so a step gathers
+every unit once and reduce-scatters it once (a micro-batch after the first gathers nothing):
+ZeRO-1's bytes, with the reduce-scatters overlapping the backward and the gathers the next
+forward, and the gradient partitioned as in stage 3 (ZeRO-2's, with the parameters freed
+between steps as well).
+
 The optimizer (troupe.optim.PartitionedOptimizer) steps each bucket's master shard with its
 gradient shard; nothing needs gathering after the step. ``gathered()`` holds the whole model
 for a stretch of calls (generation: one gather per rollout, not one per token); ``stream()``
@@ -38,10 +45,9 @@ gives the parameters a unit at a time (a weight sync)."""
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -49,47 +55,10 @@ from torch import nn
 
 from troupe.collectives import Communicator
 from troupe.optim import CommCounter
-from troupe.parallel.partition import (Partition, PartitionedBucket, comm_thread,
-                                       materialize, materialize_buffers, transient_bytes,
+from troupe.parallel.partition import (BackwardDone, Partition, PartitionedBucket, Unit,
+                                       UnitState, comm_thread, kept_bytes, materialize,
+                                       materialize_buffers, output_tensors, transient_bytes,
                                        unit_parameters)
-
-
-class UnitState(enum.Enum):
-    """Where a unit is in its life, the one field the hooks read and write: SHARDED (only this
-    rank's shards, the full buffers without storage) -> GATHERING (an all-gather in flight,
-    ``Unit.gather`` its future) -> GATHERED (whole: for a forward, ``gathered()``, the root
-    between forwards) -> BACKWARD when the gradient of its output arrives (whole while its
-    backward runs, its gradients to be reduce-scattered; the root's from its first forward
-    with gradients until ``release``) -> GATHERED once they are handed to the reduce-scatter
-    -> SHARDED when freed. A forward pre-hook that finds its unit in BACKWARD is activation
-    checkpointing's recomputation, which the hooks leave alone."""
-
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-    BACKWARD = "backward"
-
-
-@dataclass(eq=False)  # compared by identity (the schedule's lists look units up)
-class Unit:
-    """A block, or the root, with one partition per bucket it has parameters in."""
-
-    index: int                               # position among the blocks; -1: the root
-    modules: list[nn.Module]
-    partitions: list[tuple[PartitionedBucket, int]]  # (bucket, index of the partition in it)
-    state: UnitState = UnitState.SHARDED
-    gather: Future | None = field(default=None, repr=False)  # while GATHERING
-
-    def parts(self) -> Iterator[Partition]:
-        for bucket, i in self.partitions:
-            yield bucket.partitions[i]
-
-    @property
-    def trainable(self) -> bool:
-        return any(p.requires_grad for part in self.parts() for p in part.params)
-
-    def nbytes(self) -> int:
-        return sum(p.padded * 4 for p in self.parts())
 
 
 class Zero3:
@@ -98,7 +67,8 @@ class Zero3:
     parameters once they have storage (e.g. ``GPT.init_weights(seed, only=names)``): each
     unit is materialised, initialised and partitioned in turn, so the whole model never
     exists on one rank. ``expert_scale``: the experts' grad_scale; ``expert_slice``: this
-    rank's expert-parallel index. ``prefetch``: units gathered ahead of the one computing."""
+    rank's expert-parallel index. ``prefetch``: units gathered ahead of the one computing.
+    ``stage``: 3, or 2 to keep units whole until ``release`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, dp: Communicator | None,
                  edp: Communicator | None = None, *, blocks: nn.ModuleList | None = None,
@@ -106,9 +76,12 @@ class Zero3:
                  reduce_dtype: torch.dtype = torch.float32,
                  init: Callable[[set[str]], None] | None = None,
                  device: torch.device | str = "cpu", expert_scale: float = 1.0,
-                 expert_slice: int = 0):
+                 expert_slice: int = 0, stage: int = 3):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if stage not in (2, 3):
+            raise ValueError(f"stage must be 2 or 3, got {stage}")
+        self.stage = stage
         self.model, self.prefetch, self.reduce_dtype = model, prefetch, reduce_dtype
         self.device = torch.device(device)
         self.comm = CommCounter()
@@ -151,6 +124,9 @@ class Zero3:
         self._running: list[Unit] = []    # ... and the forward under way
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)  # _mark_inputs
         self.whole_bytes = self.peak_whole_bytes = 0  # of the units not SHARDED (take_peak)
+        self._reducing: Future | None = None  # the last reduce-scatter handed to the thread
+        self.blocked_s = 0.0     # seconds the caller waited on the communication thread
+        self.background_s = 0.0  # of the groups' seconds in operations, those of that thread
         self._handles = []
         for unit in self.units:
             block = unit.modules[0]
@@ -173,16 +149,25 @@ class Zero3:
         self.peak_whole_bytes = max(self.peak_whole_bytes, self.whole_bytes)
 
     def _run_gather(self, parts: list[Partition]) -> None:
+        t0 = _in_operations(parts)
         for part in parts:
             part.gather(self.comm)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self.background_s += _in_operations(parts) - t0
 
     def _wait(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
             future, unit.gather = unit.gather, None
-            future.result()
+            self._block(future)
             unit.state = UnitState.GATHERED
+
+    def _block(self, future: Future) -> None:
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def gather(self, unit: Unit) -> None:
         """Make ``unit``'s parameters whole (waiting for its prefetch, if one is under way)."""
@@ -190,7 +175,7 @@ class Zero3:
         self._wait(unit)
 
     def _free(self, unit: Unit) -> None:
-        if self._hold or unit.state is UnitState.BACKWARD:
+        if self._hold or self.stage == 2 or unit.state is UnitState.BACKWARD:
             return
         self._wait(unit)
         for part in unit.parts():
@@ -238,7 +223,7 @@ class Zero3:
 
     def _mark_inputs(self, unit: Unit, args: tuple, kwargs: dict):
         """The block's inputs that require a gradient, positional and keyword, through
-        ``_BackwardDone``, whose backward runs once all their gradients are complete: the
+        ``BackwardDone``, whose backward runs once all their gradients are complete: the
         block's backward is done, and its gradients are reduced then. A trainable block none
         of whose inputs requires a gradient (its input from a frozen embedding) has its first
         floating-point input pass through with ``_anchor``, a tensor that does, so that its
@@ -257,7 +242,7 @@ class Zero3:
             slots, anchor = [(args, first)], self._anchor
         if not slots:
             return None
-        marked = _BackwardDone.apply(self._post_backward(unit), anchor,
+        marked = BackwardDone.apply(self._post_backward(unit), anchor,
                                      *(where[k] for where, k in slots))
         for (where, k), tensor in zip(slots, marked):
             where[k] = tensor
@@ -268,7 +253,7 @@ class Zero3:
             if unit.state is UnitState.BACKWARD:  # recomputed for activation checkpointing:
                 return                            # the backward's own hooks free it
             if torch.is_grad_enabled():
-                outs = [t for t in _tensors(output) if t.requires_grad]
+                outs = [t for t in output_tensors(output) if t.requires_grad]
                 if outs:
                     torch.autograd.graph.register_multi_grad_hook(
                         outs, self._pre_backward(unit), mode="any")
@@ -317,22 +302,29 @@ class Zero3:
                 part = bucket.partitions[i]
                 work.append((part, part.take_grads(), bucket.grad_scale))
             unit.state = UnitState.GATHERED
-            self._pool.submit(self._run_reduce, work)
+            if self.stage == 2 and self._reducing is not None:
+                # no gather in the backward holds it back: at most one unit's gradient waits
+                # for the link beside the one being reduced (and the one being computed)
+                self._block(self._reducing)
+            self._reducing = self._pool.submit(self._run_reduce, work)
             if unit is not self.root:
                 self._free(unit)
 
     def _run_reduce(self, work) -> None:
+        parts = [part for part, _, _ in work]
+        t0 = _in_operations(parts)
         for part, grad, scale in work:
             part.reduce(grad, scale, self.reduce_dtype, self.comm)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self.background_s += _in_operations(parts) - t0
 
     # ---------------------------------------------------------------- public
 
     def synchronize(self) -> None:
         """Wait until every collective issued so far has finished (before the optimizer
         step, or before other collectives on the same groups)."""
-        self._pool.submit(lambda: None).result()
+        self._block(self._pool.submit(lambda: None))
 
     def release(self) -> None:
         """Reduce-scatter what gradients are still whole (the root's, accumulated over a
@@ -413,11 +405,13 @@ class Zero3:
 
     def memory(self) -> dict[str, int]:
         """Bytes this rank keeps between steps: master weights and gradient shards; and the
-        bound on the gathered units (``transient_bytes``)."""
-        largest = max((u.nbytes() for u in self.units), default=0)
+        bound on the gathered units (``transient_bytes``; stage 2: every unit whole)."""
+        units = [u.nbytes() for u in self.units]
+        gathered = (transient_bytes(max(units, default=0), self.root.nbytes(), self.prefetch)
+                    if self.stage == 3 else kept_bytes(units, self.root.nbytes()))
         return {"param_bytes": sum(b.data.numel() * 4 for b in self.buckets.values()),
                 "grad_bytes": sum(b.grad.numel() * 4 for b in self.buckets.values()),
-                "gathered_bytes": transient_bytes(largest, self.root.nbytes(), self.prefetch)}
+                "gathered_bytes": gathered}
 
     def close(self) -> None:
         """Remove the hooks (the model stays partitioned: its weights are the shards')."""
@@ -426,25 +420,8 @@ class Zero3:
             h.remove()
 
 
-class _BackwardDone(torch.autograd.Function):
-    """The identity on ``tensors``; its backward, run once the gradients of all of them are
-    complete, calls ``done`` (a block's inputs: its backward is over). ``anchor``, a tensor
-    that requires a gradient (or None), makes the outputs require one when no input does."""
-
-    @staticmethod
-    def forward(ctx, done: Callable[[], None], anchor, *tensors):
-        ctx.done = done
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.done()
-        return (None, None, *grads)
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
-    return []
+def _in_operations(parts: list[Partition]) -> float:
+    """The seconds the groups of ``parts`` have spent in operations (their ``wait_s``; while
+    the communication thread runs one, the caller runs none on the same groups)."""
+    groups = {id(p.group): p.group for p in parts if p.group is not None}
+    return sum(getattr(g, "wait_s", 0.0) for g in groups.values())

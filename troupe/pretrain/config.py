@@ -127,7 +127,7 @@ class PretrainConfig(AppConfig):
     out_dir: str = "runs/pretrain"
     max_restarts: int = Field(default=0, ge=0)
     collective_timeout_s: float = Field(default=300.0, gt=0)
-    zero_stage: Literal[1, 3] = 1
+    zero_stage: Literal[1, 2, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
     logging: LoggingConfig = LoggingConfig()
@@ -164,10 +164,10 @@ class PretrainConfig(AppConfig):
         if T > 1:
             _check_tensor_parallel(self)
         check_zero_stage(self.zero_stage, {"optimizer": self.optimizer})
-        if self.train.offload and self.zero_stage == 3:
+        if self.train.offload and self.zero_stage != 1:
             raise ValueError("train.offload moves ZeRO-1's master weights and optimizer state "
-                             "to shard owners; zero_stage=3 keeps 1/W of them on each trainer "
-                             "already: use one or the other")
+                             f"to shard owners; zero_stage={self.zero_stage} keeps 1/W of them "
+                             "on each trainer already: use one or the other")
         if self.train.batch_size % W:
             ranks = f"workers={W}" if T == 1 else \
                 f"the {W} data-parallel ranks (workers={self.workers} / tensor_parallel={T})"

@@ -273,9 +273,9 @@ def _resume(graph: Graph, cfg: PretrainConfig, resume: str | None) -> int:
     if resume is None:
         return 0
     expect = {"optimizer": cfg.optimizer.name, "zero_stage": cfg.zero_stage}
-    # ZeRO-3, and ZeRO-1's elementwise optimizers, cut the saved shards again for this run's
+    # ZeRO-2/3, and ZeRO-1's elementwise optimizers, cut the saved shards again for this run's
     # number of trainers and tensor_parallel (troupe.pretrain.rank.Trainer.load_other_layout)
-    reshard = (TRAINER,) if cfg.zero_stage == 3 or cfg.optimizer.sharded else ()
+    reshard = (TRAINER,) if cfg.zero_stage != 1 or cfg.optimizer.sharded else ()
     if resume == "auto":
         found = checkpoint.restore_latest(_checkpointed(graph), checkpoint_root(cfg),
                                           cfg.model.record(), expect, reshard)

@@ -44,10 +44,10 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     P = moe.ep_size if moe else 1
     layout = ParallelLayout.of(W, T, P)
     whole = arch.model_copy(update={"moe": moe and moe.model_copy(update={"ep_size": 1})})
-    stage3 = manifest.get("zero_stage") == 3
+    partitioned = manifest.get("zero_stage") in (2, 3)  # the same layout
     if T == 1:
         full = GPT(whole)
-        _fill_rank(full, states, layout, 0, stage3, cfg.optimizer.sharded, str(directory))
+        _fill_rank(full, states, layout, 0, partitioned, cfg.optimizer.sharded, str(directory))
         return full.eval()
     # each tensor-parallel rank's shards, then put together (troupe.parallel.tensor)
     parts = []
@@ -55,7 +55,7 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
         with torch.device("meta"):
             part = apply_tensor_parallel(GPT(whole), Place(t, T))
         part.materialize("cpu")  # every value comes from the checkpoint
-        _fill_rank(part, states, layout, t, stage3, cfg.optimizer.sharded,
+        _fill_rank(part, states, layout, t, partitioned, cfg.optimizer.sharded,
                    f"{directory} (tensor-parallel rank {t})")
         parts.append(part.state_dict())
     splits = part.tp_layout
@@ -66,14 +66,14 @@ def load_full_model(directory: str | Path, cfg: PretrainConfig | None = None) ->
     return full.eval()
 
 
-def _fill_rank(model: GPT, states: list[dict], layout: ParallelLayout, t: int, stage3: bool,
-               sharded: bool, where: str) -> None:
+def _fill_rank(model: GPT, states: list[dict], layout: ParallelLayout, t: int,
+               partitioned: bool, sharded: bool, where: str) -> None:
     """``model``'s parameters (tensor-parallel rank t's shards, or the whole model) from the
     checkpoint's rank ``states``: the dense ones from the ranks holding them (the data-parallel
     group of t: ZeRO shards, or any rank's whole copy), the experts slice by slice from each
     slice's expert-data-parallel group."""
     P = layout.ep
-    if stage3:
+    if partitioned:
         _fill_partitioned(model, states, layout.dp_groups[t], layout.edp_groups, P, where)
         return
     dense, experts = expert_parameters(model)
@@ -90,7 +90,7 @@ def _fill_rank(model: GPT, states: list[dict], layout: ParallelLayout, t: int, s
 
 def _fill_partitioned(full: GPT, states: list[dict], dense_ranks: list[int],
                       expert_groups: list[list[int]], P: int, where: str) -> None:
-    """``full``'s parameters from a zero_stage 3 checkpoint: each bucket's partitions
+    """``full``'s parameters from a zero_stage 2 or 3 checkpoint: each bucket's partitions
     assembled from its group's shards (troupe.parallel.zero3), the dense ones from
     ``dense_ranks``, the experts slice by slice (slice e from ``expert_groups[e]``)."""
     units = unit_parameters(full)

@@ -1,5 +1,5 @@
 """One data-parallel rank of GPT pretraining, in plain torch: the model (with this rank's slice
-of the experts), ZeRO-1 or 1-bit optimizers over flat buckets or a ZeRO-3 partitioned model,
+of the experts), ZeRO-1 or 1-bit optimizers over flat buckets or a ZeRO-2/3 partitioned model,
 deterministic batches with the curriculum and random-LTD schedules, evaluation, and its share
 of a sharded checkpoint; and the ParameterShard owner of offloaded training."""
 
@@ -58,7 +58,7 @@ class StepStats:
     a2a_bytes: int = 0           # MoE token exchanges' bytes to other ranks, since the start
     compute_s: float = 0.0       # forward and backward (MoE's token exchanges and ZeRO-3's
     #                              gathers inside), before the gradient's reduction and step
-    comm_s: float = 0.0          # of the reduction and step: seconds in collectives (gloo)
+    comm_s: float = 0.0          # of the step: seconds waited on collectives (Trainer._comm_wait_s)
     data_s: float = 0.0          # reading this step's rows (a streamed corpus: from disk)
 
 
@@ -104,7 +104,7 @@ class Bucket:
 
 
 class PartitionedState:
-    """A bucket of a zero_stage 3 model (troupe.parallel.zero3) with its optimizer: what the
+    """A bucket of a zero_stage 2 or 3 model (troupe.parallel.zero3) with its optimizer: what the
     trainer steps, zeroes and saves, as it does a ZeRO-1 Bucket."""
 
     def __init__(self, part: PartitionedBucket, cfg: OptimizerConfig, comm: CommCounter):
@@ -126,7 +126,7 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
                       edp: Communicator | None, expert_scale: float,
                       tp: Communicator | None = None) -> tuple[GPT, Zero3]:
     """The model of ``cfg`` (this rank's tensor-parallel shards of it) partitioned over
-    ``dp`` (experts over ``edp``), zero_stage 3. troupe's GPT is built on the meta device
+    ``dp`` (experts over ``edp``), zero_stage 2 or 3. troupe's GPT is built on the meta device
     and each block initialised as it is partitioned, so no rank ever holds it whole; a
     pretrained checkpoint is loaded whole and then cut."""
     if cfg.model.pretrained is not None:
@@ -140,7 +140,7 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
     zero3 = Zero3(model, dp, edp, prefetch=cfg.zero_prefetch,
                   reduce_dtype=precision_dtype(cfg.optimizer.reduce_dtype), init=init,
                   device=device, expert_scale=expert_scale,
-                  expert_slice=ep.rank if ep is not None else 0)
+                  expert_slice=ep.rank if ep is not None else 0, stage=cfg.zero_stage)
     return model, zero3
 
 
@@ -174,7 +174,7 @@ class Trainer:
         # the experts' gradients: summed over the ranks holding them, then a share of the
         # data-parallel mean (edp counts the tp ranks, each with its own share of the tokens)
         expert_scale = edp_size / self.dp_world
-        if cfg.zero_stage == 3:
+        if cfg.zero_stage != 1:
             self.model, self.zero3 = partitioned_model(cfg, self.arch, self.device, dp, ep,
                                                        edp, expert_scale, tp)
             self.buckets = [PartitionedState(b, cfg.optimizer, self.zero3.comm)
@@ -198,6 +198,7 @@ class Trainer:
     def train_step(self, step: int) -> StepStats:
         """Run global step ``step`` (1-based); returns this rank's metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
+        waited = self._comm_wait_s()
         full = self.window
         seq_len = cfg.curriculum.seq_len_at(step, full)
         x, y = self.data.train_batch(step, cfg.train.batch_size, full, self.dp_rank,
@@ -222,7 +223,6 @@ class Trainer:
             loss = (lm_loss + coef * aux) * share
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         compute_s = time.perf_counter() - t0
-        waited = self._comm_wait_s()
         lr = cfg.optimizer.lr_at(step, cfg.train.steps)
         if self.zero3 is not None:  # the root's gradient reduced, nothing left gathered
             self.zero3.release()
@@ -247,11 +247,16 @@ class Trainer:
                          comm_s=self._comm_wait_s() - waited, data_s=data_s)
 
     def _comm_wait_s(self) -> float:
-        """Seconds this rank's data-parallel groups have spent in operations (gloo's count;
-        0 for communicators that keep none)."""
+        """Seconds this rank has waited on its data- and tensor-parallel groups' operations
+        (gloo's count; 0 for communicators that keep none). A partitioned model's operations
+        run on a thread of their own, beside the compute: what counts of them is the time
+        the trainer waited for that thread."""
         found = [self.dp, self.tp] + [getattr(b, "group", None) for b in self.buckets]
         groups = {id(g): g for g in found if g is not None}
-        return sum(getattr(g, "wait_s", 0.0) for g in groups.values())
+        waited = sum(getattr(g, "wait_s", 0.0) for g in groups.values())
+        if self.zero3 is not None:
+            waited += self.zero3.blocked_s - self.zero3.background_s
+        return waited
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -287,15 +292,16 @@ class Trainer:
                 "buckets": {b.name: b.state_dict() for b in self.buckets}}
 
     def load_partitioned(self, read: Callable[[int], dict], old_world: int, where: str) -> None:
-        """Load a zero_stage 3 checkpoint written by ``old_world`` ranks (any number: each
-        bucket's shards are cut again for this world); ``read(r)`` gives old rank r's state.
-        The random streams are old rank ``rank % old_world``'s (the same rank's when the
-        world is the same)."""
+        """Load a zero_stage 2 or 3 checkpoint (the same layout) written by ``old_world``
+        ranks (any number: each bucket's shards are cut again for this world); ``read(r)``
+        gives old rank r's state. The random streams are old rank ``rank % old_world``'s (the
+        same rank's when the world is the same)."""
         T = self.cfg.tensor_parallel
         own = read(self.rank % old_world)
-        if own.get("zero_stage") != 3:
-            raise ValueError(f"{where}: not written with zero_stage 3 (this run partitions its "
-                             "parameters: resume from a stage-3 checkpoint or start over)")
+        if own.get("zero_stage") not in (2, 3):
+            raise ValueError(f"{where}: not written with zero_stage 2 or 3 (this run partitions "
+                             "its parameters: resume from a stage-2 or 3 checkpoint or start "
+                             "over)")
         self._check_tensor_parallel(own, where)
         if old_world % (self.ep_size * T):
             raise ValueError(f"{where}: written by {old_world} ranks, which do not split into "

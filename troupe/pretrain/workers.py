@@ -34,7 +34,7 @@ class RankInfo:
     param_bytes: int
     optimizer_bytes: int
     grad_bytes: int = 0
-    gathered_bytes: int = 0  # zero_stage 3: the transient peak of the gathered blocks
+    gathered_bytes: int = 0  # zero_stage 2, 3: the transient peak of the gathered blocks
     threads: int = 1
 
 
@@ -100,7 +100,7 @@ class TrainerActor:
     def load(self, directory: str) -> int:
         """Restore this rank from a checkpoint; returns its step."""
         manifest = ckpt.read_manifest(directory)
-        if self.cfg.zero_stage == 3:  # any number of ranks wrote it: cut again
+        if self.cfg.zero_stage != 1:  # any number of ranks wrote it: cut again
             read = _OneFile(lambda r: ckpt.read_rank(directory, r, manifest))
             self._w.load_partitioned(read, manifest["roles"]["trainer"], str(directory))
             return self._w.step
