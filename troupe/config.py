@@ -45,14 +45,14 @@ ZERO = """How a training app lays its trained models over their data-parallel ra
 zero_stage: 1 partitions the optimizer state (every rank keeps the whole model and its
 gradient); 3 partitions parameters and gradients too, block by block (troupe.parallel.zero3:
 about 16/W bytes a parameter on each of W ranks, plus the blocks being gathered), with adam,
-adamw or lamb; 2 (pretraining) partitions them the same way between steps but keeps each
-block whole through a step: ZeRO-1's bytes, the gradient's reduce-scatter overlapping the
-backward and the parameters' gather the forward (where the link, not memory, is short).
-zero_prefetch: with stages 2 and 3, how many blocks are gathered ahead of the one computing
-(with stage 3 each costs one block's weights of memory). memory_per_worker: GiB a rank may plan
-to hold (parameters, gradients, optimizer state and, with stage 3, the gathered blocks:
-troupe.parallel.memory); a plan over it is refused before anything is allocated. Default: the
-GPU's memory on cuda, no limit on cpu."""
+adamw or lamb; 2 partitions them the same way between steps but keeps each block whole
+through a step (from its gather in the forward to the optimizer step): ZeRO-1's bytes, the
+gradient's reduce-scatter beside the backward and the parameters' gathers beside the
+forward. zero_prefetch: with stages 2 and 3, how many blocks are gathered ahead of the one
+computing (with stage 3 each costs one block's weights of memory). memory_per_worker: GiB a
+rank may plan to hold (parameters, gradients, optimizer state and, with stages 2 and 3, the
+gathered blocks: troupe.parallel.memory); a plan over it is refused before anything is
+allocated. Default: the GPU's memory on cuda, no limit on cpu."""
 
 
 def check_zero_stage(stage: int, optimizers: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ NONE = None
 # key -> the values drawn for it; a recipe is the bundled one with a subset of these set
 RLHF = {
     "algorithm": ["ppo", "grpo", "rloo", "reinforce_pp", "dapo", "gspo", "dpo"],
-    "zero_stage": [1, 3],
+    "zero_stage": [1, 2, 3],
     "model.packing": [False, True],
     "model.packing_tokens": [NONE, NONE, NONE, 8, 64],
     "model.gpt.seq_len": [8, 16, 24, 32, 48],

@@ -1,12 +1,12 @@
 """ZeRO-3's partitions: a unit's parameters that reduce over one group, flat in one fp32 buffer
 padded to a multiple of the group's size W, of which rank r keeps elements [r*n/W, (r+1)*n/W)
 (``Partition``); and every unit's partition over one group, this rank's shards concatenated,
-as the optimizer steps them (``PartitionedBucket``); which parameters make each unit
-(``unit_parameters``), a unit and its state (``Unit``, ``UnitState``), what the gathered units
-may hold at once (``transient_bytes``, ``kept_bytes``), and a unit built on the meta device
-given storage (``materialize``). troupe.parallel.zero3 schedules when a partition is gathered,
-freed and its gradient reduced; troupe.parallel.reshard loads a bucket saved by another number
-of ranks."""
+as the optimizer steps them (``PartitionedBucket``); which parameters make each unit and
+their partitions (``unit_parameters``, ``lay_out``), a unit and its state (``Unit``,
+``UnitState``), what the gathered units may hold at once (``transient_bytes``, ``kept_bytes``),
+and a unit built on the meta device given storage (``materialize``). troupe.parallel.zero3
+schedules when a partition is gathered, freed and its gradient reduced;
+troupe.parallel.reshard loads a bucket saved by another number of ranks."""
 
 from __future__ import annotations
 
@@ -212,6 +212,28 @@ def transient_bytes(largest_block: int, root: int, prefetch: int) -> int:
     block and of the root: the block computing, the next ``prefetch`` and one block's
     gradient, plus the root's weights and gradient."""
     return largest_block * (prefetch + 2) + 2 * root
+
+
+def lay_out(unit_params: list[list[nn.Parameter]], dp: Communicator | None,
+            edp: Communicator | None, device: torch.device
+            ) -> tuple[list[Partition], list[Partition], list[list[tuple[str, int]]]]:
+    """Each unit's parameters cut into a dense partition over ``dp`` and an expert one over
+    ``edp`` (where it has them), from their shapes alone: the dense partitions, the expert
+    ones, and for each unit its (bucket, index of its partition there)."""
+    dense_parts: list[Partition] = []
+    expert_parts: list[Partition] = []
+    where: list[list[tuple[str, int]]] = []
+    for params in unit_params:
+        dense = [p for p in params if not getattr(p, "expert", False)]
+        expert = [p for p in params if getattr(p, "expert", False)]
+        mine = []
+        for kind, ps, group, parts in (("dense", dense, dp, dense_parts),
+                                       ("expert", expert, edp, expert_parts)):
+            if ps:
+                mine.append((kind, len(parts)))
+                parts.append(Partition(ps, group, device))
+        where.append(mine)
+    return dense_parts, expert_parts, where
 
 
 def kept_bytes(blocks: list[int], root: int) -> int:

@@ -56,9 +56,9 @@ from torch import nn
 from troupe.collectives import Communicator
 from troupe.optim import CommCounter
 from troupe.parallel.partition import (BackwardDone, Partition, PartitionedBucket, Unit,
-                                       UnitState, comm_thread, kept_bytes, materialize,
-                                       materialize_buffers, output_tensors, transient_bytes,
-                                       unit_parameters)
+                                       UnitState, comm_thread, kept_bytes, lay_out,
+                                       materialize, materialize_buffers, output_tensors,
+                                       transient_bytes, unit_parameters)
 
 
 class Zero3:
@@ -92,19 +92,8 @@ class Zero3:
         # every module outside the blocks that owns parameters gathers the root when called
         root_modules = [m for m in model.modules() if id(m) not in in_blocks
                         and any(True for _ in m.parameters(recurse=False))]
-        dense_parts: list[Partition] = []
-        expert_parts: list[Partition] = []
-        where: list[list[tuple[str, int]]] = []
-        for params in unit_params:  # the layout first, from the shapes alone
-            dense = [p for p in params if not getattr(p, "expert", False)]
-            expert = [p for p in params if getattr(p, "expert", False)]
-            mine = []
-            for kind, ps, group, parts in (("dense", dense, dp, dense_parts),
-                                           ("expert", expert, edp, expert_parts)):
-                if ps:
-                    mine.append((kind, len(parts)))
-                    parts.append(Partition(ps, group, self.device))
-            where.append(mine)
+        # the layout first, from the shapes alone
+        dense_parts, expert_parts, where = lay_out(unit_params, dp, edp, self.device)
         self.buckets = {"dense": PartitionedBucket("dense", dp, 1.0, dense_parts, self.device)}
         if expert_parts:
             self.buckets["expert"] = PartitionedBucket("expert", edp, expert_scale,

@@ -59,9 +59,9 @@ class RLHFConfig(AppConfig):
     num_gpus: GPUs each worker of each role asks Ray for on cuda (None: colocated roles
     share one GPU per rank in equal fractions, a role placed on its own takes a whole one).
     zero_stage, zero_prefetch, memory_per_worker: see troupe.config.ZERO (the budget is
-    checked per trained role when its optimizer starts); stage 3 partitions the trained roles
-    (policy, critic, reward model) over their data-parallel groups and the reference over its
-    own; the policy gathers its whole model once per rollout to generate.
+    checked per trained role when its optimizer starts); stages 2 and 3 partition the trained
+    roles (policy, critic, reward model) over their data-parallel groups and the reference
+    over its own; the policy gathers its whole model once per rollout to generate.
     logging: where the metric records go besides metrics.jsonl (troupe.runtime.metrics:
     tensorboard, wandb, mlflow; the same in every app).
     decode_graphs: on cuda, the rollouts' decode steps run in fixed shapes captured as CUDA
@@ -96,7 +96,7 @@ class RLHFConfig(AppConfig):
     seed: int = 0
     out_dir: str = "runs/rlhf"
     logging: LoggingConfig = LoggingConfig()
-    zero_stage: Literal[1, 3] = 1
+    zero_stage: Literal[1, 2, 3] = 1
     zero_prefetch: int = Field(default=1, ge=0, le=8)
     memory_per_worker: float | None = Field(default=None, gt=0)
 
@@ -134,15 +134,16 @@ class RLHFConfig(AppConfig):
                                            "step3.actor": self.step3.actor,
                                            "step3.critic": self.step3.critic,
                                            "dpo.optimizer": self.dpo.optimizer})
-        if self.zero_stage == 3 and self.step3.lora.enabled:
-            raise ValueError("zero_stage=3 partitions the whole policy; step3.lora trains "
-                             "adapters beside frozen weights it keeps whole: use zero_stage=1")
-        if self.zero_stage == 3 and self.step3.quantize_frozen != "none":
-            raise ValueError("zero_stage=3 keeps the frozen roles partitioned in fp32; "
+        Z = f"zero_stage={self.zero_stage}"
+        if self.zero_stage != 1 and self.step3.lora.enabled:
+            raise ValueError(f"{Z} partitions the whole policy; step3.lora trains adapters "
+                             "beside frozen weights it keeps whole: use zero_stage=1")
+        if self.zero_stage != 1 and self.step3.quantize_frozen != "none":
+            raise ValueError(f"{Z} keeps the frozen roles partitioned in fp32; "
                              "step3.quantize_frozen needs them whole: use one or the other")
-        if self.zero_stage == 3 and self.step3.ema:
-            raise ValueError("zero_stage=3 with step3.ema: the EMA copy would be a whole "
-                             "model on every rank; use zero_stage=1")
+        if self.zero_stage != 1 and self.step3.ema:
+            raise ValueError(f"{Z} with step3.ema: the EMA copy would be a whole model on "
+                             "every rank; use zero_stage=1")
         if any(t > 1 for t in self.tp_sizes().values()) or self.step3.rollout.tensor_parallel > 1:
             _check_tensor_parallel(self)
         W = self.workers
@@ -159,9 +160,9 @@ class RLHFConfig(AppConfig):
         if self.model.packing_tokens and not self.model.packing:
             raise ValueError("model.packing_tokens is the budget of packed micro-batches: "
                              "set model.packing=true with it")
-        if self.zero_stage == 3 and self.model.packing_tokens:
-            raise ValueError("zero_stage=3 with model.packing_tokens: the ranks of a "
-                             "partitioned model must run the same number of micro-batches, "
+        if self.zero_stage != 1 and self.model.packing_tokens:
+            raise ValueError(f"{Z} with model.packing_tokens: the ranks of a partitioned "
+                             "model must run the same number of micro-batches, "
                              "and a token budget gives each rank its own; use "
                              "micro_batch_size (packed rows) or zero_stage=1")
         if self.model.template and self.model.pretrained is None:
@@ -281,7 +282,7 @@ def _check_tensor_parallel(cfg: RLHFConfig) -> None:
                              "role its own size")
     roles_split = any(t > 1 for t in sizes.values())
     refused = {  # the trained and frozen roles' (a split replica holds none of them)
-        "zero_stage=3": roles_split and cfg.zero_stage == 3,
+        f"zero_stage={cfg.zero_stage}": roles_split and cfg.zero_stage != 1,
         "step3.lora": roles_split and p.lora.enabled,
         "step3.ema": roles_split and p.ema,
         "step3.quantize_frozen": roles_split and p.quantize_frozen != "none",

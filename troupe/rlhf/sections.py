@@ -204,8 +204,8 @@ class RolloutConfig(Config):
     step3.tis_cap (2 when left None with max_staleness > 0). overlap_sync (with max_staleness
     >= 1, host weights): the policy stages its weights (a copy of the model's bytes) and sends
     them from a thread while it scores and trains the next batch, so a sync costs the trainer
-    the copy, not the transfer; off (or on cuda, or with zero_stage 3, whose staged copy would
-    be the whole model on rank 0: it streams its weights unit by unit instead, each bucket
+    the copy, not the transfer; off (or on cuda, or with zero_stage 2 or 3, whose staged copy
+    would be the whole model on rank 0: it streams its weights unit by unit instead, each bucket
     packed while the one before it travels), it sends them before it goes on.
     max_restarts: how often a dead replica is restarted, re-synced and its prompts re-issued
     before the run fails. precision: what the replicas hold their weights and compute in:

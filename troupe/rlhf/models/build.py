@@ -78,8 +78,8 @@ def build_trainable(module: nn.Module, blocks: nn.ModuleList, group: Communicato
                     tp: Communicator | None = None) -> "Trainable | PartitionedTrainable":
     """A role's trained ``module`` (``blocks``: its decoder's) as the recipe lays it out:
     whole on every rank (zero_stage 1; each rank of a tensor-parallel group ``tp`` its
-    shards) or partitioned over ``group`` (zero_stage 3)."""
-    if cfg.zero_stage == 3:
+    shards) or partitioned over ``group`` (zero_stage 2 or 3)."""
+    if cfg.zero_stage != 1:
         return PartitionedTrainable(module, blocks, group, cfg, device)
     return Trainable(module, group, cfg.precision, cfg.memory_per_worker, blocks, tp)
 
@@ -212,7 +212,7 @@ class Trainable(_Weights):
 
 class PartitionedTrainable(_Weights):
     """Trainable's interface over a module partitioned block by block over ``group``
-    (zero_stage 3, troupe.parallel.zero3): each rank keeps 1/W of the weights, gradients and
+    (zero_stage 2 or 3, troupe.parallel.zero3): each rank keeps 1/W of the weights, gradients and
     optimizer state. The weights are whole only inside ``gathered()`` (generation, saving)
     or ``writable()`` (loading). Every rank runs the same blocks in the same order whatever
     its data (the partitioned model's collectives): a forward is one ``GPT.hidden`` pass,
@@ -225,7 +225,7 @@ class PartitionedTrainable(_Weights):
         self.world = group.world_size if group is not None else 1
         # no expert parallelism in RLHF: experts reduce over the same group as the rest
         self.zero3 = Zero3(module, group, group, blocks=blocks, prefetch=cfg.zero_prefetch,
-                           device=device)
+                           device=device, stage=cfg.zero_stage)
         self.buckets = list(self.zero3.buckets.values())
         self.opts: list[PartitionedOptimizer] | None = None
         self.opt_cfg: OptimizerConfig | None = None
@@ -234,7 +234,8 @@ class PartitionedTrainable(_Weights):
     def use_optimizer(self, cfg: OptimizerConfig, total_steps: int) -> None:
         self.opt_cfg, self.total_steps = cfg, max(total_steps, 1)
         self.opts = None
-        _check_memory(self.module, self.blocks, cfg, self.world, 3, self.cfg.zero_prefetch,
+        _check_memory(self.module, self.blocks, cfg, self.world, self.zero3.stage,
+                      self.cfg.zero_prefetch,
                       self.zero3.device, self.cfg.memory_per_worker)
         self.zero3.reduce_dtype = precision_dtype(cfg.reduce_dtype)
         self.opts = [build_partitioned_optimizer(cfg, b.data, b.grad, b.segments, b.group,
@@ -253,8 +254,9 @@ class PartitionedTrainable(_Weights):
         assert self.opts is not None, "use_optimizer() first"
         saved = state.get("partitioned")
         if saved is None or len(saved) != len(self.buckets):
-            raise ValueError(f"{where}: not written with zero_stage 3 (this run partitions "
-                             "its models: resume from a stage-3 checkpoint or start over)")
+            raise ValueError(f"{where}: not written with zero_stage 2 or 3 (this run "
+                             "partitions its models: resume from a stage-2 or 3 checkpoint or "
+                             "start over)")
         for b, o, s in zip(self.buckets, self.opts, saved):
             b.load_state_dict(o, lambda k, s=s: s, s["world"], where)
         if self.scaler is not None and state.get("loss_scaler") is not None:

@@ -112,7 +112,7 @@ class Policy:
         self.sync_done()
         r = self.cfg.step3.rollout
         dtype, bucket = precision_dtype(r.precision), int(r.bucket_mb * 2**20)
-        partitioned = self.cfg.zero_stage == 3
+        partitioned = self.cfg.zero_stage != 1
         split = self.lm.gpt.tp is not None
         trained = self.train.zero3.take_peak() if partitioned else None  # since the last sync
         if self.rank != 0 or group is None:

@@ -35,7 +35,7 @@ class Reference:
 
     def __init__(self, cfg: RLHFConfig, rank: int, group: Communicator | None = None,
                  tp: Communicator | None = None):
-        """``group``: with zero_stage 3, the ranks the frozen weights are partitioned over
+        """``group``: with zero_stage 2 or 3, the ranks the frozen weights are partitioned over
         (its own role's, or the policy's when it lives in the policy's processes); ``tp``:
         the tensor-parallel group its model is split over."""
         self.device = worker_device(cfg.device)
@@ -43,7 +43,7 @@ class Reference:
                                      tokenizer=not cfg.algo().online,  # DPO's pairs are text
                                      device=self.device, tools=cfg.env.tools, tp=tp)
         self.parts = None
-        if cfg.zero_stage == 3 and group is not None:
+        if cfg.zero_stage != 1 and group is not None:
             self.parts = build_trainable(self.lm, self.lm.gpt.blocks, group, cfg, self.device)
             self.parts.release()
         self.lm.requires_grad_(False)

@@ -1,6 +1,6 @@
 """RLHF's collective groups (troupe.runtime.topology): one data-parallel group for each role
 that trains and has more than one worker (policy, reward, critic), named after the role; the
-frozen reference has one only with zero_stage 3 (its weights partitioned over it); with
+frozen reference has one only with zero_stage 2 or 3 (its weights partitioned over it); with
 ``tensor_parallel`` T > 1, each role's ranks dT..dT+T-1 hold data-parallel rank d's model
 between them ("<role>_tp", troupe.parallel.tensor) and the data-parallel groups join the ranks
 t of every model (troupe.parallel.layout.ParallelLayout, tensor parallelism innermost); and,
@@ -26,7 +26,7 @@ class RLHFTopology(Topology):
     policy: Group | None = None
     reward: Group | None = None
     critic: Group | None = None
-    reference: Group | None = None  # zero_stage 3: the frozen weights' partition group
+    reference: Group | None = None  # zero_stage 2, 3: the frozen weights' partition group
     weights: Group | None = None    # rollout replicas: the policy's weights to them
     policy_tp: Group | None = None  # tensor_parallel > 1: the ranks of one model
     reward_tp: Group | None = None
@@ -41,7 +41,7 @@ class RLHFTopology(Topology):
         ``tensor_parallel[role]`` actors (1 where not given), and ``replicas`` rollout actors
         when "rollout" is one of them (``tensor_parallel["rollout"]`` of them a replica: every
         one receives the weights)."""
-        named = ("policy", "reward", "critic") + (("reference",) if zero_stage == 3 else ())
+        named = ("policy", "reward", "critic") + (("reference",) if zero_stage != 1 else ())
         T = {r: (tensor_parallel or {}).get(r, 1) for r in SPLIT_ROLES}
         layouts = {r: ParallelLayout.of(workers * T[r], T[r]) for r in SPLIT_ROLES}
         grouped = {r: _group(r, r, layouts[r].dp_groups) for r in named if r in roles}
