@@ -21,10 +21,11 @@ collectives: one gloo process a host (no Ray), a 51 MB buffer (WIDE's gradient):
 optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows, one
   window a rank a step: a gradient of 51 MB against 4.9 GFLOP of compute per rank, the regime
   where the link decides) on 4 hosts, one rank each, with Adam, 1-bit Adam, 0/1 Adam and
-  1-bit LAMB, and Adam over zero_stage 2 (the reduce-scatter beside the backward); each line: samples/s over the steps after the optimizer's warm-up and over the
-  run, the validation loss at the last step, and the bound the same run implies: batch /
-  (the slowest rank's seconds outside collectives, its compute alone: forward, backward and
-  the optimizer's own arithmetic, + the step's bytes per rank over the link's rate), and the
+  1-bit LAMB, and Adam over zero_stage 2 (the reduce-scatter beside the backward); each
+  line: samples/s over the steps after the optimizer's warm-up and over the run, the
+  validation loss at the last step, and the bound the same run implies: batch / (the
+  slowest rank's seconds outside collectives, its compute alone: forward, backward and the
+  optimizer's own arithmetic, + the step's bytes per rank over the link's rate), and the
   share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and
   0/1 Adam's lines carry their speed-up over Adam's and the difference in validation loss,
   seed by seed.

@@ -203,7 +203,8 @@ def test_a_timeout_names_the_ranks_behind_and_not_those_gone_on():
     """The ranks named are those whose count of operations is behind the waiting rank's: one
     that finished the operation (its part sent before a link stalled) and waits in the next
     reached it, and with every rank there the error blames the link; a rank that does not
-    answer the probe is named with where it is."""
+    answer the probe is named with where it is; one still inside an earlier operation, which
+    the waiting rank finished, is waiting for data that did not arrive: the link again."""
     from types import SimpleNamespace
 
     from troupe.collectives import straggler
@@ -227,6 +228,11 @@ def test_a_timeout_names_the_ranks_behind_and_not_those_gone_on():
     assert done.missing == [] and "a stalled or cut link" in str(done)
     silent = error({**seen, 2: {"seq": -1, "in_op": None, "answered": False}})
     assert silent.missing == [2] and "host 2 did not answer" in str(silent)
+    # behind but inside operation 6, which rank 0 finished: its data is what did not arrive
+    stuck = error({**seen, 2: {"seq": 6, "in_op": "reduce_scatter"}})
+    assert stuck.missing == [2] and "a stalled or cut link" in str(stuck)
+    assert "host 2 is still in reduce_scatter (operation #6)" in str(stuck)
+    assert "stalled" not in str(error(seen))  # behind and computing: it did not reach it
 
 
 def test_ucc_says_clearly_when_unavailable():

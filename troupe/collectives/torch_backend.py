@@ -100,7 +100,7 @@ class TorchCommunicator:
         if self.backend == "gloo" and op in ("sum", "mean"):
             # gloo's own reduce_scatter sends at 0.45 of a link's rate, an all_to_all and a
             # local sum at 0.6-0.7 (every rank sending to every other at once); a ring at
-            # 0.87, as gloo's allgather does (4 hosts at 1 Gbit/s, benchmarks/hosts.py)
+            # 0.87-0.89, as gloo's allgather (4 hosts at 1 Gbit/s, benchmarks/hosts.py)
             out = _Ring(self.pg, x.contiguous(), self.rank, self.world_size)
             self._run("reduce_scatter", lambda: out)
             out = out.result.view(x.shape[0] // self.world_size, *x.shape[1:])

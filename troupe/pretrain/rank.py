@@ -58,7 +58,7 @@ class StepStats:
     a2a_bytes: int = 0           # MoE token exchanges' bytes to other ranks, since the start
     compute_s: float = 0.0       # forward and backward (MoE's token exchanges and ZeRO-3's
     #                              gathers inside), before the gradient's reduction and step
-    comm_s: float = 0.0          # of the step: seconds waited on collectives (Trainer._comm_wait_s)
+    comm_s: float = 0.0          # of the step: seconds waited on collectives (_comm_wait_s)
     data_s: float = 0.0          # reading this step's rows (a streamed corpus: from disk)
 
 
@@ -104,8 +104,8 @@ class Bucket:
 
 
 class PartitionedState:
-    """A bucket of a zero_stage 2 or 3 model (troupe.parallel.zero3) with its optimizer: what the
-    trainer steps, zeroes and saves, as it does a ZeRO-1 Bucket."""
+    """A bucket of a zero_stage 2 or 3 model (troupe.parallel.zero3) with its optimizer: what
+    the trainer steps, zeroes and saves, as it does a ZeRO-1 Bucket."""
 
     def __init__(self, part: PartitionedBucket, cfg: OptimizerConfig, comm: CommCounter):
         self.name, self.part = part.name, part
@@ -126,8 +126,8 @@ def partitioned_model(cfg: PretrainConfig, arch: GPTConfig, device: torch.device
                       edp: Communicator | None, expert_scale: float,
                       tp: Communicator | None = None) -> tuple[GPT, Zero3]:
     """The model of ``cfg`` (this rank's tensor-parallel shards of it) partitioned over
-    ``dp`` (experts over ``edp``), zero_stage 2 or 3. troupe's GPT is built on the meta device
-    and each block initialised as it is partitioned, so no rank ever holds it whole; a
+    ``dp`` (experts over ``edp``), zero_stage 2 or 3. troupe's GPT is built on the meta
+    device and each block initialised as it is partitioned, so no rank ever holds it whole; a
     pretrained checkpoint is loaded whole and then cut."""
     if cfg.model.pretrained is not None:
         model, init = cfg.prepare_model(from_pretrained(cfg.model.pretrained).train()), None
