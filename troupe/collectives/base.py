@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -114,3 +114,10 @@ def gather_output(x: torch.Tensor, out: torch.Tensor | None, world_size: int) ->
         raise ValueError(f"all_gather out: {tuple(out.shape)} {out.dtype}, needs a contiguous "
                          f"{shape} {x.dtype}")
     return out
+
+
+def seconds_in_operations(groups: Iterable["Communicator | None"]) -> float:
+    """The seconds ``groups`` (each counted once; None skipped) have spent in operations:
+    their ``wait_s``, 0 for a communicator that keeps none."""
+    unique = {id(g): g for g in groups if g is not None}
+    return sum(getattr(g, "wait_s", 0.0) for g in unique.values())

@@ -84,10 +84,12 @@ def timeout_error(comm: Any, op: str, cause: BaseException,
     silent = [states[r]["where"] for r in missing if states.get(r, {}).get("answered") is False]
     if silent:  # a probe that gets no answer: the peer's host, or the link to it, is down
         waited += f", and {', '.join(silent)} did not answer: a host or a link down?"
-    # behind, inside an operation this rank has finished: waiting for what was sent to it
-    stuck = [f"{states[r].get('where', f'rank {r}')} is still in {states[r]['in_op']} "
-             f"(operation #{states[r]['seq']})" for r in missing if peer is None
-             and states.get(r, {}).get("in_op") and 0 <= states[r].get("seq", -1) < comm.seq]
+    stuck = []  # behind, inside an operation this rank has finished: waiting for its data
+    for r in missing if peer is None else []:
+        s = states.get(r, {})
+        if s.get("in_op") and 0 <= s.get("seq", -1) < comm.seq:
+            stuck.append(f"{s.get('where', f'rank {r}')} is still in {s['in_op']} "
+                         f"(operation #{s['seq']})")
     if stuck:
         waited += (f"; {', '.join(stuck)}, which rank {comm.rank} has finished: the data sent "
                    "to it did not arrive, a stalled or cut link")

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from troupe.collectives import Communicator
+from troupe.collectives.base import seconds_in_operations
 from troupe.optim import CommCounter
 from troupe.parallel.partition import (BackwardDone, Partition, PartitionedBucket, Unit,
                                        UnitState, comm_thread, kept_bytes, lay_out,
@@ -137,13 +138,21 @@ class Zero3:
         self.whole_bytes += unit.nbytes()
         self.peak_whole_bytes = max(self.peak_whole_bytes, self.whole_bytes)
 
-    def _run_gather(self, parts: list[Partition]) -> None:
-        t0 = _in_operations(parts)
-        for part in parts:
-            part.gather(self.comm)
+    @contextlib.contextmanager
+    def _on_thread(self, parts: list[Partition]):
+        """What the communication thread runs for ``parts``: its device work finished, and
+        its groups' seconds in operations counted in ``background_s`` (while the thread runs
+        one, the caller runs none on the same groups)."""
+        t0 = seconds_in_operations(p.group for p in parts)
+        yield
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.background_s += _in_operations(parts) - t0
+        self.background_s += seconds_in_operations(p.group for p in parts) - t0
+
+    def _run_gather(self, parts: list[Partition]) -> None:
+        with self._on_thread(parts):
+            for part in parts:
+                part.gather(self.comm)
 
     def _wait(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
@@ -300,13 +309,9 @@ class Zero3:
                 self._free(unit)
 
     def _run_reduce(self, work) -> None:
-        parts = [part for part, _, _ in work]
-        t0 = _in_operations(parts)
-        for part, grad, scale in work:
-            part.reduce(grad, scale, self.reduce_dtype, self.comm)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.background_s += _in_operations(parts) - t0
+        with self._on_thread([part for part, _, _ in work]):
+            for part, grad, scale in work:
+                part.reduce(grad, scale, self.reduce_dtype, self.comm)
 
     # ---------------------------------------------------------------- public
 
@@ -407,10 +412,3 @@ class Zero3:
         self.synchronize()
         for h in self._handles:
             h.remove()
-
-
-def _in_operations(parts: list[Partition]) -> float:
-    """The seconds the groups of ``parts`` have spent in operations (their ``wait_s``; while
-    the communication thread runs one, the caller runs none on the same groups)."""
-    groups = {id(p.group): p.group for p in parts if p.group is not None}
-    return sum(getattr(g, "wait_s", 0.0) for g in groups.values())

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from troupe.collectives import Communicator
+from troupe.collectives.base import seconds_in_operations
 from troupe.data import load_tokenizer, micro_batches, open_dataset
 from troupe.devices import precision_dtype, rng_state, set_rng_state, worker_device
 from troupe.models import GPT, GPTConfig, expert_parameters, from_pretrained
@@ -251,9 +252,8 @@ class Trainer:
         (gloo's count; 0 for communicators that keep none). A partitioned model's operations
         run on a thread of their own, beside the compute: what counts of them is the time
         the trainer waited for that thread."""
-        found = [self.dp, self.tp] + [getattr(b, "group", None) for b in self.buckets]
-        groups = {id(g): g for g in found if g is not None}
-        waited = sum(getattr(g, "wait_s", 0.0) for g in groups.values())
+        waited = seconds_in_operations([self.dp, self.tp] + [getattr(b, "group", None)
+                                                             for b in self.buckets])
         if self.zero3 is not None:
             waited += self.zero3.blocked_s - self.zero3.background_s
         return waited
