@@ -29,11 +29,12 @@ optimizers: pretraining on ``WIDE`` (below: 512 wide, 4 blocks, 64-token windows
   share of it reached (how close the collectives come to the link's rate). 1-bit Adam's and
   0/1 Adam's lines carry their speed-up over Adam's and the difference in validation loss,
   seed by seed.
-moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32 and in
-  int8 (model.moe.dispatch): all-to-all bytes and rows per step (the rows follow the gate,
+moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in fp32, int8
+  and int9 (model.moe.dispatch): all-to-all bytes and rows per step (the rows follow the gate,
   which each run trains its own way) and validation loss. A control beside them: fp32 with
   the experts over 2 ranks (ep_size 2: the same model and data, the gradients summed in
   another order), how far rounding alone moves a run's loss once its gate routes its way.
+  Then a line per run over the seeds: the mean and spread of its loss against fp32's.
 sync: GRPO (the sorting task's model widened to 7.2M parameters) with one rollout replica on
   a host of its own; each weight sync's seconds and bytes (fp32, and bf16 replicas), against
   bytes over the link's rate.
@@ -59,6 +60,7 @@ from pathlib import Path
 
 from machine import machine  # benchmarks/machine.py, beside this script
 
+from troupe.collectives.autograd import row_bytes
 from troupe.runtime.hosts import Hosts, HostsError, check_tools
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,43 +252,63 @@ def optimizers(args) -> None:
 # ---- MoE ---------------------------------------------------------------------------------------
 def moe(args) -> None:
     hosts = Hosts.up(4, NAME, rate=args.rate, cpus=1, object_store_mb=128)
+    runs = {"fp32": ("model", 4), "int8": ("int8", 4), "int9": ("int9", 4),
+            "control": ("model", 2)}
+    against: dict[str, list[dict]] = {}  # the lines set against fp32, by run
     try:
         for seed in args.seeds:
             fp32 = None
-            runs = {"fp32": ("model", 4), "int8": ("int8", 4), "control": ("model", 2)}
             for name, (dispatch, ep) in runs.items():
                 if args.only and name != "fp32" and name not in args.only:
                     continue  # fp32 is the reference of the others
-                with tempfile.TemporaryDirectory() as tmp:
-                    out = Path(tmp) / dispatch
-                    run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
-                                    f"model.moe.ep_size={ep}", f"model.moe.dispatch={dispatch}",
-                                    "train.strategy=STRICT_SPREAD",
-                                    f"train.steps={args.steps or 200}",
-                                    "train.eval_every=0", "train.checkpoint_every=0",
-                                    "train.eval_batches=16", f"seed={seed}",
-                                    f"out_dir={out}"])
-                    recs = records(out)
-                steps = [r for r in recs if r["kind"] == "train"]
-                val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
-                row = 128 * 4 if dispatch == "model" else 128 + 4  # moe-tiny: d_model 128
-                line = {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed,
-                        "dispatch": dispatch, "ep_size": ep, "steps": len(steps),
-                        "bytes_per_row": row,
-                        "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
-                        "a2a_rows_per_step": steps[-1]["a2a_bytes"] // len(steps) // row,
-                        "samples_per_s": round(16 * len(steps)
-                                               / sum(r["seconds"] for r in steps), 3),
-                        "val_loss": round(val, 4)}
+                line = _moe_run(hosts, args, seed, dispatch, ep)
                 if fp32 is None:
                     fp32 = line
                 else:
                     line["a2a_bytes_vs_fp32"] = round(line["a2a_bytes_per_step"]
                                                       / fp32["a2a_bytes_per_step"], 4)
-                    line["val_loss_vs_fp32"] = round(val / fp32["val_loss"] - 1, 4)
+                    line["val_loss_vs_fp32"] = round(line["val_loss"] / fp32["val_loss"] - 1, 4)
+                    against.setdefault(name, []).append(line)
                 emit(line)
     finally:
         hosts.down()
+    for name, lines in against.items():
+        emit(_moe_summary(name, lines))
+
+
+def _moe_run(hosts: Hosts, args, seed: int, dispatch: str, ep: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / dispatch
+        run_app(hosts, ["apps/pretrain.py", "--config", "moe-tiny", "workers=4",
+                        f"model.moe.ep_size={ep}", f"model.moe.dispatch={dispatch}",
+                        "train.strategy=STRICT_SPREAD", f"train.steps={args.steps or 200}",
+                        "train.eval_every=0", "train.checkpoint_every=0",
+                        "train.eval_batches=16", f"seed={seed}", f"out_dir={out}"])
+        recs = records(out)
+    steps = [r for r in recs if r["kind"] == "train"]
+    val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
+    row = 128 * 4 if dispatch == "model" else row_bytes(128, int(dispatch[3:]))  # d_model 128
+    return {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed, "dispatch": dispatch,
+            "ep_size": ep, "steps": len(steps), "bytes_per_row": row,
+            "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
+            "a2a_rows_per_step": steps[-1]["a2a_bytes"] // len(steps) // row,
+            "samples_per_s": round(16 * len(steps) / sum(r["seconds"] for r in steps), 3),
+            "val_loss": round(val, 4)}
+
+
+def _moe_summary(name: str, lines: list[dict]) -> dict:
+    """A run's validation loss against fp32's over the seeds: each seed's difference is one
+    draw of how far the run's gate wandered from fp32's, so the mean and its spread say what
+    one seed's figure cannot."""
+    diffs = [line["val_loss_vs_fp32"] for line in lines]
+    return {"what": "moe-seeds", "run": name, "dispatch": lines[0]["dispatch"],
+            "ep_size": lines[0]["ep_size"], "steps": lines[0]["steps"],
+            "seeds": [line["seed"] for line in lines],
+            "val_loss_vs_fp32_mean": round(statistics.mean(diffs), 4),
+            "val_loss_vs_fp32_sd": round(statistics.stdev(diffs), 4) if len(diffs) > 1 else None,
+            "seeds_within_1pct": sum(abs(d) <= 0.01 for d in diffs),
+            "a2a_bytes_vs_fp32_mean": round(statistics.mean(line["a2a_bytes_vs_fp32"]
+                                                            for line in lines), 4)}
 
 
 # ---- weight sync -----------------------------------------------------------------------------
@@ -424,7 +446,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--loss", type=float, default=0.01)
     p.add_argument("--only", nargs="*", default=None,
-                   help="optimizers: these alone; moe: fp32 and these of int8, control")
+                   help="optimizers: these alone; moe: fp32 and these of int8, int9, control")
     args = p.parse_args()
     try:
         check_tools()

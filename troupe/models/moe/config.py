@@ -32,11 +32,13 @@ class MoEConfig(Config):
     shared_expert_d_ff: Qwen2-MoE's shared expert, an MLP of this width that every token goes
         through, scaled by sigmoid(Linear(M, 1)(x)) and added to the experts' output.
     dispatch: how the all_to_all carries tokens between expert-parallel ranks: "model" in the
-        model's dtype; "int8" each token's activations (and, going back, the experts' outputs;
-        in backward, the gradients) as int8 with a scale per token, 0.27x fp32's bytes at
-        d_model 64 and less for wider models (troupe.collectives.autograd). Off by default: it
-        rounds each value sent to another rank to the nearest of its row's 255 steps (up to
-        absmax / 254); a rank's rows to itself stay exact.
+        model's dtype; "int8" or "int9" each token's activations (and, going back, the
+        experts' outputs; in backward, the gradients) as 8- or 9-bit integers with a scale per
+        token (troupe.collectives.autograd): int8 0.26x fp32's bytes at d_model 128, int9 0.29x
+        with steps half as wide. Off by default: each value sent to another rank is rounded to
+        the nearest of its row's steps (absmax / 127 or / 255); a rank's rows to itself stay
+        exact. On moe-tiny over seven seeds int8 cost 6.3% of the validation loss on
+        average, int9 1.4% (benchmarks/RESULTS.md).
     """
 
     num_experts: int | list[int] = 4
@@ -57,7 +59,7 @@ class MoEConfig(Config):
     expert_d_ff: int | None = Field(default=None, ge=1)
     normalize_top_k: bool = True
     shared_expert_d_ff: int | None = Field(default=None, ge=1)
-    dispatch: Literal["model", "int8"] = "model"
+    dispatch: Literal["model", "int8", "int9"] = "model"
 
     @field_validator("num_experts")
     @classmethod

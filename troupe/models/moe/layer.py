@@ -25,7 +25,8 @@ class MoE(nn.Module):
     ``cfg.shared_expert_d_ff`` adds Qwen2-MoE's gated shared expert (a dense MLP, replicated).
 
     forward(x) returns (y, aux_loss) with y of x's shape. ``meter.bytes``: what its token
-    exchanges sent to the other ranks so far (``cfg.dispatch``: in the model's dtype or int8).
+    exchanges sent to the other ranks so far (``cfg.dispatch``: in the model's dtype, or as 8-
+    or 9-bit integers with a scale per token).
 
     ``tp`` (set by troupe.parallel.apply_tensor_parallel): the tensor-parallel group, whose
     ranks hold the same tokens. The gate routes all of them on every rank (the same
@@ -41,7 +42,7 @@ class MoE(nn.Module):
         super().__init__()
         self.num_experts, self.num_local = num_experts, num_experts
         self.group: Communicator | None = None  # set by apply_expert_parallel
-        self.int8_dispatch = cfg.dispatch == "int8"
+        self.dispatch_bits = {"model": None, "int8": 8, "int9": 9}[cfg.dispatch]
         self.meter = Meter()  # bytes the token exchanges sent to other ranks
         self.gate = TopKGate(d_model, num_experts, cfg)
         self.experts = Experts(num_experts, 0, d_model, d_ff, mlp, bias)
@@ -84,13 +85,13 @@ class MoE(nn.Module):
         recv_PL = self.group.all_to_all(send_PL.contiguous())  # row p: rows per local expert from p
         send_rows, recv_rows = send_PL.sum(1).tolist(), recv_PL.sum(1).tolist()
         x_recv = all_to_all(x_AM, self.group, recv_rows, send_rows,  # by source, then expert
-                            self.int8_dispatch, self.meter)
+                            self.dispatch_bits, self.meter)
         expert_of_row = torch.repeat_interleave(torch.arange(L, device=x_AM.device).repeat(P),
                                                 recv_PL.reshape(-1))
         by_expert = torch.argsort(expert_of_row, stable=True)
         y = self.experts(x_recv[by_expert], recv_PL.sum(0).tolist())
         y_recv = torch.empty_like(y).index_copy(0, by_expert, y)  # back to source order
-        return all_to_all(y_recv, self.group, send_rows, recv_rows, self.int8_dispatch,
+        return all_to_all(y_recv, self.group, send_rows, recv_rows, self.dispatch_bits,
                           self.meter)
 
 
