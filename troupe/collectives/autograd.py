@@ -46,7 +46,9 @@ def _steps(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-_BIT_WEIGHTS = 2 ** torch.arange(7, -1, -1, dtype=torch.uint8)  # most significant bit first
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """128, 64, ..., 1: a byte's bits, the most significant first."""
+    return 2 ** torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
 
 
 def pack_rows(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
@@ -62,9 +64,8 @@ def pack_rows(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
         u = (q + n).to(torch.int32)
         high = F.pad((u >> 8).to(torch.uint8), (0, -x.shape[1] % 8))
         high = high.view(x.shape[0], high.shape[1] // 8, 8)
-        weights = _BIT_WEIGHTS.to(x.device)
         values = torch.cat([(u & 255).to(torch.uint8),
-                            (high * weights).sum(-1, dtype=torch.uint8)], dim=1)
+                            (high * _bit_weights(x.device)).sum(-1, dtype=torch.uint8)], dim=1)
     return torch.cat([values, scale.view(torch.uint8)], dim=1)
 
 
@@ -76,8 +77,7 @@ def unpack_rows(packed: torch.Tensor, width: int, bits: int = 8,
     if bits == 8:
         q = packed[:, :width].contiguous().view(torch.int8).float()
     else:
-        weights = _BIT_WEIGHTS.to(packed.device)
-        high = (packed[:, width:-4, None] & weights).ne(0).flatten(1)
+        high = (packed[:, width:-4, None] & _bit_weights(packed.device)).ne(0).flatten(1)
         q = packed[:, :width].float() + 256 * high[:, :width].float() - n
     return (q * scale).to(dtype)
 
