@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from troupe.collectives.base import Communicator, even_splits
+from troupe.kernels.lowbit import pack_sign_rows, unpack_sign_rows
 
 
 @dataclass
@@ -46,11 +46,6 @@ def _steps(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    """128, 64, ..., 1: a byte's bits, the most significant first."""
-    return 2 ** torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
-
-
 def pack_rows(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """(R, M) floats as (R, row_bytes(M, bits)) bytes: each row's values as ``bits``-bit
     integers (the module's docstring), then its fp32 scale."""
@@ -61,11 +56,9 @@ def pack_rows(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
     if bits == 8:
         values = q.to(torch.int8).view(torch.uint8)
     else:
-        u = (q + n).to(torch.int32)
-        high = F.pad((u >> 8).to(torch.uint8), (0, -x.shape[1] % 8))
-        high = high.view(x.shape[0], high.shape[1] // 8, 8)
+        u = (q + n).to(torch.int32)  # 0..510: the 9th bit packed as a sign, set for 1
         values = torch.cat([(u & 255).to(torch.uint8),
-                            (high * _bit_weights(x.device)).sum(-1, dtype=torch.uint8)], dim=1)
+                            pack_sign_rows(((u >> 8) * 2 - 1).to(torch.int8))], dim=1)
     return torch.cat([values, scale.view(torch.uint8)], dim=1)
 
 
@@ -77,8 +70,8 @@ def unpack_rows(packed: torch.Tensor, width: int, bits: int = 8,
     if bits == 8:
         q = packed[:, :width].contiguous().view(torch.int8).float()
     else:
-        high = (packed[:, width:-4, None] & _bit_weights(packed.device)).ne(0).flatten(1)
-        q = packed[:, :width].float() + 256 * high[:, :width].float() - n
+        high = unpack_sign_rows(packed[:, width:-4], width) > 0
+        q = packed[:, :width].float() + 256 * high.float() - n
     return (q * scale).to(dtype)
 
 

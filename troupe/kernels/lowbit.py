@@ -65,14 +65,14 @@ def pack_sign_rows(q: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack_sign_rows takes values in {-1, 1}")
     O, n = q.shape
     rows = torch.nn.functional.pad(q.float(), (0, -n % BITS_PER_BYTE), value=1.0)
-    return bitpack.pack_signs(rows).to(q.device).reshape(O, -1)
+    return bitpack.pack_signs(rows).to(q.device).reshape(O, rows.shape[1] // BITS_PER_BYTE)
 
 
 def unpack_sign_rows(packed: torch.Tensor, n: int) -> torch.Tensor:
     """(O, m) uint8 -> (O, n) int8 in {-1, 1}, n <= 8 m."""
     O, m = packed.shape
     signs = bitpack.unpack_signs(packed.reshape(-1), O * m * BITS_PER_BYTE)
-    return signs.reshape(O, -1)[:, :n].to(torch.int8)
+    return signs.reshape(O, m * BITS_PER_BYTE)[:, :n].to(torch.int8)
 
 
 def unpack(packed: torch.Tensor, n: int, kind: str) -> torch.Tensor:
