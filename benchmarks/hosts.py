@@ -3,7 +3,7 @@ their links shaped with tbf, and what the links cost.
 
     python benchmarks/hosts.py --what collectives [--rate 1gbit]
     python benchmarks/hosts.py --what optimizers [--rates 1gbit 10gbit] [--seeds 0 1]
-    python benchmarks/hosts.py --what moe        [--rate 1gbit] [--seeds 0 1]
+    python benchmarks/hosts.py --what moe        [--rate 1gbit] [--seeds 0 1] [--set K=V ...]
     python benchmarks/hosts.py --what sync       [--rate 1gbit]
     python benchmarks/hosts.py --what straggler  [--rate 1gbit]
     python benchmarks/hosts.py --what loss       [--loss 0.01]
@@ -35,6 +35,8 @@ moe: moe-tiny with its 8 experts over 4 hosts (ep_size 4), the token exchange in
   the experts over 2 ranks (ep_size 2: the same model and data, the gradients summed in
   another order), how far rounding alone moves a run's loss once its gate routes its way.
   Then a line per run over the seeds: the mean and spread of its loss against fp32's.
+  ``--set`` changes moe-tiny in every run (``--set model.moe.top_k=2 model.moe.dropless=true``:
+  its gate as top-2 without capacity).
 sync: GRPO (the sorting task's model widened to 7.2M parameters) with one rollout replica on
   a host of its own; each weight sync's seconds and bytes (fp32, and bf16 replicas), against
   bytes over the link's rate.
@@ -283,13 +285,14 @@ def _moe_run(hosts: Hosts, args, seed: int, dispatch: str, ep: int) -> dict:
                         f"model.moe.ep_size={ep}", f"model.moe.dispatch={dispatch}",
                         "train.strategy=STRICT_SPREAD", f"train.steps={args.steps or 200}",
                         "train.eval_every=0", "train.checkpoint_every=0",
-                        "train.eval_batches=16", f"seed={seed}", f"out_dir={out}"])
+                        "train.eval_batches=16", f"seed={seed}", f"out_dir={out}",
+                        *args.set])
         recs = records(out)
     steps = [r for r in recs if r["kind"] == "train"]
     val = [r["val_loss"] for r in recs if r["kind"] == "eval"][-1]
     row = 128 * 4 if dispatch == "model" else row_bytes(128, int(dispatch[3:]))  # d_model 128
     return {"what": "moe", "rate": args.rate, "hosts": 4, "seed": seed, "dispatch": dispatch,
-            "ep_size": ep, "steps": len(steps), "bytes_per_row": row,
+            "ep_size": ep, "set": args.set, "steps": len(steps), "bytes_per_row": row,
             "a2a_bytes_per_step": steps[-1]["a2a_bytes"] // len(steps),
             "a2a_rows_per_step": steps[-1]["a2a_bytes"] // len(steps) // row,
             "samples_per_s": round(16 * len(steps) / sum(r["seconds"] for r in steps), 3),
@@ -302,7 +305,7 @@ def _moe_summary(name: str, lines: list[dict]) -> dict:
     one seed's figure cannot."""
     diffs = [line["val_loss_vs_fp32"] for line in lines]
     return {"what": "moe-seeds", "run": name, "dispatch": lines[0]["dispatch"],
-            "ep_size": lines[0]["ep_size"], "steps": lines[0]["steps"],
+            "ep_size": lines[0]["ep_size"], "set": lines[0]["set"], "steps": lines[0]["steps"],
             "seeds": [line["seed"] for line in lines],
             "val_loss_vs_fp32_mean": round(statistics.mean(diffs), 4),
             "val_loss_vs_fp32_sd": round(statistics.stdev(diffs), 4) if len(diffs) > 1 else None,
@@ -447,6 +450,8 @@ def main() -> None:
     p.add_argument("--loss", type=float, default=0.01)
     p.add_argument("--only", nargs="*", default=None,
                    help="optimizers: these alone; moe: fp32 and these of int8, int9, control")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="moe: recipe overrides on top of moe-tiny's, in every run")
     args = p.parse_args()
     try:
         check_tools()

@@ -13,7 +13,8 @@ step. 8 bits: one int8 a value, M + 4 bytes for a row of M fp32 values instead o
 M = 64, 0.25x as M grows). 9 bits: the value plus 255 (0..510), its low 8 bits a byte and the
 9th bits packed eight to a byte after them, M + M/8 + 4 bytes (0.30x at M = 64, 0.29x at 128,
 0.28x as M grows), each step half as wide as int8's. On moe-tiny over seven seeds int8
-cost 6.3% of the validation loss on average, 9 bits 1.4%, bf16 rounding -1.0%
+cost 6.3% of the validation loss on average, 9 bits 1.4%, bf16 rounding -1.0%; with a
+top-2 dropless gate int8's median was +0.4% but single seeds still moved by up to 13%
 (benchmarks/RESULTS.md). Rounding the gradients stochastically instead, unbiased but
 noisier, did worse. The rows a rank sends to itself never leave it and stay exact. A
 ``Meter`` counts the bytes a rank sent to the others."""

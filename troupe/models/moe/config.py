@@ -38,7 +38,9 @@ class MoEConfig(Config):
         with steps half as wide. Off by default: each value sent to another rank is rounded to
         the nearest of its row's steps (absmax / 127 or / 255); a rank's rows to itself stay
         exact. On moe-tiny over seven seeds int8 cost 6.3% of the validation loss on
-        average, int9 1.4% (benchmarks/RESULTS.md).
+        average, int9 1.4%; with a top-2 dropless gate int8 was within 1% on two seeds of
+        seven and moved the others by up to 13% either way, as the timing of the tiny
+        model's learning moved (benchmarks/RESULTS.md).
     """
 
     num_experts: int | list[int] = 4
