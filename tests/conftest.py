@@ -95,8 +95,9 @@ def readme_beside(cluster, request, tmp_path_factory):
     the background, one at a time, from the first test on the shared cluster (whose dashboard
     then holds the port ``ray job submit`` lines name) until the suite waits for them."""
     from tests import readme
-    return readme.Runner(readme.selected(request.session, own_cluster=False), readme.sections(),
-                         tmp_path_factory.mktemp("readme-beside"), lanes=1)
+    names, sections = readme.selected(request.session, own_cluster=False), readme.sections()
+    readme.build_smollm2(names, sections)
+    return readme.Runner(names, sections, tmp_path_factory.mktemp("readme-beside"), lanes=1)
 
 
 @pytest.fixture(scope="session")

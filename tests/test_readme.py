@@ -61,8 +61,9 @@ def _param(name: str):
 @pytest.fixture(scope="session")
 def readme_alone(request, tmp_path_factory):
     """The sections that hold the machine, one after another, before the shared cluster."""
-    return readme.Runner(readme.selected(request.session, own_cluster=True), SECTIONS,
-                         tmp_path_factory.mktemp("readme-alone"), lanes=1)
+    names = readme.selected(request.session, own_cluster=True)
+    readme.build_smollm2(names, SECTIONS)
+    return readme.Runner(names, SECTIONS, tmp_path_factory.mktemp("readme-alone"), lanes=1)
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ quantization entry), saved with the tokenizer: config.json, model.safetensors, t
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,10 +33,26 @@ def package_dir() -> Path:
 
 def build(out: str | Path = DEFAULT_DIR) -> Path:
     """The HF directory of SmolLM2-135M-Instruct at ``out``, built once (a directory with a
-    config.json and model.safetensors is taken as built)."""
-    out = Path(out)
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    config.json and model.safetensors is taken as built). Safe to call from processes at once:
+    one builds under a lock file beside ``out``, the others wait for it and take its work."""
+    out = Path(out).expanduser()
+    if _built(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(out):
+            _convert(out)
+    return out
+
+
+def _built(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def _convert(out: Path) -> None:
+    """The GGUF file into ``out`` through a ``.partial`` directory (one a crash left is
+    started again), renamed into place when complete."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     src = package_dir()
@@ -46,10 +64,12 @@ def build(out: str | Path = DEFAULT_DIR) -> Path:
     fresh = LlamaForCausalLM(config)
     fresh.load_state_dict(loaded.state_dict())
     tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty directory made beforehand
     tmp.rename(out)
-    return out
 
 
 if __name__ == "__main__":
